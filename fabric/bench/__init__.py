@@ -1,0 +1,1 @@
+"""Benchmark implementations shared by ``benchmarks/*.py`` and ``fabric bench``."""

@@ -1,0 +1,319 @@
+"""Copy blocks of a paged KV cache into a chunk buffer and back.
+
+``pack`` gathers the blocks ``block_ids`` of every layer into a contiguous
+chunk in the byte format drawn in :mod:`fabric.kv.layout`; ``unpack`` scatters
+a chunk back into the cache. Block ids may be unordered and non-contiguous;
+position ``j`` of ``block_ids`` is block ``j`` of the chunk.
+
+CPU tensors (the point of this module: torch's CPU ``index_select`` manages
+~1.6 GB/s where memcpy does ~13):
+
+    block_ids --numpy--> runs of consecutive ids --numpy--> (dst, src, nbytes)
+        --> fabric.kv._copy.copy_batch: copy each with the GIL released, on
+            DEFAULT_NUM_THREADS threads, streaming stores for large batches
+
+If the C extension was not built, a Python loop of torch slice ``copy_`` calls
+does the same copies (correct, slower) and a warning is logged once;
+:func:`backend` says which one runs. Tensors on an accelerator go to
+:class:`DeviceKernels` chosen per device type; for now a torch indexing
+implementation that runs on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import numpy as np
+
+from fabric.errors import ConfigError, LayoutError
+from fabric.kv.layout import KVLayout, LayoutKind, named_layers, segment_table
+
+if TYPE_CHECKING:
+    import torch
+
+    from fabric.kv.layout import KVCaches
+
+    BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _load_copy() -> ModuleType | None:
+    """The C extension, or None when it was not built."""
+    try:
+        return importlib.import_module("fabric.kv._copy")
+    except ImportError:
+        return None
+
+
+_copy = _load_copy()
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["c", "torch"]
+
+# NOTE: chosen by measurement on the 2-core dev VM (the benchmarks/pack.py
+# workload, 512 MiB per op, 31 alternating reps): 2 threads vs 1 gave pack
+# 17.3 vs 15.3 GB/s (CPU layout) and 12.6 vs 9.1 (flash), unpack 17.7 vs 15.1
+# and 15.0 vs 11.6; torch's 2-thread copy_ did 14-15. The C side starts at
+# most one thread per MiB of the batch, so small chunks stay on one thread.
+DEFAULT_NUM_THREADS = min(2, os.cpu_count() or 1)
+
+
+def backend() -> Backend:
+    """The CPU copy backend in use: ``"c"`` (fabric.kv._copy) or ``"torch"``."""
+    return "c" if _copy is not None else "torch"
+
+
+def pack(
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    block_ids: BlockIds,
+    dst: torch.Tensor,
+    *,
+    backend: Backend | None = None,
+    num_threads: int | None = None,
+) -> int:
+    """Gather blocks ``block_ids`` of every layer into the chunk buffer ``dst``.
+
+    ``dst`` is a contiguous 1-D uint8 tensor of at least
+    ``layout.chunk_nbytes(len(block_ids))`` bytes. Returns the bytes written.
+    ``backend`` and ``num_threads`` override the CPU copy backend and thread
+    count (defaults: :func:`backend`, ``DEFAULT_NUM_THREADS``).
+    """
+    ids = _block_ids(block_ids, layout)
+    device = named_layers(kv_caches)[0][1].device
+    nbytes = _check_buffer(dst, layout, len(ids), "dst", device)
+    if device.type != "cpu":
+        views = segment_views(kv_caches, layout)
+        device_kernels(device.type).pack(views, ids, dst[:nbytes])
+    elif _resolve(backend) == "c":
+        _copy_c(kv_caches, layout, ids, dst, into_chunk=True, num_threads=num_threads)
+    else:
+        _pack_torch(segment_views(kv_caches, layout), _runs(ids, coalesce=True), dst, layout)
+    return nbytes
+
+
+def unpack(
+    src: torch.Tensor,
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    block_ids: BlockIds,
+    *,
+    backend: Backend | None = None,
+    num_threads: int | None = None,
+) -> int:
+    """Scatter the chunk in ``src`` into blocks ``block_ids`` of every layer.
+
+    The inverse of :func:`pack`; ``block_ids`` must not repeat. Returns the
+    bytes read from ``src``.
+    """
+    ids = _block_ids(block_ids, layout)
+    if len(np.unique(ids)) != len(ids):
+        raise LayoutError("unpack block_ids repeat a block; each block can be written once")
+    device = named_layers(kv_caches)[0][1].device
+    nbytes = _check_buffer(src, layout, len(ids), "src", device)
+    if device.type != "cpu":
+        views = segment_views(kv_caches, layout)
+        device_kernels(device.type).unpack(src[:nbytes], views, ids)
+    elif _resolve(backend) == "c":
+        _copy_c(kv_caches, layout, ids, src, into_chunk=False, num_threads=num_threads)
+    else:
+        _unpack_torch(src, segment_views(kv_caches, layout), _runs(ids, coalesce=True), layout)
+    return nbytes
+
+
+@dataclass(frozen=True)
+class BlockRuns:
+    """Runs of consecutive block ids: run ``r`` is cache blocks
+    ``start[r] .. start[r] + length[r] - 1`` at chunk positions
+    ``chunk_pos[r] ..``."""
+
+    start: np.ndarray  # int64
+    chunk_pos: np.ndarray  # int64
+    length: np.ndarray  # int64
+    num_blocks: int  # blocks in the chunk
+
+
+def _runs(ids: np.ndarray, coalesce: bool) -> BlockRuns:
+    """Split ``ids`` into runs of consecutive ids (or single blocks)."""
+    if coalesce and len(ids):
+        chunk_pos = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+    else:
+        chunk_pos = np.arange(len(ids), dtype=np.int64)
+    length = np.diff(chunk_pos, append=len(ids))
+    return BlockRuns(ids[chunk_pos], chunk_pos.astype(np.int64), length, len(ids))
+
+
+def copy_plan(
+    kv_caches: KVCaches, layout: KVLayout, ids: np.ndarray, chunk_addr: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chunk addresses, cache addresses, byte counts), one per segment and run.
+
+    Consecutive block ids are one copy when blocks are back to back in memory.
+    """
+    table = segment_table(kv_caches, layout)
+    runs = _runs(ids, coalesce=table.blocks_adjacent)
+    seg, rows = table.segment_bytes, np.arange(len(table.bases), dtype=np.int64)[:, None]
+    chunk = chunk_addr + (rows * runs.num_blocks + runs.chunk_pos) * seg
+    cache = table.bases[:, None] + runs.start * table.block_strides[:, None]
+    lengths = np.broadcast_to(runs.length * seg, chunk.shape)
+    return chunk.ravel(), cache.ravel(), np.ascontiguousarray(lengths).ravel()
+
+
+def _copy_c(
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    ids: np.ndarray,
+    buffer: torch.Tensor,
+    *,
+    into_chunk: bool,
+    num_threads: int | None,
+) -> None:
+    assert _copy is not None
+    chunk, cache, lengths = copy_plan(kv_caches, layout, ids, buffer.data_ptr())
+    dst, src = (chunk, cache) if into_chunk else (cache, chunk)
+    threads = DEFAULT_NUM_THREADS if num_threads is None else num_threads
+    if threads < 1:
+        raise ConfigError(f"num_threads must be >= 1, got {threads}")
+    _copy.copy_batch(dst, src, lengths, threads)
+
+
+def segment_views(kv_caches: KVCaches, layout: KVLayout) -> list[torch.Tensor]:
+    """One uint8 ``[num_blocks, segment_bytes]`` view per (layer, segment) row."""
+    import torch
+
+    segment_table(kv_caches, layout)  # validates every tensor against layout
+    views = []
+    for _, tensor in named_layers(kv_caches):
+        parts = [tensor[0], tensor[1]] if layout.kind is LayoutKind.FLASH else [tensor]
+        views += [p.view(layout.num_blocks, -1).view(torch.uint8) for p in parts]
+    return views
+
+
+def _pack_torch(
+    views: list[torch.Tensor], runs: BlockRuns, dst: torch.Tensor, layout: KVLayout
+) -> None:
+    _warn_fallback()
+    chunk = _chunk_view(dst, layout, runs.num_blocks)
+    for row, view in zip(chunk, views, strict=True):
+        for start, pos, length in _run_tuples(runs):
+            row[pos : pos + length].copy_(view[start : start + length])
+
+
+def _unpack_torch(
+    src: torch.Tensor, views: list[torch.Tensor], runs: BlockRuns, layout: KVLayout
+) -> None:
+    _warn_fallback()
+    chunk = _chunk_view(src, layout, runs.num_blocks)
+    for row, view in zip(chunk, views, strict=True):
+        for start, pos, length in _run_tuples(runs):
+            view[start : start + length].copy_(row[pos : pos + length])
+
+
+def _run_tuples(runs: BlockRuns) -> list[tuple[int, int, int]]:
+    return list(
+        zip(runs.start.tolist(), runs.chunk_pos.tolist(), runs.length.tolist(), strict=True)
+    )
+
+
+def _chunk_view(buffer: torch.Tensor, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """``buffer`` as ``[layers * segments, num_blocks, segment_bytes]``."""
+    rows = layout.num_layers * layout.segments
+    nbytes = layout.chunk_nbytes(num_blocks)
+    return buffer[:nbytes].view(rows, num_blocks, layout.segment_bytes)
+
+
+class DeviceKernels(Protocol):
+    """Pack/unpack for caches on an accelerator (the csrc/ kernels plug in here)."""
+
+    def pack(self, views: list[torch.Tensor], ids: np.ndarray, dst: torch.Tensor) -> None:
+        """Gather blocks ``ids`` of each segment view into chunk bytes ``dst``."""
+
+    def unpack(self, src: torch.Tensor, views: list[torch.Tensor], ids: np.ndarray) -> None:
+        """Scatter chunk bytes ``src`` into blocks ``ids`` of each segment view."""
+
+
+class TorchIndexKernels:
+    """Device-side pack/unpack with torch indexing: correct, one launch per row."""
+
+    def pack(self, views: list[torch.Tensor], ids: np.ndarray, dst: torch.Tensor) -> None:
+        """Gather on the cache's device, then copy to ``dst`` if it lives elsewhere."""
+        import torch
+
+        device = views[0].device
+        index = torch.as_tensor(ids, device=device)
+        staged = torch.stack([v.index_select(0, index) for v in views])
+        dst.copy_(staged.view(-1))
+
+    def unpack(self, src: torch.Tensor, views: list[torch.Tensor], ids: np.ndarray) -> None:
+        """Move ``src`` to the cache's device, then scatter each row."""
+        import torch
+
+        device = views[0].device
+        index = torch.as_tensor(ids, device=device)
+        rows = src.to(device).view(len(views), len(ids), -1)
+        for view, row in zip(views, rows, strict=True):
+            view.index_copy_(0, index, row)
+
+
+def device_kernels(device_type: str) -> DeviceKernels:
+    """The pack/unpack implementation for caches on ``device_type``."""
+    # NOTE: the fused CUDA kernels (csrc/, one launch for all layers) slot in
+    # here once built; until then every accelerator uses torch indexing.
+    return TorchIndexKernels()
+
+
+def _block_ids(block_ids: BlockIds, layout: KVLayout) -> np.ndarray:
+    """``block_ids`` as a 1-D int64 array, every id checked against the pool."""
+    if hasattr(block_ids, "detach"):  # a torch tensor, without importing torch
+        block_ids = block_ids.detach().cpu().numpy()
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise LayoutError(f"block_ids must be a 1-D sequence of ints, got {ids.dtype} {ids.shape}")
+    ids = ids.astype(np.int64, copy=False)
+    bad = np.flatnonzero((ids < 0) | (ids >= layout.num_blocks))
+    if bad.size:
+        raise LayoutError(
+            f"block id {ids[bad[0]]} (position {bad[0]}) out of range [0, {layout.num_blocks})"
+        )
+    return ids
+
+
+def _check_buffer(
+    buffer: torch.Tensor, layout: KVLayout, num_blocks: int, name: str, device: torch.device
+) -> int:
+    """Check ``buffer`` can hold a chunk of ``num_blocks`` blocks; return its bytes."""
+    nbytes = layout.chunk_nbytes(num_blocks)
+    if device.type == "cpu" and buffer.device.type != "cpu":
+        raise LayoutError(f"{name} is on {buffer.device} but the KV cache is on the CPU")
+    import torch
+
+    if buffer.dim() != 1 or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
+        raise LayoutError(f"{name} must be a contiguous 1-D uint8 tensor")
+    if buffer.numel() < nbytes:
+        raise LayoutError(
+            f"{name} holds {buffer.numel()} bytes, a chunk of {num_blocks} blocks needs {nbytes}"
+        )
+    return nbytes
+
+
+def _resolve(requested: Backend | None) -> Backend:
+    if requested is None:
+        return backend()
+    if requested == "c" and _copy is None:
+        raise ConfigError("backend 'c' requested but fabric.kv._copy is not built")
+    if requested not in ("c", "torch"):
+        raise ConfigError(f"backend must be 'c' or 'torch', got {requested!r}")
+    return requested
+
+
+@functools.cache
+def _warn_fallback() -> None:
+    if _copy is None:
+        log.warning("fabric.kv._copy is not built; packing KV with slower torch copies")

@@ -1,0 +1,25 @@
+"""Chunk store: a registered memory pool of fixed-size slots and its index.
+
+- :mod:`fabric.store.pool`: :class:`ChunkPool`, the one region registered with
+  the transport;
+- :mod:`fabric.store.index`: :class:`ChunkStore`, chunk key -> slot, with
+  reservations (leases) for remote writers, ref counts, pins and LRU eviction;
+- :mod:`fabric.store.checksum`: :func:`checksum`, xxh3-64 over a slot's bytes.
+"""
+
+from __future__ import annotations
+
+from fabric.store.checksum import checksum
+from fabric.store.index import ChunkStore
+from fabric.store.pool import ChunkPool
+from fabric.store.records import Reservation, SlotState, StoreConfig, StoreStats
+
+__all__ = [
+    "ChunkPool",
+    "ChunkStore",
+    "Reservation",
+    "SlotState",
+    "StoreConfig",
+    "StoreStats",
+    "checksum",
+]

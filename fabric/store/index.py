@@ -1,0 +1,408 @@
+"""The chunk store: chunk key -> slot of a :class:`~fabric.store.pool.ChunkPool`.
+
+Three kinds of callers share one store:
+
+- a local writer (the prefiller packing into its own store):
+  ``allocate`` -> write the slot -> ``commit`` (or ``abort``);
+- a remote writer (a prefiller pushing into this decoder's store):
+  ``reserve`` -> bytes land via NIXL/TCP -> ``fill`` per chunk -> the reader
+  ``release``\\ s (or ``cancel``; ``expire`` reclaims what nobody released);
+- readers (the decoder unpacking, the prefiller pushing from its slots):
+  ``lookup``/``acquire`` -> read -> ``release_slots``.
+
+Slot states::
+
+                allocate() / reserve():           commit() / fill():
+                a FREE slot, or the LRU           bytes verified
+     +------+   head evicted for it   +----------+ -------------> +--------+  pin()   +--------+
+     | FREE | ----------------------> | RESERVED |                | FILLED | -------> | PINNED |
+     +------+                         +----------+                +--------+ <------- +--------+
+      ^ ^ ^   abort(); commit()/fill()  |      |                      |       unpin()
+      | | +-- that lost a dedup race ---+      |                      |
+      | +------------ evicted: LRU head, refs == 0 -------------------+
+      |                                        |
+      |                                        | release() / cancel() / expire() before
+      |  expire(): quarantine_ms passed        | its fill; fill() checksum mismatch
+      |        +-------------+                 |
+      +--------| QUARANTINED | <---------------+
+               +-------------+
+
+- Every return to FREE bumps the slot's generation, so a fill or write
+  carrying an older generation is recognised as late and ignored.
+- A key is present (``lookup``, ``contains``, ``acquire``, dedup in
+  ``reserve``) only in FILLED or PINNED: a RESERVED key's bytes may still be
+  in flight, and a second request must never read them (peers pain point 5).
+- Unfilled reserved slots are quarantined, not freed: the sender may still be
+  writing into them when a lease runs out.
+- ``reserve`` never waits: a full pool raises CapacityError at once, so a
+  decoder can never deadlock a prefiller that waits on it (pain point 1), and
+  leases guarantee aborted requests give their slots back (pain point 2).
+
+Thread safety: one lock guards all bookkeeping. It is never held while a
+slot is hashed; ``commit``/``fill`` hash outside it and re-check the slot's
+generation afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fabric.errors import ChecksumMismatch, ConfigError, ReservationExpired, SlotStateError
+from fabric.store.checksum import checksum as compute_checksum
+from fabric.store.leases import (
+    Lease,
+    LeaseTable,
+    close_lease,
+    fail_entry,
+    fill_target,
+    open_lease,
+    settle_entry,
+)
+from fabric.store.pool import ChunkPool
+from fabric.store.records import Reservation, SlotState, StoreConfig, StoreStats
+from fabric.store.slots import Slot, SlotTable
+
+__all__ = ["ChunkStore", "Reservation", "SlotState", "StoreConfig", "StoreStats"]
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    checksum_failures: int = 0
+    expired_reservations: int = 0
+    cancelled_reservations: int = 0
+
+
+class ChunkStore:
+    """Index of verified chunks in a fixed pool, with leases for remote writers."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        pool: ChunkPool | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if pool is None:
+            pool = ChunkPool(config.num_slots, config.slot_bytes)
+        elif (pool.num_slots, pool.slot_bytes) != (config.num_slots, config.slot_bytes):
+            raise ConfigError(
+                f"pool: has {pool.num_slots} slots of {pool.slot_bytes} bytes, config "
+                f"wants {config.num_slots} of {config.slot_bytes}"
+            )
+        self.config = config
+        self.pool = pool
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._slots = SlotTable(config.num_slots)
+        self._leases = LeaseTable()
+        self._counters = _Counters()
+
+    # --- queries
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` present (FILLED/PINNED); marks them used."""
+        with self._lock:
+            slots = self._slots.leading_present(keys)
+            # Last first: the prefix's head ends up youngest in the LRU.
+            for slot in reversed(slots):
+                self._slots.touch(slot)
+            self._counters.hits += len(slots)
+            self._counters.misses += len(keys) - len(slots)
+            return len(slots)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is present (FILLED/PINNED). No LRU touch, no stats."""
+        with self._lock:
+            return self._slots.present(key) is not None
+
+    def stats(self) -> StoreStats:
+        """Slot counts by state and lifetime counters."""
+        with self._lock:
+            counts, c = self._slots.counts, self._counters
+            return StoreStats(
+                free=counts[SlotState.FREE],
+                reserved=counts[SlotState.RESERVED],
+                filled=counts[SlotState.FILLED],
+                pinned=counts[SlotState.PINNED],
+                quarantined=counts[SlotState.QUARANTINED],
+                hits=c.hits,
+                misses=c.misses,
+                evictions=self._slots.evictions,
+                checksum_failures=c.checksum_failures,
+                expired_reservations=c.expired_reservations,
+                cancelled_reservations=c.cancelled_reservations,
+            )
+
+    def reserved_count(self) -> int:
+        """Slots currently RESERVED, by local allocations and reservations."""
+        with self._lock:
+            return self._slots.counts[SlotState.RESERVED]
+
+    # --- local writer
+
+    def allocate(self, key: bytes) -> int:
+        """A RESERVED slot for a local write of ``key``; evicts the LRU head if needed.
+
+        Raises CapacityError when every slot is reserved, quarantined, pinned
+        or referenced. The caller writes the slot, then ``commit``\\ s or
+        ``abort``\\ s it.
+        """
+        with self._lock:
+            self._collect_expired(self._clock())
+            return self._slots.take(key, owner=None)
+
+    def commit(self, slot: int, key: bytes, nbytes: int, checksum: int | None = None) -> int:
+        """Index the locally written ``slot`` as ``key``; returns the chunk checksum.
+
+        The checksum over the slot's first ``nbytes`` is computed when not
+        given. If ``key`` is already present, ``slot`` is freed and the
+        existing chunk's checksum is returned (dedup).
+        """
+        self._check_nbytes("nbytes", nbytes)
+        with self._lock:
+            generation = self._local_slot(slot).generation
+        if checksum is None:
+            checksum = compute_checksum(self.pool.memoryview(slot, nbytes))
+        with self._lock:
+            if self._local_slot(slot).generation != generation:
+                raise SlotStateError(f"slot {slot} was aborted while being committed")
+            winner = self._slots.present(key)
+            if winner is not None:
+                self._slots.free(slot)
+                winner_checksum = self._slots.slots[winner].checksum
+                assert winner_checksum is not None
+                return winner_checksum
+            self._slots.fill(slot, key, nbytes, checksum, refs=0)
+            return checksum
+
+    def abort(self, slot: int) -> None:
+        """Give up a local allocation: RESERVED -> FREE.
+
+        The caller must have finished writing (e.g. synchronised the copy
+        stream): the slot may be handed out again at once.
+        """
+        with self._lock:
+            self._local_slot(slot)
+            self._slots.free(slot)
+
+    # --- receiver side
+
+    def reserve(
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        nbytes: Sequence[int],
+        lease_ms: int | None = None,
+    ) -> Reservation:
+        """Reserve slots for a remote writer, all or nothing.
+
+        Present keys are not rewritten: a ref is held and ``already_present``
+        is True. Every other key, including one another request has reserved
+        but not filled yet, gets its own RESERVED slot. Raises CapacityError
+        (nothing reserved) when FREE plus evictable slots do not suffice,
+        SlotStateError for a request_id already in use, and ConfigError for a
+        size above ``slot_bytes`` or a bad lease.
+        """
+        keys, sizes = tuple(keys), tuple(nbytes)
+        if len(sizes) != len(keys):
+            raise ConfigError(f"nbytes: {len(sizes)} sizes for {len(keys)} keys")
+        for i, size in enumerate(sizes):
+            self._check_nbytes(f"nbytes[{i}]", size)
+        lease_s = self._lease_seconds(lease_ms)
+        with self._lock:
+            now = self._clock()
+            self._collect_expired(now)
+            if request_id in self._leases:
+                raise SlotStateError(f"request {request_id!r} already holds a reservation")
+            lease = open_lease(self._slots, request_id, keys, sizes, now + lease_s)
+            self._leases.add(lease)
+            return lease.snapshot()
+
+    def fill(self, request_id: str, index: int, checksum: int, generation: int) -> None:
+        """The bytes of key ``index`` of ``request_id`` have landed: verify and index them.
+
+        On a match the key becomes present (the reservation keeps its ref
+        until release). On a mismatch the slot is quarantined, the failure
+        counted, and ChecksumMismatch raised. An unknown or expired request, or
+        a stale ``generation``, raises ReservationExpired and changes nothing.
+        Filling an already-present key, or one that failed, raises
+        SlotStateError; repeating a successful fill is a no-op.
+        """
+        with self._lock:
+            self._collect_expired(self._clock())
+            lease = self._live_lease(request_id)
+            target = fill_target(self._slots, lease, index, checksum, generation)
+            if target is None:
+                return
+        slot, nbytes = target
+        actual = compute_checksum(self.pool.memoryview(slot, nbytes))
+        with self._lock:
+            if self._leases.get(request_id) is not lease:
+                raise ReservationExpired(f"request {request_id!r} ended while being filled")
+            if fill_target(self._slots, lease, index, checksum, generation) is None:
+                return
+            if actual != checksum:
+                self._counters.checksum_failures += 1
+                fail_entry(self._slots, lease, index, self._quarantine_due())
+                raise ChecksumMismatch(
+                    f"request {request_id!r} chunk #{index} (slot {slot}): "
+                    f"sent {checksum:#018x}, landed {actual:#018x}"
+                )
+            settle_entry(self._slots, lease, index, actual)
+
+    def release(self, request_id: str) -> None:
+        """The reader is done: drop the refs, quarantine unfilled slots. Idempotent."""
+        with self._lock:
+            self._close(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Like ``release``, counted as a cancel; returns whether the request existed."""
+        with self._lock:
+            existed = self._close(request_id)
+            if existed:
+                self._counters.cancelled_reservations += 1
+            return existed
+
+    def expire(self) -> int:
+        """Close leases past their deadline; free quarantined slots that are due.
+
+        Returns the number of reservations expired. The transfer server calls
+        this periodically; ``reserve``, ``allocate``, ``fill`` and
+        ``heartbeat`` also call it.
+        """
+        with self._lock:
+            return self._collect_expired(self._clock())
+
+    def heartbeat(self, request_id: str, lease_ms: int | None = None) -> bool:
+        """Push the lease's deadline to now + ``lease_ms`` (never earlier).
+
+        Returns False when the request is unknown or already expired.
+        """
+        lease_s = self._lease_seconds(lease_ms)
+        with self._lock:
+            now = self._clock()
+            self._collect_expired(now)
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            lease.expires_at = max(lease.expires_at, now + lease_s)
+            return True
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        """A snapshot of the reservation of ``request_id``, or None."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return None if lease is None else lease.snapshot()
+
+    # --- readers
+
+    def acquire(self, keys: Sequence[bytes]) -> list[int]:
+        """Slots of the leading present ``keys``, each with one more ref (unevictable)."""
+        with self._lock:
+            slots = self._slots.leading_present(keys)
+            for slot in slots:
+                self._slots.add_ref(slot)
+            return slots
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Drop one ref per listed slot (as returned by ``acquire``). All or nothing."""
+        with self._lock:
+            for slot, count in Counter(slots).items():
+                meta = self._slots.get(slot)
+                if meta.state not in (SlotState.FILLED, SlotState.PINNED) or meta.refs < count:
+                    raise SlotStateError(
+                        f"slot {slot} ({meta.state.value}, {meta.refs} refs) "
+                        f"cannot drop {count} ref(s)"
+                    )
+            for slot in reversed(slots):
+                self._slots.drop_ref(slot)
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Pin the present ``keys`` (never evicted); returns how many were present."""
+        return self._for_present(keys, self._slots.pin)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Unpin the present ``keys``; returns how many were present."""
+        return self._for_present(keys, self._slots.unpin)
+
+    def slot_state(self, slot: int) -> SlotState:
+        """The state of ``slot``."""
+        with self._lock:
+            return self._slots.get(slot).state
+
+    def slot_nbytes(self, slot: int) -> int:
+        """Bytes of the chunk in ``slot`` (its reserved size while RESERVED; 0 if FREE)."""
+        with self._lock:
+            return self._slots.get(slot).nbytes
+
+    def slot_checksum(self, slot: int) -> int | None:
+        """Checksum of the chunk in a FILLED/PINNED ``slot``; None otherwise."""
+        with self._lock:
+            return self._slots.get(slot).checksum
+
+    def slot_generation(self, slot: int) -> int:
+        """How many times ``slot`` has returned to FREE."""
+        with self._lock:
+            return self._slots.get(slot).generation
+
+    # --- internals (callers hold the lock unless noted)
+
+    def _collect_expired(self, now: float) -> int:
+        expired = self._leases.take_expired(now)
+        for lease in expired:
+            close_lease(self._slots, lease, self._quarantine_due(now))
+        self._counters.expired_reservations += len(expired)
+        self._slots.release_quarantine(now)
+        return len(expired)
+
+    def _close(self, request_id: str) -> bool:
+        lease = self._leases.pop(request_id)
+        if lease is None:
+            return False
+        close_lease(self._slots, lease, self._quarantine_due())
+        return True
+
+    def _quarantine_due(self, now: float | None = None) -> float:
+        start = self._clock() if now is None else now
+        return start + self.config.quarantine_ms / 1000
+
+    def _live_lease(self, request_id: str) -> Lease:
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise ReservationExpired(f"request {request_id!r} has no live reservation")
+        return lease
+
+    def _local_slot(self, slot: int) -> Slot:
+        meta = self._slots.get(slot)
+        if meta.state is not SlotState.RESERVED or meta.owner is not None:
+            raise SlotStateError(
+                f"slot {slot} is not a local allocation ({meta.state.value}, owner={meta.owner!r})"
+            )
+        return meta
+
+    def _for_present(self, keys: Sequence[bytes], action: Callable[[int], None]) -> int:
+        """Apply ``action`` to the slot of every present key (lock taken here)."""
+        with self._lock:
+            slots = [self._slots.present(key) for key in keys]
+            found = [slot for slot in slots if slot is not None]
+            for slot in found:
+                action(slot)
+            return len(found)
+
+    def _check_nbytes(self, field: str, nbytes: int) -> None:
+        if not 0 < nbytes <= self.config.slot_bytes:
+            raise ConfigError(
+                f"{field}: {nbytes} bytes outside (0, slot_bytes={self.config.slot_bytes}]"
+            )
+
+    def _lease_seconds(self, lease_ms: int | None) -> float:
+        ms = self.config.default_lease_ms if lease_ms is None else lease_ms
+        if ms <= 0:
+            raise ConfigError(f"lease_ms: must be > 0, got {ms}")
+        return ms / 1000

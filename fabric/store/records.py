@@ -1,0 +1,96 @@
+"""Value types of the chunk store: slot states, config, reservations, stats.
+
+They live apart from :mod:`fabric.store.index` so the bookkeeping modules can
+share them; ``fabric.store.index`` and ``fabric.store`` re-export all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from fabric.errors import ConfigError
+
+__all__ = ["Reservation", "SlotState", "StoreConfig", "StoreStats"]
+
+
+class SlotState(enum.Enum):
+    """Where a slot is in its life cycle (diagram in :mod:`fabric.store.index`)."""
+
+    FREE = "free"
+    RESERVED = "reserved"
+    FILLED = "filled"
+    PINNED = "pinned"
+    QUARANTINED = "quarantined"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Configuration of one :class:`~fabric.store.index.ChunkStore`.
+
+    ``quarantine_ms`` is how long an expired, cancelled or corrupt reserved
+    slot waits before it can be handed out again (so a late remote write
+    cannot land in another request's slot); ``default_lease_ms`` is the lease
+    of a reservation that does not name one.
+    """
+
+    slot_bytes: int
+    num_slots: int
+    quarantine_ms: int = 2000
+    default_lease_ms: int = 10000
+
+    def __post_init__(self) -> None:
+        _check_int("slot_bytes", self.slot_bytes, minimum=1)
+        _check_int("num_slots", self.num_slots, minimum=1)
+        _check_int("quarantine_ms", self.quarantine_ms, minimum=0)
+        _check_int("default_lease_ms", self.default_lease_ms, minimum=1)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A snapshot of one receiver-side reservation.
+
+    Entry ``i`` describes ``keys[i]``: the slot the sender writes into (or,
+    when ``already_present[i]``, the slot already holding the key, with a ref
+    held) and the slot's generation, which the sender echoes back in
+    ``ChunkStore.fill``. After a fill that lost a dedup race, ``slots[i]`` and
+    ``generations[i]`` name the winning slot: ask ``ChunkStore.reservation``
+    again before reading.
+    """
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    already_present: tuple[bool, ...]
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Slot counts by state (they sum to ``num_slots``) and lifetime counters.
+
+    ``hits``/``misses`` count keys passed to ``lookup``: found, or not found
+    (every key after the first miss is a miss). ``evictions`` counts FILLED
+    slots dropped from the LRU to make room.
+    """
+
+    free: int
+    reserved: int
+    filled: int
+    pinned: int
+    quarantined: int
+    hits: int
+    misses: int
+    evictions: int
+    checksum_failures: int
+    expired_reservations: int
+    cancelled_reservations: int
+
+
+def _check_int(field: str, value: object, *, minimum: int) -> None:
+    """Raise ConfigError naming ``field`` unless ``value`` is an int >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{field}: expected an int, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{field}: must be >= {minimum}, got {value}")

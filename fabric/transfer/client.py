@@ -1,0 +1,270 @@
+"""Sending end of the fabric: reserve remote slots, WRITE chunks, notify.
+
+A :class:`TransferClient` owns one process's view of its peers; ``connect``
+returns a :class:`PeerLink` per receiver endpoint (handshake done once).
+Typical push of chunks already packed into the local store::
+
+    link = client.connect("tcp://127.0.0.1:5600")
+    res = link.reserve("req-1", keys, nbytes)          # Reserved or raises
+    push = link.write(res, range(len(keys)), local_slots)
+    push.wait(timeout=5.0)                             # bytes landed, notified
+
+Every call is bounded: control requests by ``control_timeout_ms``
+(:class:`~fabric.errors.PeerUnreachable`), writes by the caller's timeout
+(:class:`~fabric.errors.TransferTimeout`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from fabric.errors import (
+    LayoutMismatch,
+    PeerUnreachable,
+    ProtocolError,
+    ReservationRefused,
+    TransferError,
+    TransferTimeout,
+    TransportFailed,
+)
+from fabric.transfer import protocol as proto
+from fabric.transfer.dataplane import Segment, WriteHandle, XferState
+
+if TYPE_CHECKING:
+    from fabric.store import ChunkStore
+    from fabric.transfer.config import TransferConfig
+    from fabric.transfer.dataplane import DataPlane
+
+
+@dataclass(frozen=True)
+class RemoteReservation:
+    """Slots a receiver granted for one request's chunk keys."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    nbytes: tuple[int, ...]
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    already_present: tuple[bool, ...]
+
+    @property
+    def missing(self) -> list[int]:
+        """Indices of chunks the receiver does not have yet."""
+        return [i for i, hit in enumerate(self.already_present) if not hit]
+
+
+class PendingPush:
+    """A posted write of some chunks of a reservation."""
+
+    def __init__(self, handle: WriteHandle | None, nbytes: int) -> None:
+        self._handle = handle
+        self.nbytes = nbytes
+
+    def done(self) -> bool:
+        """True once every byte landed; raises TransportFailed on error."""
+        if self._handle is None:
+            return True
+        state = self._handle.poll()
+        if state is XferState.ERR:
+            self._finish()
+            raise TransportFailed("data-plane write failed")
+        if state is XferState.DONE:
+            self._finish()
+            return True
+        return False
+
+    def wait(self, timeout: float) -> None:
+        """Drive the write to completion within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while not self.done():
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"write of {self.nbytes} bytes not done in {timeout} s")
+            spins += 1
+            # NOTE: poll drives progress (no NIXL progress thread); yield the
+            # core between polls so the peer and the engine keep running.
+            time.sleep(0 if spins < 20 else 5e-5)
+
+    def _finish(self) -> None:
+        if self._handle is not None:
+            self._handle.release()
+            self._handle = None
+
+
+class PeerLink:
+    """Control channel and data-plane route to one receiver."""
+
+    def __init__(self, client: TransferClient, endpoint: str) -> None:
+        self.client, self.endpoint = client, endpoint
+        self._sock = client.ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        ack = self._handshake()
+        self.peer_agent = client.plane.add_peer(ack.data_descriptor)
+        self.remote_slot_bytes = ack.slot_bytes
+        self.remote_num_slots = ack.num_slots
+
+    def _handshake(self) -> proto.HelloAck:
+        plane = self.client.plane
+        hello = proto.Hello(
+            next(self._seq), plane.name, plane.kind, self.client.fingerprint, plane.descriptor()
+        )
+        reply = self._call(hello)
+        if isinstance(reply, proto.Refused):
+            if reply.code == "layout_mismatch":
+                raise LayoutMismatch(f"{self.endpoint}: {reply.reason}")
+            raise TransferError(f"{self.endpoint} refused the handshake: {reply.reason}")
+        if not isinstance(reply, proto.HelloAck):
+            raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
+        return reply
+
+    def _call(self, msg: proto.Message) -> proto.Message:
+        timeout_ms = self.client.config.control_timeout_ms
+        seq = msg.seq  # type: ignore[union-attr]
+        with self._lock:
+            self._sock.send(proto.encode(msg))
+            deadline = time.monotonic() + timeout_ms / 1000
+            while (left := deadline - time.monotonic()) > 0:
+                if not self._sock.poll(max(1, int(left * 1000))):
+                    break
+                reply = proto.decode(self._sock.recv(), self.client.config.max_message_bytes)
+                if getattr(reply, "seq", None) == seq:
+                    return reply
+                # a stale reply to an earlier call that timed out: drop it
+        raise PeerUnreachable(
+            f"{self.endpoint}: no answer to {type(msg).__name__} in {timeout_ms} ms"
+        )
+
+    def reserve(
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        nbytes: Sequence[int],
+        lease_ms: int | None = None,
+    ) -> RemoteReservation:
+        """Reserve one remote slot per key; raises ReservationRefused."""
+        lease = lease_ms or self.client.config.lease_ms
+        reply = self._call(
+            proto.Reserve(next(self._seq), request_id, list(keys), list(nbytes), lease)
+        )
+        if isinstance(reply, proto.Refused):
+            raise ReservationRefused(f"{reply.code}: {reply.reason}")
+        if not isinstance(reply, proto.Reserved) or len(reply.slots) != len(keys):
+            raise ProtocolError(f"bad reply to Reserve: {type(reply).__name__}")
+        return RemoteReservation(
+            request_id,
+            tuple(keys),
+            tuple(nbytes),
+            tuple(reply.slots),
+            tuple(reply.generations),
+            tuple(reply.already_present),
+        )
+
+    def write(
+        self, res: RemoteReservation, indices: Iterable[int], local_slots: Sequence[int]
+    ) -> PendingPush:
+        """WRITE chunks ``indices`` of ``res`` from ``local_slots`` (same order).
+
+        Chunks the receiver already has are skipped; the notification names
+        the chunks written with their checksums and slot generations.
+        """
+        store = self.client.store
+        pool = store.pool
+        segments: list[Segment] = []
+        written: list[int] = []
+        checksums: list[int] = []
+        for index, slot in zip(indices, local_slots, strict=True):
+            if res.already_present[index]:
+                continue
+            nbytes = res.nbytes[index]
+            checksum = store.slot_checksum(slot)
+            if checksum is None or store.slot_nbytes(slot) != nbytes:
+                raise TransferError(f"local slot {slot} does not hold chunk {index}")
+            remote = res.slots[index] * self.remote_slot_bytes
+            segments.append((pool.slot_offset(slot), remote, nbytes))
+            written.append(index)
+            checksums.append(checksum)
+        if not segments:
+            return PendingPush(None, 0)
+        notif = proto.encode(
+            proto.WriteDone(
+                res.request_id, written, [res.generations[i] for i in written], checksums
+            )
+        )
+        handle = self.client.plane.post_write(self.peer_agent, segments, notif)
+        return PendingPush(handle, sum(n for _, _, n in segments))
+
+    def push(
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        local_slots: Sequence[int],
+        *,
+        timeout: float,
+        lease_ms: int | None = None,
+    ) -> RemoteReservation:
+        """Reserve, write every chunk and wait for the write; cancel on failure."""
+        store = self.client.store
+        nbytes = [store.slot_nbytes(s) for s in local_slots]
+        res = self.reserve(request_id, keys, nbytes, lease_ms)
+        try:
+            self.write(res, range(len(keys)), local_slots).wait(timeout)
+        except TransferError:
+            self.cancel(request_id)
+            raise
+        return res
+
+    def cancel(self, request_id: str) -> bool:
+        reply = self._call(proto.Cancel(next(self._seq), request_id))
+        return isinstance(reply, proto.Ack) and reply.ok
+
+    def heartbeat(self, request_id: str, lease_ms: int | None = None) -> bool:
+        lease = lease_ms or self.client.config.lease_ms
+        reply = self._call(proto.Heartbeat(next(self._seq), request_id, lease))
+        return isinstance(reply, proto.Ack) and reply.ok
+
+    def close(self) -> None:
+        self.client.plane.remove_peer(self.peer_agent)
+        self._sock.close(linger=0)
+
+
+class TransferClient:
+    """One process's sending side: its store, data plane and peer links."""
+
+    def __init__(
+        self, store: ChunkStore, plane: DataPlane, config: TransferConfig, fingerprint: str
+    ) -> None:
+        self.store, self.plane, self.config = store, plane, config
+        self.fingerprint = fingerprint
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._links: dict[str, PeerLink] = {}
+        self._lock = threading.Lock()
+
+    def connect(self, endpoint: str) -> PeerLink:
+        """The link to ``endpoint``, doing the handshake on first use."""
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is None:
+                link = self._links[endpoint] = PeerLink(self, endpoint)
+            return link
+
+    def disconnect(self, endpoint: str) -> None:
+        with self._lock:
+            link = self._links.pop(endpoint, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()

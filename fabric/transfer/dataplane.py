@@ -1,0 +1,173 @@
+"""Data plane interface: one-sided WRITEs of pool bytes plus a notification.
+
+A data plane belongs to one process. It registers the process's chunk pool
+once, describes itself to peers as opaque bytes (``descriptor()``), and
+moves lists of segments from the local pool into a peer's pool:
+
+    local pool                       remote pool
+    +------+------+------+           +------+------+------+------+
+    | s0   | s1   | s2   |  WRITE    |      | r7   | r8   |      |
+    +------+------+------+  ------>  +------+------+------+------+
+      (local_offset, remote_offset, nbytes) per segment, one notification
+      delivered to the receiver after all segments landed.
+
+The receiver learns of a completed write only through ``take_notifs()``.
+Implementations: NIXL/UCX (``nixl_plane``), TCP (``tcp_plane``) and the
+in-process :class:`LoopbackDataPlane` for fast unit tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from typing import ClassVar
+
+import msgspec
+
+from fabric.errors import TransportFailed
+
+Segment = tuple[int, int, int]
+"""(local_offset, remote_offset, nbytes) in bytes from each pool's base."""
+
+
+def drain(queue: deque[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """Pop everything from ``queue`` (appended to by other threads)."""
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out
+
+
+class XferState(enum.Enum):
+    """State of a posted write, as the initiator sees it."""
+
+    PROC = "proc"
+    DONE = "done"
+    ERR = "err"
+
+
+class WriteHandle(ABC):
+    """A posted write. ``poll()`` also drives progress where the plane needs it."""
+
+    @abstractmethod
+    def poll(self) -> XferState: ...
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Free transport resources of a finished write."""
+
+
+class DataPlane(ABC):
+    """One process's end of the data plane."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pool_base = 0
+        self.pool_nbytes = 0
+
+    def register_pool(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
+        """Register the chunk pool once; every write reads from or lands in it."""
+        if self.pool_nbytes:
+            raise TransportFailed(f"{self.kind}: pool already registered")
+        self.pool_base, self.pool_nbytes = base_address, nbytes
+        self._register(base_address, nbytes, device)
+
+    @abstractmethod
+    def _register(self, base_address: int, nbytes: int, device: str) -> None: ...
+
+    @abstractmethod
+    def descriptor(self) -> bytes:
+        """Opaque bytes a peer passes to ``add_peer`` to reach this plane."""
+
+    @abstractmethod
+    def add_peer(self, descriptor: bytes) -> str:
+        """Load a peer's descriptor; returns the peer name used in ``post_write``."""
+
+    @abstractmethod
+    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+        """Start writing ``segments`` to ``peer`` and notify it when all landed."""
+
+    @abstractmethod
+    def take_notifs(self) -> list[tuple[str, bytes]]:
+        """Drain notifications received so far as (peer name, message)."""
+
+    def remove_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
+        """Forget a peer."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release registrations, sockets and threads."""
+
+    def check_segments(self, segments: Sequence[Segment], remote_nbytes: int) -> None:
+        """Refuse segments that fall outside either pool."""
+        for local, remote, nbytes in segments:
+            if nbytes <= 0 or local < 0 or remote < 0:
+                raise TransportFailed(f"bad segment {(local, remote, nbytes)}")
+            if local + nbytes > self.pool_nbytes or remote + nbytes > remote_nbytes:
+                raise TransportFailed(f"segment {(local, remote, nbytes)} outside a pool")
+
+
+class PoolInfo(msgspec.Struct, array_like=True, frozen=True):
+    """Descriptor of the loopback plane: a name in the process registry."""
+
+    name: str
+    nbytes: int
+
+
+class _DoneWrite(WriteHandle):
+    def poll(self) -> XferState:
+        return XferState.DONE
+
+
+class LoopbackDataPlane(DataPlane):
+    """In-process data plane: writes are memmoves, notifications a deque.
+
+    Several planes in one process reach each other by name, as agents in
+    different processes do over NIXL. For unit tests and single-process use.
+    """
+
+    kind = "loopback"
+    _registry: ClassVar[dict[str, LoopbackDataPlane]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._notifs: deque[tuple[str, bytes]] = deque()
+        with self._registry_lock:
+            if name in self._registry:
+                raise TransportFailed(f"loopback plane {name!r} exists")
+            self._registry[name] = self
+
+    def _register(self, base_address: int, nbytes: int, device: str) -> None:
+        if device != "cpu":
+            raise TransportFailed("loopback plane moves host memory only")
+
+    def descriptor(self) -> bytes:
+        return msgspec.msgpack.encode(PoolInfo(self.name, self.pool_nbytes))
+
+    def add_peer(self, descriptor: bytes) -> str:
+        info = msgspec.msgpack.decode(descriptor, type=PoolInfo)
+        if info.name not in self._registry:
+            raise TransportFailed(f"no loopback plane {info.name!r}")
+        return info.name
+
+    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+        target = self._registry.get(peer)
+        if target is None:
+            raise TransportFailed(f"loopback peer {peer!r} is gone")
+        self.check_segments(segments, target.pool_nbytes)
+        for local, remote, nbytes in segments:
+            ctypes.memmove(target.pool_base + remote, self.pool_base + local, nbytes)
+        target._notifs.append((self.name, notif))
+        return _DoneWrite()
+
+    def take_notifs(self) -> list[tuple[str, bytes]]:
+        return drain(self._notifs)
+
+    def close(self) -> None:
+        with self._registry_lock:
+            self._registry.pop(self.name, None)

@@ -1,0 +1,174 @@
+"""NIXL/UCX data plane.
+
+The pool is registered once (DRAM now; VRAM when the pool lives on a GPU).
+A write is one NIXL WRITE request with one descriptor per segment (NIXL
+merges adjacent ones) and the notification attached, so the receiver sees
+the message only after every byte landed.
+
+NOTE: NIXL's progress thread busy-polls a core (its Python API hard-codes a
+zero delay). It is off by default here: the initiator progresses its writes
+through ``check_xfer_state`` (``WriteHandle.poll``) and the receiver calls
+``take_notifs`` at a steady rate. Measured in ``benchmarks/transfer.py``.
+
+NIXL agents are not thread-safe in their default sync mode, so every call
+into the agent goes through one lock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from fabric.errors import TransportFailed
+from fabric.transfer.dataplane import DataPlane, Segment, WriteHandle, XferState
+
+
+class NixlDescriptor(msgspec.Struct, array_like=True, frozen=True):
+    """What a peer needs: NIXL agent metadata and where the pool is."""
+
+    metadata: bytes
+    pool_base: int
+    pool_nbytes: int
+    mem_type: str
+    device_id: int
+
+
+def nixl_available() -> bool:
+    """True when the ``nixl`` package imports."""
+    try:
+        import nixl._api  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class _NixlWrite(WriteHandle):
+    def __init__(self, plane: NixlDataPlane, handle: Any, state: str) -> None:
+        self._plane = plane
+        self._handle: Any = handle
+        self._state = state
+
+    def poll(self) -> XferState:
+        if self._state == "PROC":
+            with self._plane.lock:
+                self._state = self._plane.agent.check_xfer_state(self._handle)
+        if self._state == "ERR":
+            return XferState.ERR
+        return XferState.DONE if self._state == "DONE" else XferState.PROC
+
+    def release(self) -> None:
+        if self._handle is not None:
+            with self._plane.lock:
+                self._plane.agent.release_xfer_handle(self._handle)
+            self._handle = None
+
+
+class NixlDataPlane(DataPlane):
+    """Data plane over a NIXL agent with the UCX backend."""
+
+    kind = "nixl"
+
+    def __init__(
+        self, name: str, *, progress_thread: bool = False, ucx_net_devices: str | None = None
+    ) -> None:
+        super().__init__(name)
+        if ucx_net_devices:
+            # UCX reads its environment when the backend is created.
+            os.environ["UCX_NET_DEVICES"] = ucx_net_devices
+        # NOTE: NIXL logs INFO lines to stdout by default, which corrupts
+        # anything that speaks over stdout (test peers, CLI output).
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise TransportFailed("nixl is not installed (pip install nixl)") from exc
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        try:
+            self.agent: Any = nixl_agent(name, config)
+        except Exception as exc:
+            raise TransportFailed(f"could not start NIXL agent {name!r}: {exc}") from exc
+        if "UCX" not in self.agent.backends:
+            raise TransportFailed("NIXL has no UCX backend on this machine")
+        self.lock = threading.Lock()
+        self._mem_type = "DRAM"
+        self._device_id = 0
+        self._reg: Any = None
+        self._peers: dict[str, NixlDescriptor] = {}
+
+    def _register(self, base_address: int, nbytes: int, device: str) -> None:
+        if device.startswith("cuda"):
+            self._mem_type = "VRAM"
+            self._device_id = int(device.partition(":")[2] or 0)
+        with self.lock:
+            reg = self.agent.register_memory(
+                [(base_address, nbytes, self._device_id, "")], self._mem_type
+            )
+        if reg is None:
+            raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
+        self._reg = reg
+
+    def descriptor(self) -> bytes:
+        with self.lock:
+            metadata = self.agent.get_agent_metadata()
+        info = NixlDescriptor(
+            metadata, self.pool_base, self.pool_nbytes, self._mem_type, self._device_id
+        )
+        return msgspec.msgpack.encode(info)
+
+    def add_peer(self, descriptor: bytes) -> str:
+        try:
+            info = msgspec.msgpack.decode(descriptor, type=NixlDescriptor)
+            with self.lock:
+                name = self.agent.add_remote_agent(info.metadata)
+        except Exception as exc:
+            raise TransportFailed(f"bad NIXL peer descriptor: {exc}") from exc
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers[name] = info
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        if self._peers.pop(peer, None) is not None:
+            with self.lock:
+                self.agent.remove_remote_agent(peer)
+
+    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+        info = self._peers.get(peer)
+        if info is None:
+            raise TransportFailed(f"unknown NIXL peer {peer!r}")
+        self.check_segments(segments, info.pool_nbytes)
+        seg = np.asarray(segments, dtype=np.uint64).reshape(-1, 3)
+        local = np.empty((len(seg), 3), dtype=np.uint64)
+        remote = np.empty((len(seg), 3), dtype=np.uint64)
+        local[:, 0] = seg[:, 0] + np.uint64(self.pool_base)
+        remote[:, 0] = seg[:, 1] + np.uint64(info.pool_base)
+        local[:, 1] = remote[:, 1] = seg[:, 2]
+        local[:, 2] = self._device_id
+        remote[:, 2] = info.device_id
+        with self.lock:
+            try:
+                local_descs = self.agent.get_xfer_descs(local, self._mem_type)
+                remote_descs = self.agent.get_xfer_descs(remote, info.mem_type)
+                handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notif)
+                state = self.agent.transfer(handle)
+            except Exception as exc:
+                raise TransportFailed(f"NIXL write to {peer!r} failed: {exc}") from exc
+        return _NixlWrite(self, handle, state)
+
+    def take_notifs(self) -> list[tuple[str, bytes]]:
+        with self.lock:
+            notifs = self.agent.get_new_notifs()
+        return [(peer, msg) for peer, msgs in notifs.items() for msg in msgs]
+
+    def close(self) -> None:
+        with self.lock:
+            for peer in list(self._peers):
+                self.agent.remove_remote_agent(peer)
+            self._peers.clear()
+            if self._reg is not None:
+                self.agent.deregister_memory(self._reg)
+                self._reg = None

@@ -1,0 +1,217 @@
+"""TCP data plane: the fallback where NIXL is not installed.
+
+Same contract as NIXL: the sender names segments of its pool and of the
+receiver's pool; the receiver copies the bytes straight from the socket
+into its pool (``recv_into``, no staging) and queues the notification after
+the last byte. One connection per (sender, receiver) pair, written by one
+sender thread, read by one receiver thread. Frame on the wire:
+
+    u32 header_len | header (msgpack TcpWrite) | payload bytes of every segment
+
+The receiver checks every segment against its pool bounds before reading
+the payload; a frame that fails the check closes the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+import msgspec
+
+from fabric.errors import TransportFailed
+from fabric.transfer.dataplane import DataPlane, Segment, WriteHandle, XferState, drain
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+_MAX_HEADER = 16 << 20
+
+
+class TcpDescriptor(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    host: str
+    port: int
+    pool_nbytes: int
+
+
+class TcpWrite(msgspec.Struct, array_like=True, frozen=True):
+    sender: str
+    remote_segments: list[tuple[int, int]]
+    notif: bytes
+
+
+class _TcpWriteHandle(WriteHandle):
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.failed = False
+
+    def poll(self) -> XferState:
+        if not self.done.is_set():
+            return XferState.PROC
+        return XferState.ERR if self.failed else XferState.DONE
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        view = view[n:]
+
+
+class _PeerSender:
+    """One outgoing connection and the thread that writes to it, in order."""
+
+    def __init__(self, plane: TcpDataPlane, info: TcpDescriptor) -> None:
+        self.plane, self.info = plane, info
+        self.jobs: queue.Queue[tuple[Sequence[Segment], bytes, _TcpWriteHandle] | None] = (
+            queue.Queue()
+        )
+        self.sock: socket.socket | None = None
+        self.thread = threading.Thread(target=self._run, name=f"tcp-send-{info.name}", daemon=True)
+        self.thread.start()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.info.host, self.info.port), timeout=10)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            segments, notif, handle = job
+            try:
+                self.sock = self.sock or self._connect()
+                self._send(self.sock, segments, notif)
+            except OSError as exc:
+                logger.warning("tcp write to %s failed: %s", self.info.name, exc)
+                handle.failed = True
+                if self.sock is not None:
+                    self.sock.close()
+                self.sock = None
+            handle.done.set()
+        if self.sock is not None:
+            self.sock.close()
+
+    def _send(self, sock: socket.socket, segments: Sequence[Segment], notif: bytes) -> None:
+        header = msgspec.msgpack.encode(
+            TcpWrite(self.plane.name, [(r, n) for _, r, n in segments], notif)
+        )
+        sock.sendall(_LEN.pack(len(header)) + header)
+        pool = self.plane.pool_view()
+        for local, _, nbytes in segments:
+            sock.sendall(pool[local : local + nbytes])
+
+
+class TcpDataPlane(DataPlane):
+    """Data plane over plain TCP sockets bound to ``host``."""
+
+    kind = "tcp"
+
+    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+        super().__init__(name)
+        self._listener = socket.create_server((host, 0))
+        self._host, self._port = host, self._listener.getsockname()[1]
+        self._notifs: deque[tuple[str, bytes]] = deque()
+        self._senders: dict[str, _PeerSender] = {}
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        self.bad_frames = 0
+        self._accepter = threading.Thread(target=self._accept, name="tcp-accept", daemon=True)
+        self._accepter.start()
+
+    def _register(self, base_address: int, nbytes: int, device: str) -> None:
+        if device != "cpu":
+            raise TransportFailed("the TCP data plane moves host memory only")
+
+    def pool_view(self) -> memoryview:
+        raw = (ctypes.c_char * self.pool_nbytes).from_address(self.pool_base)
+        return memoryview(raw).cast("B")
+
+    def descriptor(self) -> bytes:
+        info = TcpDescriptor(self.name, self._host, self._port, self.pool_nbytes)
+        return msgspec.msgpack.encode(info)
+
+    def add_peer(self, descriptor: bytes) -> str:
+        try:
+            info = msgspec.msgpack.decode(descriptor, type=TcpDescriptor)
+        except msgspec.DecodeError as exc:
+            raise TransportFailed(f"bad TCP peer descriptor: {exc}") from exc
+        if info.name not in self._senders:
+            self._senders[info.name] = _PeerSender(self, info)
+        return info.name
+
+    def remove_peer(self, peer: str) -> None:
+        sender = self._senders.pop(peer, None)
+        if sender is not None:
+            sender.jobs.put(None)
+
+    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+        sender = self._senders.get(peer)
+        if sender is None:
+            raise TransportFailed(f"unknown TCP peer {peer!r}")
+        self.check_segments(segments, sender.info.pool_nbytes)
+        handle = _TcpWriteHandle()
+        sender.jobs.put((list(segments), notif, handle))
+        return handle
+
+    def take_notifs(self) -> list[tuple[str, bytes]]:
+        return drain(self._notifs)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                self._receive_frame(conn)
+        except (OSError, ConnectionError, TransportFailed, msgspec.DecodeError) as exc:
+            if not self._closed and not isinstance(exc, ConnectionError):
+                self.bad_frames += 1
+                logger.warning("tcp data connection dropped: %s", exc)
+        finally:
+            conn.close()
+
+    def _receive_frame(self, conn: socket.socket) -> None:
+        head = bytearray(_LEN.size)
+        _recv_exact(conn, memoryview(head))
+        (length,) = _LEN.unpack(head)
+        if length > _MAX_HEADER:
+            raise TransportFailed(f"header of {length} bytes")
+        header = bytearray(length)
+        _recv_exact(conn, memoryview(header))
+        msg = msgspec.msgpack.decode(header, type=TcpWrite)
+        for remote, nbytes in msg.remote_segments:
+            if nbytes <= 0 or remote < 0 or remote + nbytes > self.pool_nbytes:
+                raise TransportFailed(f"segment {(remote, nbytes)} outside the pool")
+        pool = self.pool_view()
+        for remote, nbytes in msg.remote_segments:
+            _recv_exact(conn, pool[remote : remote + nbytes])
+        self._notifs.append((msg.sender, msg.notif))
+
+    def close(self) -> None:
+        self._closed = True
+        for sender in self._senders.values():
+            sender.jobs.put(None)
+        for sender in self._senders.values():
+            sender.thread.join(timeout=5)
+        self._senders.clear()
+        self._listener.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()

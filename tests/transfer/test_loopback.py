@@ -1,0 +1,125 @@
+"""Server/client logic over the in-process loopback data plane (no network)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from fabric.errors import ReservationRefused, TransferTimeout
+from fabric.store import ChunkStore, StoreConfig
+from fabric.transfer import TransferConfig, TransferNode
+from fabric.transfer import protocol as proto
+
+from .patterns import FINGERPRINT, chunk_bytes, chunk_key
+
+SLOT = 64 << 10
+_names = itertools.count()
+
+
+def make_node(num_slots: int, *, serve: bool) -> TransferNode:
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=num_slots, quarantine_ms=10))
+    config = TransferConfig(transport="loopback", poll_interval_ms=0.5)
+    return TransferNode(store, config, FINGERPRINT, name=f"lb-{next(_names)}", serve=serve)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[TransferNode, TransferNode]]:
+    sender, receiver = make_node(16, serve=False), make_node(8, serve=True)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def fill(node: TransferNode, seed: int, n: int) -> tuple[list[bytes], list[int]]:
+    keys, slots = [], []
+    for i in range(n):
+        key = chunk_key(seed, i)
+        slot = node.store.allocate(key)
+        node.store.pool.slot_view(slot).numpy()[:] = memoryview(chunk_bytes(seed, i, SLOT))
+        node.store.commit(slot, key, SLOT)
+        keys.append(key)
+        slots.append(slot)
+    return keys, slots
+
+
+def test_push_lands_verified(pair: tuple[TransferNode, TransferNode]) -> None:
+    sender, receiver = pair
+    keys, slots = fill(sender, 1, 4)
+    sender.client.connect(receiver.endpoint).push("r1", keys, slots, timeout=5)
+    assert receiver.server is not None
+    prog = receiver.server.wait("r1", 5)
+    assert prog is not None and prog.complete
+    assert receiver.store.lookup(keys) == 4
+    receiver.server.release("r1")
+    assert receiver.store.reserved_count() == 0
+
+
+def test_corrupted_chunk_is_not_indexed(pair: tuple[TransferNode, TransferNode]) -> None:
+    sender, receiver = pair
+    keys, slots = fill(sender, 2, 2)
+    link = sender.client.connect(receiver.endpoint)
+    res = link.reserve("r2", keys, [SLOT, SLOT])
+    # Corrupt the source after its checksum was taken: the bytes that land
+    # no longer match the checksum carried by the notification.
+    sender.store.pool.slot_view(slots[1])[100] ^= 0xFF
+    link.write(res, range(2), slots).wait(5)
+    assert receiver.server is not None
+    prog = receiver.server.wait("r2", 5)
+    assert prog is not None and prog.failed == {1} and prog.filled == {0}
+    assert receiver.store.lookup(keys) == 1
+    assert receiver.server.stats.checksum_failures == 1
+    receiver.server.release("r2")
+    assert receiver.store.reserved_count() == 0
+
+
+def test_wait_is_bounded_when_nothing_arrives(pair: tuple[TransferNode, TransferNode]) -> None:
+    sender, receiver = pair
+    link = sender.client.connect(receiver.endpoint)
+    link.reserve("r3", [chunk_key(3, 0)], [SLOT], lease_ms=5000)
+    assert receiver.server is not None
+    prog = receiver.server.wait("r3", 0.1)
+    assert prog is not None and not prog.finished
+    assert link.cancel("r3")
+    assert receiver.store.reserved_count() == 0
+
+
+def test_refused_when_full_then_serves_again(pair: tuple[TransferNode, TransferNode]) -> None:
+    sender, receiver = pair
+    link = sender.client.connect(receiver.endpoint)
+    keys = [chunk_key(4, i) for i in range(9)]
+    with pytest.raises(ReservationRefused, match="capacity"):
+        link.reserve("r4", keys, [SLOT] * 9)
+    keys, slots = fill(sender, 5, 8)
+    link.push("r5", keys, slots, timeout=5)
+    assert receiver.server is not None
+    assert receiver.server.wait("r5", 5).complete  # type: ignore[union-attr]
+
+
+def test_unknown_notification_is_counted(pair: tuple[TransferNode, TransferNode]) -> None:
+    sender, receiver = pair
+    link = sender.client.connect(receiver.endpoint)
+    notif = proto.encode(proto.WriteDone("nobody", [0], [0], [0]))
+    sender.plane.post_write(link.peer_agent, [(0, 0, 16)], notif)
+    sender.plane.post_write(link.peer_agent, [(0, 0, 16)], b"not a frame")
+    assert receiver.server is not None
+    stats = receiver.server.stats
+    import time
+
+    deadline = time.monotonic() + 5
+    while stats.late_writes < 1 or stats.protocol_errors < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_write_timeout_is_explicit() -> None:
+    from fabric.transfer.client import PendingPush
+    from fabric.transfer.dataplane import WriteHandle, XferState
+
+    class Stuck(WriteHandle):
+        def poll(self) -> XferState:
+            return XferState.PROC
+
+    with pytest.raises(TransferTimeout):
+        PendingPush(Stuck(), 10).wait(0.05)
