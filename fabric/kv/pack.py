@@ -107,12 +107,18 @@ def unpack(
     *,
     backend: Backend | None = None,
     num_threads: int | None = None,
+    chunk_blocks: int | None = None,
+    first: int = 0,
 ) -> int:
     """Scatter the chunk in ``src`` into blocks ``block_ids`` of every layer.
 
     The inverse of :func:`pack`; ``block_ids`` must not repeat. Returns the
-    bytes read from ``src``.
+    bytes read from ``src``. To unpack only part of a chunk, give the chunk's
+    block count ``chunk_blocks``: ``block_ids`` then receive the chunk's blocks
+    ``first .. first + len(block_ids) - 1`` (the rest stay untouched).
     """
+    if chunk_blocks is not None and (first, len(block_ids)) != (0, chunk_blocks):
+        src = _chunk_part(src, layout, chunk_blocks, first, len(block_ids))
     ids = _block_ids(block_ids, layout)
     if len(np.unique(ids)) != len(ids):
         raise LayoutError("unpack block_ids repeat a block; each block can be written once")
@@ -214,6 +220,19 @@ def _unpack_torch(
     for row, view in zip(chunk, views, strict=True):
         for start, pos, length in _run_tuples(runs):
             view[start : start + length].copy_(row[pos : pos + length])
+
+
+def _chunk_part(
+    src: torch.Tensor, layout: KVLayout, chunk_blocks: int, first: int, count: int
+) -> torch.Tensor:
+    """A contiguous chunk of blocks ``first .. first + count - 1`` of ``src``."""
+    if first < 0 or count < 1 or first + count > chunk_blocks:
+        raise LayoutError(
+            f"blocks {first}..{first + count - 1} are not inside a chunk of {chunk_blocks}"
+        )
+    _check_buffer(src, layout, chunk_blocks, "src", src.device)
+    part = _chunk_view(src, layout, chunk_blocks)[:, first : first + count]
+    return part.contiguous().view(-1)
 
 
 def _run_tuples(runs: BlockRuns) -> list[tuple[int, int, int]]:

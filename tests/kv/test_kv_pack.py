@@ -306,3 +306,25 @@ def test_block_ids_as_tensor_and_array(make_caches: MakeCaches) -> None:
     pack(caches, layout, np.array([5, 0, 1]), chunks[1])
     pack(caches, layout, torch.tensor([5, 0, 1]), chunks[2])
     assert torch.equal(chunks[0], chunks[1]) and torch.equal(chunks[0], chunks[2])
+
+
+@pytest.mark.parametrize("first,count", [(0, 2), (1, 2), (2, 2), (3, 1)])
+def test_unpack_part_of_a_chunk(first: int, count: int) -> None:
+    import torch
+
+    from fabric.kv import KVLayout, pack, unpack
+
+    torch.manual_seed(0)
+    caches = [torch.randn(2, 16, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3)]
+    layout = KVLayout.from_tensors(caches)
+    src_ids = [5, 9, 2, 11]
+    chunk = torch.empty(layout.chunk_nbytes(4), dtype=torch.uint8)
+    pack(caches, layout, src_ids, chunk)
+    target = [torch.zeros_like(c) for c in caches]
+    dst_ids = [7, 3, 12, 0][:count]
+    unpack(chunk, target, layout, dst_ids, chunk_blocks=4, first=first)
+    for src, dst in zip(caches, target, strict=True):
+        for pos, block in enumerate(dst_ids):
+            assert torch.equal(dst[:, block], src[:, src_ids[first + pos]])
+        untouched = [b for b in range(16) if b not in dst_ids]
+        assert not dst[:, untouched].any()

@@ -1,0 +1,179 @@
+"""FabricConnector: vLLM's KVConnectorBase_V1 over fabric's store and transfer.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "FabricConnector",
+      "kv_connector_module_path": "fabric.integrations.vllm",
+      "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"kv_port": 5600, "chunk_tokens": 256}}'
+
+Scheduler side (EngineCore process): :class:`FabricScheduler`. Worker side
+(worker process): :class:`FabricWorker`. A prefiller pushes to the decoder
+named by the proxy in ``kv_transfer_params``; a decoder loads asynchronously
+and reports failures so vLLM recomputes rather than hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.metadata import FabricMetadata
+from fabric.integrations.vllm.scheduler import FabricScheduler
+from fabric.integrations.vllm.stats import FabricPromMetrics, FabricStats
+from fabric.integrations.vllm.worker import FabricWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _roles(kv_role: str | None) -> tuple[bool, bool]:
+    """(produce, consume) for vLLM's kv_role."""
+    return {
+        "kv_producer": (True, False),
+        "kv_consumer": (False, True),
+        "kv_both": (True, True),
+    }.get(kv_role or "kv_both", (True, True))
+
+
+def _model_name(vllm_config: VllmConfig) -> str:
+    model = vllm_config.model_config
+    served = model.served_model_name
+    if isinstance(served, list | tuple):
+        served = served[0] if served else None
+    return str(served or model.model)
+
+
+class FabricConnector(KVConnectorBase_V1):
+    """Disaggregated prefill/decode over fabric (push, chunked, verified)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        produce, consume = _roles(transfer.kv_role)
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: FabricScheduler | None = None
+        self._worker: FabricWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = FabricScheduler(config, block_size, produce=produce, consume=consume)
+        else:
+            parallel = vllm_config.parallel_config
+            self._worker = FabricWorker(
+                config,
+                produce=produce,
+                consume=consume,
+                block_size=block_size,
+                model=_model_name(vllm_config),
+                tp_rank=getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size),
+                tp_size=parallel.tensor_parallel_size,
+            )
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load(self._fabric_meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if self.has_connector_metadata():
+            self._worker.save(self._fabric_meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        finished, failed = self._worker.get_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> FabricStats | None:
+        if self._worker is None:
+            return None
+        counts = self._worker.counters.take()
+        return FabricStats(data=dict(counts)) if counts else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _fabric_meta(self) -> FabricMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FabricMetadata)
+        return meta
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.request_finished(request)
+
+    # ------------------------------------------------------------ stats
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> FabricStats:
+        return FabricStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> FabricPromMetrics:
+        return FabricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,64 @@
+"""What the scheduler side tells the worker side each step.
+
+Everything here is plain data (pickled by vLLM between its processes).
+Block ids are vLLM's, for KV cache group 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:  # vLLM present: subclass its marker base so isinstance checks pass
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # unit tests of the pure logic run without vLLM
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class SendPlan:
+    """Prefiller: a request whose KV goes to a decoder (sent once, first step).
+
+    ``chunk_blocks[i]`` is the number of vLLM blocks chunk ``i`` covers (the
+    last chunk may be short); ``token_ids`` are the prompt's, for the keys.
+    """
+
+    req_id: str
+    transfer_id: str
+    endpoint: str
+    token_ids: list[int]
+    chunk_blocks: list[int]
+
+
+@dataclass
+class SaveChunk:
+    """Prefiller: chunk ``index`` of a request is computed as of this step;
+    pack ``block_ids`` into the store and push it."""
+
+    req_id: str
+    index: int
+    block_ids: list[int]
+
+
+@dataclass
+class LoadPlan:
+    """Decoder: receive ``transfer_id`` and unpack it into ``block_ids``.
+
+    ``block_ids`` are the blocks for prompt tokens from ``first_block *
+    block_size`` on; chunk ``i`` of the transfer holds blocks ``i *
+    chunk_blocks ..`` of the prompt.
+    """
+
+    req_id: str
+    transfer_id: str
+    first_block: int
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class FabricMetadata(KVConnectorMetadata):
+    sends: list[SendPlan] = field(default_factory=list)
+    saves: list[SaveChunk] = field(default_factory=list)
+    loads: list[LoadPlan] = field(default_factory=list)

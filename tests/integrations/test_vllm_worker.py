@@ -1,0 +1,138 @@
+"""Worker side of the FabricConnector: push thread + load thread, no vLLM engine.
+
+A producing and a consuming worker in one process over the loopback data
+plane, with small random CPU-layout KV caches standing in for vLLM's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.scheduler import chunk_block_counts
+from fabric.integrations.vllm.worker import FabricWorker
+
+BS, CT, LAYERS, BLOCKS = 16, 64, 3, 40
+
+
+def caches(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"layer.{i}": torch.randn(BLOCKS, 2, BS, 2 * 8, generator=g).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
+
+
+def worker(*, produce: bool, consume: bool, seed: int, **extra: object) -> FabricWorker:
+    config = ConnectorConfig.from_extra(
+        {"transport": "loopback", "chunk_tokens": CT, "store_mib": 4, **extra}
+    )
+    w = FabricWorker(config, produce=produce, consume=consume, block_size=BS, model="tiny")
+    w.register_kv_caches(caches(seed))
+    return w
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[FabricWorker, FabricWorker]]:
+    p = worker(produce=True, consume=False, seed=1)
+    d = worker(produce=False, consume=True, seed=2, load_timeout_s=3, unknown_transfer_grace_s=0.3)
+    yield p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def wait_results(d: FabricWorker, timeout: float = 10) -> tuple[set[str], set[str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        finished, failed = d.get_results(set())
+        if finished:
+            return finished, failed
+        time.sleep(0.01)
+    raise AssertionError("load never finished")
+
+
+def push(p: FabricWorker, endpoint: str, num_tokens: int, src_blocks: list[int]) -> None:
+    counts = chunk_block_counts(num_tokens, CT, BS)
+    tokens = list(range(num_tokens))
+    saves, start = [], 0
+    for index, n in enumerate(counts):
+        saves.append(SaveChunk("p-req", index, src_blocks[start : start + n]))
+        start += n
+    p.save(FabricMetadata(sends=[SendPlan("p-req", "t1", endpoint, tokens, counts)], saves=saves))
+
+
+@pytest.mark.parametrize("first_block", [0, 2, 5])
+def test_pushed_kv_lands_in_the_decoders_blocks(
+    pair: tuple[FabricWorker, FabricWorker], first_block: int
+) -> None:
+    p, d = pair
+    assert d.node is not None
+    num_tokens = 150  # chunks of 4, 4, 2 blocks
+    src = [7, 8, 9, 10, 30, 31, 1, 2, 3, 4][: -(-num_tokens // BS)]
+    push(p, d.node.endpoint, num_tokens, src)
+    dst = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    plan = LoadPlan("d-req", "t1", first_block, dst[first_block:], num_tokens)
+    d.start_load(FabricMetadata(loads=[plan]))
+    assert wait_results(d) == ({"d-req"}, set())
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        for b in range(first_block, len(src)):
+            assert torch.equal(d_layer[dst[b]], p_layer[src[b]]), b
+    assert d.store.reserved_count() == 0
+    counts = d.counters.take()
+    assert counts["loads_ok"] == 1 and counts["tokens_loaded"] == num_tokens
+
+
+def test_unknown_transfer_fails_fast_and_is_counted(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    _, d = pair
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "nobody", 0, [1, 2], 20)]))
+    t0 = time.monotonic()
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    assert time.monotonic() - t0 < 2
+    assert d.counters.take()["load_failures"] == 1
+
+
+def test_missing_chunks_time_out_and_free_the_reservation(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    p, d = pair
+    assert d.node is not None
+    counts = chunk_block_counts(150, CT, BS)
+    # announce the transfer (reserve) but never compute its chunks
+    p.save(
+        FabricMetadata(sends=[SendPlan("p-req", "t2", d.node.endpoint, list(range(150)), counts)])
+    )
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t2", 0, list(range(10)), 150)]))
+    t0 = time.monotonic()
+    assert wait_results(d, timeout=10) == ({"d-req"}, {"d-req"})
+    assert 2.5 < time.monotonic() - t0 < 6
+    assert d.store.reserved_count() == 0
+
+
+def test_prefiller_reuses_a_chunk_it_already_packed(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    p, d = pair
+    assert d.node is not None
+    push(p, d.node.endpoint, 64, [3, 4, 5, 6])
+    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, [10, 11, 12, 13], 64)]))
+    assert wait_results(d) == ({"d1"}, set())
+    filled_before = p.store.stats().filled
+    counts = chunk_block_counts(64, CT, BS)
+    p.save(
+        FabricMetadata(
+            sends=[SendPlan("p2", "t3", d.node.endpoint, list(range(64)), counts)],
+            saves=[SaveChunk("p2", 0, [3, 4, 5, 6])],
+        )
+    )
+    d.start_load(FabricMetadata(loads=[LoadPlan("d2", "t3", 0, [14, 15, 16, 17], 64)]))
+    assert wait_results(d) == ({"d2"}, set())
+    assert p.store.stats().filled == filled_before  # same key: no second pack
+    for layer in d.kv_caches:
+        assert torch.equal(layer[[10, 11, 12, 13]], layer[[14, 15, 16, 17]])
