@@ -165,3 +165,15 @@ def test_config_from_extra_names_bad_fields() -> None:
         ConnectorConfig.from_extra({"chunk_tokens": 0})
     with pytest.raises(ConfigError, match="load_timeout_s"):
         ConnectorConfig.from_extra({"load_timeout_s": "soon"})
+
+
+def test_decoder_tries_a_load_once_then_computes() -> None:
+    s = sched(produce=False, consume=True)
+    req = decode_req(150)
+    assert s.get_num_new_matched_tokens(req, 0) == (150, True)
+    s.update_state_after_alloc(req, list(range(10)), 150)
+    assert len(s.build_connector_meta(Out()).loads) == 1
+    # the load failed: vLLM reschedules the request and asks again
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.request_finished(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (150, True)  # a new request, same id

@@ -79,6 +79,9 @@ class FabricScheduler:
         self._sending: dict[str, _Sending] = {}
         self._receiving: dict[str, _Receiving] = {}
         self._loads: list[LoadPlan] = []
+        # NOTE: a failed load makes vLLM reschedule the request from scratch,
+        # asking again; one load attempt per request, then it computes.
+        self._attempted: set[str] = set()
 
     # ------------------------------------------------------------ decoder
     def get_num_new_matched_tokens(
@@ -86,6 +89,8 @@ class FabricScheduler:
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if not (self.consume and params.get("do_remote_prefill")):
+            return 0, False
+        if request.request_id in self._attempted:
             return 0, False
         transfer_id = params.get("transfer_id")
         num_tokens = len(request.prompt_token_ids or [])
@@ -111,6 +116,7 @@ class FabricScheduler:
         rid = request.request_id
         recv = self._receiving.pop(rid, None)
         if recv is not None and num_external_tokens > 0:
+            self._attempted.add(rid)
             first = recv.num_local_tokens // self.block_size
             last = -(-(recv.num_local_tokens + num_external_tokens) // self.block_size)
             self._loads.append(
@@ -192,6 +198,7 @@ class FabricScheduler:
         """The ``kv_transfer_params`` for the response (prefiller), or None."""
         rid = request.request_id
         self._receiving.pop(rid, None)
+        self._attempted.discard(rid)
         send = self._sending.pop(rid, None)
         if send is None:
             return None
