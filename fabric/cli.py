@@ -1,4 +1,5 @@
-"""``fabric`` command line: ``fabric bench transfer ...``, ``fabric version``."""
+"""``fabric`` command line: ``fabric bench transfer ...``, ``fabric model tiny DIR``,
+``fabric up CONFIG``, ``fabric proxy CONFIG``, ``version``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks (fabric bench transfer --help)")
     bench.add_argument("what", choices=["transfer"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+    model = sub.add_parser("model", help="build a test model (fabric model tiny DIR)")
+    model.add_argument("kind", choices=["tiny"])
+    model.add_argument("dir", help="output directory (reused if it already holds the model)")
+    model.add_argument("--kv-heavy", action="store_true", help="Llama-3-8B KV geometry")
+    model.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    up = sub.add_parser("up", help="start a topology's engines and proxy (fabric up CONFIG)")
+    up.add_argument("config", help="topology YAML, e.g. configs/1p1d.yaml")
+    proxy = sub.add_parser("proxy", help="serve only the PD proxy for running engines")
+    proxy.add_argument("config", help="topology YAML whose engines have url (or port)")
+    proxy.add_argument("--host", help="listen address (default: proxy.host)")
+    proxy.add_argument("--port", type=int, help="listen port (default: proxy.port)")
     ns = parser.parse_args(argv)
     if ns.command == "version":
         from fabric import __version__
@@ -23,7 +35,39 @@ def main(argv: list[str] | None = None) -> int:
         from fabric.bench.transfer import main as bench_transfer
 
         bench_transfer(ns.rest)
+    elif ns.command == "model":
+        from fabric.models import make_tiny_model
+
+        print(make_tiny_model(ns.dir, kv_heavy=ns.kv_heavy, seed=ns.seed))
+    elif ns.command in ("up", "proxy"):
+        return _serve(ns)
     return 0
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    """``fabric up`` / ``fabric proxy``: a config error is one message, exit status 2."""
+    import logging
+
+    from fabric.errors import ConfigError
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # NOTE: httpx logs every request at INFO: an access log by another name.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        if ns.command == "up":
+            from fabric.launch.up import main as up_main
+
+            return up_main(ns.config)
+        from fabric.config import load_topology
+        from fabric.router.serve import run_proxy
+
+        run_proxy(load_topology(ns.config), host=ns.host, port=ns.port)
+        return 0
+    except ConfigError as exc:
+        print(f"fabric {ns.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ class ConnectorConfig:
     transport: str = "auto"
     chunk_tokens: int = 256
     store_mib: int = 1024
+    store_slots: int = 0
     lease_ms: int = 30_000
     load_timeout_s: float = 20.0
     unknown_transfer_grace_s: float = 2.0
@@ -36,6 +37,8 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.kv_port < 65536:
             raise ConfigError(f"kv_connector_extra_config.kv_port: {self.kv_port} is not a port")
+        if self.store_slots < 0:
+            raise ConfigError("kv_connector_extra_config.store_slots: must be >= 0")
         for name in ("chunk_tokens", "store_mib", "lease_ms", "pack_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be >= 1")

@@ -70,7 +70,7 @@ class FabricWorker:
         self.layout = layout
         chunk_blocks = self.config.chunk_tokens // self.block_size
         slot_bytes = layout.chunk_nbytes(chunk_blocks)
-        num_slots = max(4, (self.config.store_mib << 20) // slot_bytes)
+        num_slots = self.config.store_slots or max(4, (self.config.store_mib << 20) // slot_bytes)
         store = ChunkStore(StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots))
         self.store = store
         self.node = TransferNode(

@@ -1,0 +1,351 @@
+"""Typed configuration of a PD topology: engines, proxy and connector.
+
+A topology YAML names the prefill and decode engines, the proxy and the
+connector settings every engine shares::
+
+    model: tiny                 # default model of every engine below
+    workdir: work               # logs, run state, built models
+    prefill:
+      - {name: prefill-0, cpu_cores: "0"}
+    decode:
+      - {name: decode-0, cpu_cores: "1", port: 8200, kv_port: 8201}
+    proxy: {port: 8000}
+    connector: {chunk_tokens: 256, store_mib: 512}
+
+An engine either runs already (``url``, and for a decoder the ``kv_port`` of
+its connector) or is started by ``fabric up`` (``model``, or a ``command``
+template for engines that are not vLLM). Unset ports are chosen free at
+launch. ``load_topology(path)`` turns every problem into a
+:class:`~fabric.errors.ConfigError` whose message names the file and the
+field, e.g. ``configs/x.yaml: decode[0].port: Input should be a valid integer``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fabric.errors import ConfigError
+
+Role = Literal["prefill", "decode", "both"]
+Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+Seconds = Annotated[float, Field(gt=0)]
+
+LOCAL_HOST = "127.0.0.1"
+
+
+class _Frozen(BaseModel):
+    """Base of every config model: immutable, and unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Frozen):
+    """One engine of the topology.
+
+    ``url``: an engine that already runs (``fabric up`` only waits for it).
+    Otherwise ``fabric up`` starts it: vLLM serving ``model``, or ``command``
+    when given, a template whose ``{port}``, ``{kv_port}``, ``{name}``,
+    ``{role}``, ``{model}``, ``{workdir}``, ``{python}`` and
+    ``{kv_transfer_config}`` (JSON) are filled in. ``port``/``kv_port`` left
+    unset are chosen free at launch. ``env`` is added to the engine's
+    environment; ``args`` to vLLM's command line.
+    """
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    role: Role
+    url: str | None = None
+    model: str | None = None
+    command: list[str] | None = None
+    port: Port | None = None
+    kv_port: Port | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    args: list[str] = Field(default_factory=list)
+    cuda_visible_devices: str | None = None
+    cpu_cores: str | None = None
+    kv_cache_gib: PositiveInt = 1
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_as_strings(cls, value: Any) -> Any:
+        # NOTE: YAML reads `FOO: 1` as an int; environment values are strings.
+        if isinstance(value, dict):
+            return {k: _scalar_str(v) for k, v in value.items()}
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _url_xor_launch(self) -> EngineConfig:
+        if self.url is not None and (self.model is not None or self.command is not None):
+            raise ValueError("give either url (a running engine) or model/command, not both")
+        if self.url is None and self.model is None and self.command is None:
+            raise ValueError("give url (a running engine) or model (to start one)")
+        if self.url is not None and self.port is not None:
+            raise ValueError("port: a running engine's port is the one in its url")
+        return self
+
+    @property
+    def launched(self) -> bool:
+        """True when ``fabric up`` starts this engine (no ``url``)."""
+        return self.url is None
+
+    @property
+    def host(self) -> str:
+        """Host the engine answers on: the url's host, else loopback."""
+        if self.url is not None:
+            return urlsplit(self.url).hostname or LOCAL_HOST
+        return LOCAL_HOST
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the engine's OpenAI server."""
+        if self.url is not None:
+            return self.url
+        if self.port is None:
+            raise ConfigError(f"{self.name}: port is not set (resolved at launch)")
+        return f"http://{LOCAL_HOST}:{self.port}"
+
+    @property
+    def kv_endpoint(self) -> str | None:
+        """``tcp://host:kv_port`` of the engine's fabric control channel, if known."""
+        if self.kv_port is None:
+            return None
+        return f"tcp://{self.host}:{self.kv_port}"
+
+    @property
+    def kv_role(self) -> str:
+        """The ``kv_role`` vLLM's kv-transfer-config takes for this role."""
+        return {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[self.role]
+
+
+class ProxyConfig(_Frozen):
+    """The PD proxy: where it listens, its timeouts and its policy.
+
+    ``port`` None picks a free port. Timeouts bound every wait: connecting to
+    an engine, the prefill answer, each read from the decoder (for a stream:
+    the gap between two chunks), and health probes. ``health_interval_s``:
+    period of the background health check (0 = off; failures seen on requests
+    still mark engines down). ``max_connections``: pool size of the shared
+    HTTP client, per engine. ``http_pool``: the connection pool under that
+    client: ``aiohttp`` (default; httpx's own when aiohttp is not installed)
+    or ``httpx`` (see :mod:`fabric.router.transport`).
+    """
+
+    host: str = LOCAL_HOST
+    port: Port | None = 8000
+    connect_timeout_s: Seconds = 5.0
+    prefill_timeout_s: Seconds = 600.0
+    decode_timeout_s: Seconds = 600.0
+    health_timeout_s: Seconds = 2.0
+    health_interval_s: Annotated[float, Field(ge=0)] = 5.0
+    policy: Literal["round_robin"] = "round_robin"
+    max_connections: PositiveInt = 1024
+    http_pool: Literal["aiohttp", "httpx"] = "aiohttp"
+
+
+class ConnectorConfig(_Frozen):
+    """Settings of the fabric connector, shared by every engine.
+
+    Passed to vLLM as ``kv_connector_extra_config`` (see :meth:`extra_config`).
+    ``store_slots`` or ``store_mib`` sizes the chunk store (neither: the
+    connector's default). ``load_timeout_s``: how long a decoder waits for
+    pushed chunks before recomputing (None: the connector's default). ``extra``
+    is passed through verbatim (the connector refuses keys it does not know).
+    """
+
+    chunk_tokens: PositiveInt = 256
+    store_slots: PositiveInt | None = None
+    store_mib: PositiveInt | None = None
+    transport: Literal["auto", "nixl", "tcp"] = "auto"
+    load_timeout_s: Seconds | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_store_size(self) -> ConnectorConfig:
+        if self.store_slots is not None and self.store_mib is not None:
+            raise ValueError("give store_slots or store_mib, not both")
+        return self
+
+    def extra_config(self, kv_port: int, host: str = LOCAL_HOST) -> dict[str, Any]:
+        """The ``kv_connector_extra_config`` dict of an engine whose channel is ``kv_port``."""
+        out: dict[str, Any] = {
+            "kv_port": kv_port,
+            "host": host,
+            "chunk_tokens": self.chunk_tokens,
+            "transport": self.transport,
+        }
+        optional = {
+            "store_slots": self.store_slots,
+            "store_mib": self.store_mib,
+            "load_timeout_s": self.load_timeout_s,
+        }
+        out.update({k: v for k, v in optional.items() if v is not None})
+        return {**out, **self.extra}
+
+
+class TopologyConfig(_Frozen):
+    """A whole PD deployment: engines, proxy, connector and a work directory.
+
+    Engine entries may omit ``role`` (taken from the list they are in),
+    ``name`` (``prefill-0``, ``decode-1``...) and ``model`` (``model`` here).
+    ``startup_timeout_s`` bounds ``fabric up``'s wait for healthy engines.
+    """
+
+    model: str | None = None
+    workdir: str = "work"
+    prefill: list[EngineConfig]
+    decode: list[EngineConfig]
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
+    startup_timeout_s: Seconds = 600.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_engine_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for role in ("prefill", "decode"):
+            entries = data.get(role)
+            if isinstance(entries, list):
+                data[role] = [
+                    _engine_defaults(e, role, i, data.get("model")) for i, e in enumerate(entries)
+                ]
+        return data
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> TopologyConfig:
+        for role in ("prefill", "decode"):
+            if not getattr(self, role):
+                raise ValueError(f"{role}: at least one {role} engine is needed")
+        for path, engine in self.engines_with_paths():
+            listed = path.split("[")[0]
+            allowed = (listed, "both")
+            if engine.role not in allowed:
+                raise ValueError(f"{path}.role: {engine.role!r} engine in the {listed} list")
+        _check_unique_names(self)
+        _check_unique_ports(self)
+        return self
+
+    @property
+    def engines(self) -> list[EngineConfig]:
+        """Every engine, prefillers first."""
+        return [*self.prefill, *self.decode]
+
+    def engines_with_paths(self) -> Iterator[tuple[str, EngineConfig]]:
+        """``("prefill[0]", engine)``... for messages that name the entry."""
+        for role in ("prefill", "decode"):
+            for i, engine in enumerate(getattr(self, role)):
+                yield f"{role}[{i}]", engine
+
+    @property
+    def workdir_path(self) -> Path:
+        """``workdir`` as an absolute path (relative to the current directory)."""
+        return Path(self.workdir).expanduser().resolve()
+
+
+def load_topology(path: str | os.PathLike[str]) -> TopologyConfig:
+    """Read and validate a topology YAML; every problem is a ``ConfigError``."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    return parse_topology(data, source=str(path))
+
+
+def parse_topology(data: Any, source: str = "<topology>") -> TopologyConfig:
+    """Validate an already-parsed topology (a dict); errors name ``source`` and the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return TopologyConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from exc
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    """One ``source: field.path: message`` line per pydantic error."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        where = field_path(err["loc"])
+        lines.append(f"{source}: {where}: {msg}" if where else f"{source}: {msg}")
+    return "\n".join(lines)
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """``("decode", 0, "port")`` -> ``decode[0].port``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _engine_defaults(entry: Any, role: str, index: int, model: Any) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    entry = {"name": f"{role}-{index}", "role": role, **entry}
+    if model is not None and not {"url", "model"} & entry.keys():
+        entry["model"] = model
+    return entry
+
+
+def _check_unique_names(topology: TopologyConfig) -> None:
+    seen: dict[str, str] = {}
+    for path, engine in topology.engines_with_paths():
+        if engine.name in seen:
+            raise ValueError(
+                f"{path}.name: {engine.name!r} is also the name of {seen[engine.name]}"
+            )
+        seen[engine.name] = path
+
+
+def _check_unique_ports(topology: TopologyConfig) -> None:
+    seen: dict[tuple[str, int], str] = {}
+    used: list[tuple[str, str, int | None]] = [
+        ("proxy.port", topology.proxy.host, topology.proxy.port)
+    ]
+    for path, engine in topology.engines_with_paths():
+        used += [
+            (f"{path}.port", engine.host, engine.port),
+            (f"{path}.kv_port", engine.host, engine.kv_port),
+        ]
+    for where, host, port in used:
+        if port is None:
+            continue
+        key = (_host_key(host), port)
+        if key in seen:
+            raise ValueError(f"{where}: port {port} is already used by {seen[key]}")
+        seen[key] = where
+
+
+def _host_key(host: str) -> str:
+    return LOCAL_HOST if host in ("localhost", "0.0.0.0", "::1") else host
+
+
+def _scalar_str(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int | float):
+        return str(value)
+    return value

@@ -1,0 +1,1 @@
+"""Starting engines and the proxy: processes, health waits, shutdown."""

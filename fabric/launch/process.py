@@ -1,0 +1,274 @@
+"""Child processes with owners: start, health-wait, stop by process group.
+
+``ManagedProcess`` runs one command in its own session (so its process group
+holds everything it spawns, e.g. vLLM's EngineCore) with stdout and stderr in
+a log file. ``stop()`` signals the group, never a name. The helpers build
+what a real vLLM CPU engine needs on a machine with no GPU and no internet
+(see ``notes/vllm-cpu.md``): a free loopback port, an offline environment
+whose files stay in one work dir, and the ``serve`` command line.
+
+    ManagedProcess(argv, log_path=..., env=..., cwd=...)
+      .pid / .alive() / .returncode / .log_tail() / .wait() / .stop()
+    wait_http_ok(url, timeout, proc=None)
+    free_port(host="127.0.0.1") -> int
+    engine_env(workdir, cpu_cores=None, kv_cache_gib=1) -> dict[str, str]
+    vllm_serve_command(model_dir, port, ...) -> list[str]
+
+Errors: ``ProcessExited`` (the process died while being waited on, with its
+log tail) and ``StartTimeout`` (it never answered), both ``LaunchError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from fabric.errors import FabricError
+
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_SEED = 0
+LOG_TAIL_BYTES = 4000
+
+
+class LaunchError(FabricError):
+    """A process fabric started did not come up."""
+
+
+class ProcessExited(LaunchError):
+    """The process exited while we waited for it; the message carries its log tail."""
+
+
+class StartTimeout(LaunchError, TimeoutError):
+    """The process did not become healthy within the timeout."""
+
+
+class ManagedProcess:
+    """One command in its own process group, logging to ``log_path``.
+
+    Starts at construction (like ``subprocess.Popen``). Use as a context
+    manager, or call ``stop()``; ``__del__`` is only a backstop.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.name = name or Path(self.argv[0]).name
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        """Process id of the command, which is also its process group id."""
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once it exited (negative: killed by that signal), else None."""
+        return self._popen.poll()
+
+    def alive(self) -> bool:
+        """True while the command itself has not exited."""
+        return self._popen.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the command to exit; ``subprocess.TimeoutExpired`` on timeout."""
+        return self._popen.wait(timeout)
+
+    def log_tail(self, num_bytes: int = LOG_TAIL_BYTES) -> str:
+        """The last ``num_bytes`` of the log, decoded leniently."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - num_bytes))
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM the process group, wait up to ``timeout`` s, then SIGKILL the group.
+
+        Children left in the group after the leader exited are killed too.
+        Returns the exit status. Safe to call twice.
+        """
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._popen.wait(timeout)
+        # NOTE: even after a clean exit, spawned children may linger in the group.
+        self._signal_group(signal.SIGKILL)
+        try:
+            return self._popen.wait(5.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._popen.pid, sig)
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        popen = getattr(self, "_popen", None)
+        if popen is not None and popen.poll() is None:
+            self._signal_group(signal.SIGKILL)
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess(name={self.name!r}, pid={self.pid}, alive={self.alive()})"
+
+
+def wait_http_ok(
+    url: str, timeout: float, proc: ManagedProcess | None = None, *, interval: float = 0.25
+) -> None:
+    """Poll ``GET url`` until it answers 200.
+
+    Raises ``ProcessExited`` at once if ``proc`` dies meanwhile, and
+    ``StartTimeout`` (with ``proc``'s log tail) after ``timeout`` seconds.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while True:
+            if proc is not None and not proc.alive():
+                raise ProcessExited(
+                    f"{proc.name} (pid {proc.pid}) exited with {proc.returncode} "
+                    f"before {url} answered; log {proc.log_path}:\n{proc.log_tail()}"
+                )
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                tail = f"; log {proc.log_path}:\n{proc.log_tail()}" if proc is not None else ""
+                raise StartTimeout(f"{url} did not answer 200 within {timeout:.0f} s{tail}")
+            time.sleep(interval)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (bind to port 0, then release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def engine_env(
+    workdir: Path,
+    *,
+    cpu_cores: str | None = None,
+    kv_cache_gib: int = 1,
+    torch_compile: bool = False,
+) -> dict[str, str]:
+    """The environment of a vLLM CPU engine: offline, loopback, files under ``workdir``.
+
+    Starts from ``os.environ``. ``cpu_cores`` (e.g. ``"0"`` or ``"0-1"``) pins
+    the engine's OpenMP threads; ``kv_cache_gib`` sizes its KV pool.
+    ``torch_compile=False`` sets ``TORCH_COMPILE_DISABLE=1``: even with
+    ``--enforce-eager``, vLLM compiles a sampler helper with inductor on the
+    first request that asks for logprobs, which stalls that request for
+    13-22 s in every new engine process on this machine.
+    """
+    workdir = Path(workdir).resolve()
+    dirs = {
+        "TMPDIR": workdir / "tmp",
+        "VLLM_RPC_BASE_PATH": workdir / "rpc",
+        "VLLM_CACHE_ROOT": workdir / "cache" / "vllm",
+        "TORCHINDUCTOR_CACHE_DIR": workdir / "cache" / "inductor",
+    }
+    for path in dirs.values():
+        path.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({name: str(path) for name, path in dirs.items()})
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "UCX_NET_DEVICES": "lo",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if cpu_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+    if not torch_compile:
+        env["TORCH_COMPILE_DISABLE"] = "1"
+    return env
+
+
+def vllm_serve_command(
+    model_dir: str | os.PathLike[str],
+    port: int,
+    *,
+    kv_transfer_config: dict[str, Any] | None = None,
+    extra_args: Sequence[str] = (),
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    seed: int = DEFAULT_SEED,
+    served_model_name: str | None = None,
+) -> list[str]:
+    """``vllm serve`` for a small, deterministic, quick-to-start engine on 127.0.0.1:``port``.
+
+    Runs through ``fabric.launch.vllm_main`` so it works with vllm-cpu too.
+    """
+    argv = [
+        sys.executable,
+        "-m",
+        "fabric.launch.vllm_main",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--seed",
+        str(seed),
+        "--max-model-len",
+        str(max_model_len),
+        "--disable-uvicorn-access-log",
+    ]
+    if served_model_name is not None:
+        argv += ["--served-model-name", served_model_name]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config, separators=(",", ":"))]
+    argv += list(extra_args)
+    return argv

@@ -1,0 +1,157 @@
+"""The PD proxy app: ``create_app(topology) -> FastAPI``.
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (the PD flow
+of :mod:`fabric.router.pd`), ``GET /v1/models`` (from the first healthy
+decoder), ``GET /health`` (200 when at least one prefiller and one decoder
+answer their ``/health``, else 503 with per-engine details) and
+``GET /metrics`` (Prometheus text: counters, engine health and load).
+
+NOTE: per-request overhead is what limits a Python proxy (see
+``notes/peers.md``): routes are plain Starlette routes (no body models, no
+dependency injection), there is no middleware, one ``httpx.AsyncClient``
+is shared, and the server runs without an access log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from fabric.config import TopologyConfig
+from fabric.router import pd
+from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
+from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_response
+from fabric.router.policy import make_policy
+from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
+from fabric.router.state import ProxyState
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def create_app(topology: TopologyConfig) -> FastAPI:
+    """A proxy for ``topology``, whose engines' ports must be known.
+
+    State lives on ``app.state.proxy`` (:class:`ProxyState`); the HTTP client
+    is opened and the health loop started by the app's lifespan.
+    Raises ``ConfigError`` when an engine has no url/port or a decoder no kv_port.
+    """
+    state = ProxyState(
+        topology.proxy, EnginePool.from_topology(topology), make_policy(topology.proxy.policy)
+    )
+    app = FastAPI(
+        title="fabric PD proxy",
+        lifespan=_lifespan(state),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.proxy = state
+    app.add_route(COMPLETIONS.path, _generation(state, COMPLETIONS), methods=["POST"])
+    app.add_route(CHAT_COMPLETIONS.path, _generation(state, CHAT_COMPLETIONS), methods=["POST"])
+    app.add_route("/v1/models", _guarded(lambda request: _models(state)), methods=["GET"])
+    app.add_route("/health", _guarded(lambda request: _health(state)), methods=["GET"])
+    app.add_route("/metrics", _guarded(lambda request: _metrics(state)), methods=["GET"])
+    return app
+
+
+def _lifespan(
+    state: ProxyState,
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = state.open_client()
+        task = None
+        if state.config.health_interval_s > 0:
+            loop = health_loop(
+                client, state.pool, state.config.health_interval_s, state.config.health_timeout_s
+            )
+            task = asyncio.create_task(loop, name="fabric-proxy-health")
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await state.close_client()
+
+    return lifespan
+
+
+def _generation(state: ProxyState, endpoint: Endpoint) -> Handler:
+    return _guarded(lambda request: pd.serve_generation(state, request, endpoint))
+
+
+def _guarded(handler: Handler) -> Handler:
+    """Turn every failure into an OpenAI-style JSON error, never a bare 500."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ProxyError as exc:
+            return exc.response()
+        except Exception as exc:
+            logger.exception("proxy error on %s %s", request.method, request.url.path)
+            return error_response(500, f"proxy error: {describe(exc)}", INTERNAL)
+
+    return route
+
+
+async def _models(state: ProxyState) -> Response:
+    """``/v1/models`` of the first decoder that answers (healthy ones first)."""
+    decoders = sorted(state.pool.decoders, key=lambda e: not e.healthy)
+    reasons = []
+    for engine in decoders:
+        try:
+            response = await state.client.get(
+                f"{engine.url}/v1/models", timeout=state.config.health_timeout_s
+            )
+        except httpx.HTTPError as exc:
+            reasons.append(f"{engine.name}: {describe(exc)}")
+            continue
+        if response.is_success:
+            return Response(response.content, response.status_code, media_type="application/json")
+        reasons.append(f"{engine.name}: HTTP {response.status_code}")
+    raise ProxyError(
+        503, "no decode engine answered /v1/models: " + "; ".join(reasons), UNAVAILABLE
+    )
+
+
+async def _health(state: ProxyState) -> Response:
+    """200 when at least one prefiller and one decoder answer ``/health`` now."""
+    await probe_all(state.client, state.pool, state.config.health_timeout_s)
+    ok = bool(state.pool.healthy_prefillers()) and any(e.healthy for e in state.pool.decoders)
+    body = {
+        "status": "ok" if ok else "unavailable",
+        "prefill": {e.name: _engine_health(e) for e in state.pool.prefillers},
+        "decode": {e.name: _engine_health(e) for e in state.pool.decoders},
+    }
+    return JSONResponse(body, 200 if ok else 503)
+
+
+def _engine_health(engine: Engine) -> dict[str, object]:
+    return {"url": engine.url, "healthy": engine.healthy, "error": engine.last_error}
+
+
+async def _metrics(state: ProxyState) -> Response:
+    """Prometheus text format: counters, then per-engine health and load."""
+    lines = []
+    for name, value in state.counters.as_dict().items():
+        metric = f"fabric_proxy_{name}_total"
+        lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
+    for gauge in ("healthy", "outstanding"):
+        metric = f"fabric_proxy_engine_{gauge}"
+        lines.append(f"# TYPE {metric} gauge")
+        for e in state.pool.engines:
+            value = int(getattr(e, gauge))
+            lines.append(f'{metric}{{engine="{e.name}",role="{e.role}"}} {value}')
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -1,0 +1,320 @@
+"""A fake engine that speaks enough of vLLM's OpenAI API to drive the proxy.
+
+``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE stream),
+``/v1/models`` and ``/health``, answering at once with deterministic tokens
+(a function of the prompt only, so a decoder's answer is the same with or
+without remote KV). A prefiller that gets ``kv_transfer_params`` with
+``do_remote_decode`` answers with the params a fabric prefiller returns::
+
+    {"do_remote_prefill": true, "do_remote_decode": false,
+     "transfer_id": ..., "num_tokens": N, "prefill_kv_endpoint": "tcp://..."}
+
+It records the requests it saw (``GET /fake/requests``, ``DELETE`` clears),
+so tests can check what P and D were sent. Knobs inject failures: a delay
+before answering, a fixed error status, a prefiller without params.
+
+Run it: ``python -m fabric.router.fake_engine --port N --role prefill|decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from uuid import uuid4
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class FakeEngineConfig:
+    """How a fake engine behaves.
+
+    ``delay_s``: wait before answering a generation request (timeouts).
+    ``token_delay_s``: wait between streamed tokens. ``fail_status``: answer
+    every generation request with this HTTP status. ``kv_params``: False makes
+    a prefiller that returns no ``kv_transfer_params`` (no connector).
+    """
+
+    role: Literal["prefill", "decode", "both"] = "decode"
+    name: str = "fake"
+    model: str = "fake"
+    kv_endpoint: str | None = None
+    delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fail_status: int | None = None
+    kv_params: bool = True
+    max_recorded: int = 1000
+
+
+@dataclass
+class FakeEngineState:
+    """The config and the requests seen (newest last, bounded)."""
+
+    config: FakeEngineConfig
+    seen: deque[dict[str, Any]] = field(default_factory=deque)
+
+    def record(self, path: str, request: Request, body: Any) -> None:
+        """Remember one generation request."""
+        if len(self.seen) >= self.config.max_recorded:
+            self.seen.popleft()
+        self.seen.append(
+            {"path": path, "request_id": request.headers.get("x-request-id"), "body": body}
+        )
+
+
+def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
+    """The fake engine's app; its state is ``app.state.fake``."""
+    state = FakeEngineState(config)
+    app = FastAPI(
+        title=f"fabric fake engine {config.name}", docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.fake = state
+
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, chat=True)
+
+    async def models(request: Request) -> Response:
+        card = {
+            "id": config.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fabric-fake",
+            "root": config.model,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def requests(request: Request) -> Response:
+        if request.method == "DELETE":
+            state.seen.clear()
+        return JSONResponse(list(state.seen))
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/fake/requests", requests, methods=["GET", "DELETE"])
+    return app
+
+
+async def _generate(state: FakeEngineState, request: Request, *, chat: bool) -> Response:
+    config = state.config
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return _error(400, "invalid JSON")
+    state.record(request.url.path, request, body)
+    if config.delay_s:
+        await asyncio.sleep(config.delay_s)
+    if config.fail_status is not None:
+        return _error(config.fail_status, f"{config.name} is failing on purpose")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    if body.get("model") != config.model:
+        return _error(404, f"The model `{body.get('model')}` does not exist.")
+    answer = _Answer.of(state.config, body, chat)
+    if body.get("stream"):
+        return StreamingResponse(
+            _stream(answer, config.token_delay_s), media_type="text/event-stream"
+        )
+    return JSONResponse(answer.full())
+
+
+@dataclass
+class _Answer:
+    """One generated answer, rendered as JSON or as stream chunks."""
+
+    chat: bool
+    model: str
+    tokens: list[str]
+    prompt_tokens: int
+    include_usage: bool
+    kv_transfer_params: dict[str, Any] | None
+    id: str = field(default_factory=lambda: uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def of(cls, config: FakeEngineConfig, body: dict[str, Any], chat: bool) -> _Answer:
+        prompt = body.get("messages") if chat else body.get("prompt")
+        max_tokens = body.get("max_tokens") or DEFAULT_MAX_TOKENS
+        options = body.get("stream_options") or {}
+        return cls(
+            chat=chat,
+            model=config.model,
+            tokens=fake_tokens(prompt, max_tokens),
+            prompt_tokens=count_prompt_tokens(prompt),
+            include_usage=bool(options.get("include_usage")),
+            kv_transfer_params=_returned_params(config, body, count_prompt_tokens(prompt)),
+        )
+
+    def full(self) -> dict[str, Any]:
+        """The non-streaming answer."""
+        text = "".join(self.tokens)
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice.update(finish_reason="length", stop_reason=None)
+        out = self._head("chat.completion" if self.chat else "text_completion")
+        return {
+            **out,
+            "choices": [choice],
+            "usage": self.usage(),
+            "kv_transfer_params": self.kv_transfer_params,
+        }
+
+    def chunks(self) -> list[dict[str, Any]]:
+        """The streamed answer, one chunk per token (plus usage when asked)."""
+        out = [self._chunk(i, token) for i, token in enumerate(self.tokens)]
+        if self.include_usage:
+            out.append({**self._head(self._chunk_object()), "choices": [], "usage": self.usage()})
+        return out
+
+    def usage(self) -> dict[str, int]:
+        """Token counts as vLLM reports them."""
+        n = len(self.tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+        }
+
+    def _chunk(self, i: int, token: str) -> dict[str, Any]:
+        last = i == len(self.tokens) - 1
+        if self.chat:
+            delta = {"role": "assistant", "content": token} if i == 0 else {"content": token}
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": token, "logprobs": None}
+        choice.update(finish_reason="length" if last else None, stop_reason=None)
+        return {**self._head(self._chunk_object()), "choices": [choice]}
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {
+            "id": f"{prefix}-{self.id}",
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+        }
+
+
+async def _stream(answer: _Answer, token_delay_s: float) -> AsyncIterator[bytes]:
+    for chunk in answer.chunks():
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        if token_delay_s:
+            await asyncio.sleep(token_delay_s)
+    yield b"data: [DONE]\n\n"
+
+
+def fake_tokens(prompt: Any, max_tokens: int) -> list[str]:
+    """``max_tokens`` deterministic tokens, a function of the prompt only."""
+    seed = zlib.crc32(json.dumps(prompt, sort_keys=True).encode())
+    return [f" t{(seed + i * 7919) % 1000}" for i in range(max_tokens)]
+
+
+def count_prompt_tokens(prompt: Any) -> int:
+    """A stand-in token count: words of text, length of token id lists."""
+    if isinstance(prompt, str):
+        return max(1, len(prompt.split()))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(count_prompt_tokens(p) for p in prompt)
+    if isinstance(prompt, dict):
+        return count_prompt_tokens(prompt.get("content") or "")
+    return 1
+
+
+def _returned_params(
+    config: FakeEngineConfig, body: dict[str, Any], num_tokens: int
+) -> dict[str, Any] | None:
+    params = body.get("kv_transfer_params")
+    if config.role == "decode" or not config.kv_params or not isinstance(params, dict):
+        return None
+    if not params.get("do_remote_decode"):
+        return None
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": params.get("transfer_id"),
+        "num_tokens": num_tokens,
+        "prefill_kv_endpoint": config.kv_endpoint,
+    }
+
+
+def _error(status: int, message: str) -> Response:
+    error = {
+        "message": message,
+        "type": "BadRequestError" if status < 500 else "InternalServerError",
+        "param": None,
+        "code": status,
+    }
+    return JSONResponse({"error": error}, status)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options of ``python -m fabric.router.fake_engine``."""
+    p = argparse.ArgumentParser(
+        prog="python -m fabric.router.fake_engine", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="decode")
+    p.add_argument("--name", default="fake")
+    p.add_argument("--model", default="fake")
+    p.add_argument("--kv-port", type=int, help="names tcp://HOST:KV_PORT as this engine's endpoint")
+    p.add_argument("--delay-s", type=float, default=0.0)
+    p.add_argument("--token-delay-s", type=float, default=0.0)
+    p.add_argument("--fail-status", type=int)
+    p.add_argument("--no-kv-params", action="store_true", help="a prefiller without the connector")
+    return p.parse_args(argv)
+
+
+def config_from_args(ns: argparse.Namespace) -> FakeEngineConfig:
+    """The engine config the options describe."""
+    kv_endpoint = f"tcp://{ns.host}:{ns.kv_port}" if ns.kv_port else None
+    return FakeEngineConfig(
+        role=ns.role,
+        name=ns.name,
+        model=ns.model,
+        kv_endpoint=kv_endpoint,
+        delay_s=ns.delay_s,
+        token_delay_s=ns.token_delay_s,
+        fail_status=ns.fail_status,
+        kv_params=not ns.no_kv_params,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve a fake engine until interrupted."""
+    import uvicorn
+
+    ns = parse_args(argv)
+    app = create_fake_engine(config_from_args(ns))
+    uvicorn.run(app, host=ns.host, port=ns.port, access_log=False, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""What one proxy app holds: config, engines, policy, HTTP client, counters.
+
+Kept on ``app.state.proxy``; nothing lives in module globals, so two proxies
+can run in one process (tests do).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+import httpx
+
+from fabric.config import ProxyConfig
+from fabric.router.engines import Engine, EnginePool
+from fabric.router.policy import Policy
+from fabric.router.transport import open_transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    """Monotonic counters, exported on ``/metrics``.
+
+    ``fallbacks``: requests decoded without remote KV (the prefill failed, P
+    returned no ``kv_transfer_params``, or no prefiller was healthy), so the
+    decoder computed the prompt itself.
+    """
+
+    requests: int = 0
+    client_errors: int = 0
+    fallbacks: int = 0
+    prefill_errors: int = 0
+    decode_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Counter name -> value."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class ProxyState:
+    """State of one proxy app; the HTTP client exists while the app runs."""
+
+    def __init__(self, config: ProxyConfig, pool: EnginePool, policy: Policy) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.counters = Counters()
+        connect = config.connect_timeout_s
+        self.prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=connect)
+        self.decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=connect)
+        self._prefill_extensions = {"timeout": self.prefill_timeout.as_dict()}
+        self._decode_extensions = {"timeout": self.decode_timeout.as_dict()}
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The shared client; only between app startup and shutdown."""
+        if self._client is None:
+            raise RuntimeError("the proxy's HTTP client is not open (app not started)")
+        return self._client
+
+    def open_client(self) -> httpx.AsyncClient:
+        """Create the shared client, sized for ``max_connections`` per engine."""
+        size = self.config.max_connections * max(1, len(self.pool.engines))
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        # NOTE: trust_env=False: engine traffic must never go through an
+        # HTTP(S)_PROXY from the environment, and no .netrc lookups per request.
+        transport = open_transport(size) if self.config.http_pool == "aiohttp" else None
+        if transport is None and self.config.http_pool == "aiohttp":
+            logger.warning("aiohttp is not installed: using httpx's pool (more CPU per request)")
+        self._client = httpx.AsyncClient(
+            limits=limits, trust_env=False, timeout=self.decode_timeout, transport=transport
+        )
+        return self._client
+
+    def engine_request(
+        self,
+        engine: Engine,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        prefill: bool = False,
+    ) -> httpx.Request:
+        """A POST of ``content`` to ``engine``, with the prefill or decode timeouts.
+
+        NOTE: built directly rather than by ``client.post``: the client's URL,
+        header and cookie merging cost per request and add nothing here.
+        """
+        extensions = self._prefill_extensions if prefill else self._decode_extensions
+        url = engine.url_for(path)
+        return httpx.Request("POST", url, content=content, headers=headers, extensions=extensions)
+
+    async def close_client(self) -> None:
+        """Close the shared client."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

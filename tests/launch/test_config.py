@@ -1,0 +1,175 @@
+"""Topology YAML: the shipped configs load, and every mistake names its file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fabric.config import TopologyConfig, load_topology, parse_topology
+from fabric.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+GOOD = """\
+model: tiny
+workdir: w
+prefill:
+  - {cpu_cores: "0", env: {FOO: 1, BAR: true}}
+decode:
+  - {name: d, port: 8200, kv_port: 8201, args: ["--max-model-len", "2048"]}
+  - {url: "http://10.0.0.7:8000/", kv_port: 9000, role: both}
+connector: {store_slots: 64, load_timeout_s: 5, extra: {pack_threads: 2}}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "topology.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load(path: Path) -> None:
+    topology = load_topology(path)
+    assert topology.prefill and topology.decode
+
+
+def test_good_yaml_fills_defaults_from_the_list_and_the_top(tmp_path: Path) -> None:
+    topology = load_topology(write(tmp_path, GOOD))
+
+    [p] = topology.prefill
+    d, remote = topology.decode
+    assert (p.name, p.role, p.model, p.env) == (
+        "prefill-0",
+        "prefill",
+        "tiny",
+        {"FOO": "1", "BAR": "1"},
+    )
+    assert (d.name, d.role, d.base_url, d.kv_endpoint) == (
+        "d",
+        "decode",
+        "http://127.0.0.1:8200",
+        "tcp://127.0.0.1:8201",
+    )
+    assert (remote.model, remote.base_url, remote.kv_role) == (
+        None,
+        "http://10.0.0.7:8000",
+        "kv_both",
+    )
+    assert remote.kv_endpoint == "tcp://10.0.0.7:9000"
+    assert topology.proxy.port == 8000 and topology.proxy.policy == "round_robin"
+    assert topology.connector.extra_config(8201) == {
+        "kv_port": 8201,
+        "host": "127.0.0.1",
+        "chunk_tokens": 256,
+        "transport": "auto",
+        "store_slots": 64,
+        "load_timeout_s": 5.0,
+        "pack_threads": 2,
+    }
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    topology = load_topology(write(tmp_path, GOOD))
+    with pytest.raises(ValueError):
+        topology.decode[0].port = 1
+
+
+BAD = [
+    (
+        "decode: [{port: x}]\nprefill: [{}]\nmodel: m",
+        "decode[0].port: Input should be a valid integer",
+    ),
+    (
+        "decode: [{port: 70000}]\nprefill: [{}]\nmodel: m",
+        "decode[0].port: Input should be less than or equal to 65535",
+    ),
+    (
+        "decode: [{prot: 1}]\nprefill: [{}]\nmodel: m",
+        "decode[0].prot: Extra inputs are not permitted",
+    ),
+    (
+        "decode: [{}]\nprefill: [{}]\nmodel: m\nproxy: {policy: random}",
+        "proxy.policy: Input should be 'round_robin'",
+    ),
+    (
+        "decode: [{}]\nprefill: [{}]",
+        "prefill[0]: give url (a running engine) or model (to start one)",
+    ),
+    (
+        "decode: [{url: 'http://h:1', model: m}]\nprefill: [{}]\nmodel: m",
+        "decode[0]: give either url",
+    ),
+    (
+        "decode: [{url: 'h:1'}]\nprefill: [{}]\nmodel: m",
+        "decode[0].url: 'h:1' is not an http(s) URL",
+    ),
+    ("decode: []\nprefill: [{}]\nmodel: m", "decode: at least one decode engine is needed"),
+    ("decode: [{}]\nmodel: m", "prefill: Field required"),
+    (
+        "decode: [{name: a}]\nprefill: [{name: a}]\nmodel: m",
+        "decode[0].name: 'a' is also the name of prefill[0]",
+    ),
+    (
+        "decode: [{port: 9000}]\nprefill: [{kv_port: 9000}]\nmodel: m",
+        "decode[0].port: port 9000 is already used by prefill[0].kv_port",
+    ),
+    (
+        "decode: [{port: 8000}]\nprefill: [{}]\nmodel: m",
+        "decode[0].port: port 8000 is already used by proxy.port",
+    ),
+    (
+        "decode: [{role: prefill}]\nprefill: [{}]\nmodel: m",
+        "decode[0].role: 'prefill' engine in the decode list",
+    ),
+    (
+        "decode: [{}]\nprefill: [{}]\nmodel: m\nconnector: {store_mib: 1, store_slots: 1}",
+        "connector: give store_slots or store_mib, not both",
+    ),
+    (
+        "decode: [{}]\nprefill: [{}]\nmodel: m\nconnector: {transport: ucx}",
+        "connector.transport: Input should be 'auto', 'nixl' or 'tcp'",
+    ),
+    (
+        "decode: [{}]\nprefill: [{}]\nmodel: m\nconnector: {chunk_tokens: 0}",
+        "connector.chunk_tokens: Input should be greater than 0",
+    ),
+    (
+        "decode: [{env: {A: [1]}}]\nprefill: [{}]\nmodel: m",
+        "decode[0].env.A: Input should be a valid string",
+    ),
+    ("- a\n- b", "the top level must be a mapping, got list"),
+    ("decode: [", "invalid YAML"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_bad_yaml_names_file_and_field(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_topology(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert message in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_topology(tmp_path / "nope.yaml")
+
+
+def test_every_error_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_topology(write(tmp_path, "decode: [{port: x, kv_port: y}]\nprefill: [{}]\nmodel: m"))
+    assert str(info.value).splitlines() == [
+        f"{tmp_path / 'topology.yaml'}: decode[0].port: Input should be a valid integer",
+        f"{tmp_path / 'topology.yaml'}: decode[0].kv_port: Input should be a valid integer",
+    ]
+
+
+def test_parse_topology_takes_a_dict() -> None:
+    topology = parse_topology({"model": "m", "prefill": [{}], "decode": [{}]}, source="x")
+    assert isinstance(topology, TopologyConfig)
+    assert [e.name for e in topology.engines] == ["prefill-0", "decode-0"]
+    assert topology.prefill[0].kv_role == "kv_producer"
+    assert topology.decode[0].kv_role == "kv_consumer"

@@ -1,0 +1,170 @@
+"""ManagedProcess and the engine helpers, with plain Python children (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fabric.launch.process import (
+    ManagedProcess,
+    ProcessExited,
+    StartTimeout,
+    engine_env,
+    free_port,
+    vllm_serve_command,
+    wait_http_ok,
+)
+
+SPAWNS_A_SLEEPER = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print('child', child.pid, flush=True)\n"
+    "time.sleep(60)\n"
+)
+IGNORES_SIGTERM = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def wait_for_log(proc: ManagedProcess, text: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while text not in (log := proc.log_tail()):
+        assert time.monotonic() < deadline, f"{text!r} never logged: {log!r}"
+        time.sleep(0.05)
+    return log
+
+
+def gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie awaiting its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"
+
+
+def test_output_goes_to_the_log_and_the_exit_status_is_kept(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        python("print('hello'); raise SystemExit(3)"), log_path=tmp_path / "p.log"
+    )
+    assert proc.wait(10) == 3
+    assert not proc.alive()
+    assert proc.returncode == 3
+    assert "hello" in (tmp_path / "p.log").read_text()
+    assert proc.stop() == 3  # stopping an exited process is harmless
+
+
+def test_runs_in_its_own_process_group_with_env_and_cwd(tmp_path: Path) -> None:
+    code = "import os; print(os.getpgid(0) == os.getpid(), os.getcwd(), os.environ['FABRIC_X'])"
+    env = {**os.environ, "FABRIC_X": "42"}
+    proc = ManagedProcess(python(code), log_path=tmp_path / "p.log", env=env, cwd=tmp_path)
+    proc.wait(10)
+    assert proc.log_tail().split() == ["True", str(tmp_path), "42"]
+
+
+def test_stop_kills_the_whole_group(tmp_path: Path) -> None:
+    with ManagedProcess(python(SPAWNS_A_SLEEPER), log_path=tmp_path / "p.log") as proc:
+        child_pid = int(wait_for_log(proc, "child").split()[1])
+        assert proc.alive()
+    assert not proc.alive()
+    deadline = time.monotonic() + 5
+    while not gone(child_pid):
+        assert time.monotonic() < deadline, "grandchild survived stop()"
+        time.sleep(0.05)
+
+
+def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
+    proc = ManagedProcess(python(IGNORES_SIGTERM), log_path=tmp_path / "p.log")
+    wait_for_log(proc, "ready")
+    started = time.monotonic()
+    assert proc.stop(timeout=0.5) == -9
+    assert time.monotonic() - started < 5
+
+
+def test_wait_http_ok_returns_once_the_server_answers(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    with ManagedProcess(argv, log_path=tmp_path / "http.log", cwd=tmp_path) as proc:
+        wait_http_ok(f"http://127.0.0.1:{port}/", timeout=20, proc=proc)
+
+
+def test_wait_http_ok_fails_fast_with_the_log_tail_when_the_process_dies(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        python("print('boom: no model'); raise SystemExit(2)"), log_path=tmp_path / "p.log"
+    )
+    started = time.monotonic()
+    with pytest.raises(ProcessExited, match="boom: no model"):
+        wait_http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=60, proc=proc)
+    assert time.monotonic() - started < 10
+
+
+def test_wait_http_ok_times_out(tmp_path: Path) -> None:
+    with pytest.raises(StartTimeout) as info:
+        wait_http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=0.5)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_free_port_can_be_bound() -> None:
+    import socket
+
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_engine_env_is_offline_loopback_and_inside_the_workdir(tmp_path: Path) -> None:
+    env = engine_env(tmp_path, cpu_cores="1", kv_cache_gib=2)
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == env["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["UCX_NET_DEVICES"] == "lo"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["TORCH_COMPILE_DISABLE"] == "1"
+    for name in ("TMPDIR", "VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
+        assert Path(env[name]).is_dir()
+        assert Path(env[name]).is_relative_to(tmp_path.resolve())
+
+
+def test_engine_env_leaves_binding_and_compile_alone_when_asked(tmp_path: Path) -> None:
+    env = engine_env(tmp_path, torch_compile=True)
+    assert env.get("VLLM_CPU_OMP_THREADS_BIND") == os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    assert env.get("TORCH_COMPILE_DISABLE") == os.environ.get("TORCH_COMPILE_DISABLE")
+
+
+def test_vllm_serve_command(tmp_path: Path) -> None:
+    kv = {"kv_connector": "FabricConnector", "kv_role": "kv_producer"}
+    argv = vllm_serve_command(
+        tmp_path, 8123, kv_transfer_config=kv, extra_args=["--max-num-seqs", "4"]
+    )
+    assert argv[:5] == [sys.executable, "-m", "fabric.launch.vllm_main", "serve", str(tmp_path)]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert "--enforce-eager" in argv
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == kv
+    assert argv[-2:] == ["--max-num-seqs", "4"]
+
+
+def test_vllm_main_reports_a_cpu_version_for_vllm() -> None:
+    import importlib.metadata as metadata
+
+    try:
+        expected = metadata.version("vllm-cpu") + "+cpu"
+    except metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed")
+    code = "import fabric.launch.vllm_main, importlib.metadata as m; print(m.version('vllm'))"
+    version = subprocess.run(python(code), capture_output=True, text=True, check=True).stdout
+    assert version.strip() == expected

@@ -1,0 +1,307 @@
+"""``fabric up``: commands built for vLLM, and whole runs with fake engines as the engines.
+
+The runs go through the real code path (``python -m fabric.cli up CONFIG`` in
+a subprocess, engines started by ``ManagedProcess``) with each engine's
+``command`` set to the fake engine, so no vLLM is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from fabric.config import parse_topology
+from fabric.launch import up
+from fabric.launch.process import free_port
+
+FAKE = [
+    "{python}", "-m", "fabric.router.fake_engine", "--port", "{port}", "--role", "{role}",
+    "--name", "{name}", "--model", "{model}", "--kv-port", "{kv_port}",
+]  # fmt: skip
+CRASH = ["{python}", "-c", "import sys; print('engine {name} is broken'); sys.exit(3)"]
+STALL = ["{python}", "-c", "import time; time.sleep(60)"]
+
+
+def test_resolve_ports_fills_free_distinct_ports_and_keeps_given_ones() -> None:
+    topology = parse_topology(
+        {
+            "model": "m",
+            "prefill": [{}, {"port": 8100}],
+            "decode": [{"url": "http://127.0.0.1:8300", "kv_port": 8301}],
+            "proxy": {"port": None},
+        }
+    )
+
+    resolved = up.resolve_ports(topology)
+
+    p0, p1 = resolved.prefill
+    ports = [p0.port, p0.kv_port, p1.port, p1.kv_port]
+    assert None not in ports and len(set(ports)) == 4
+    assert p1.port == 8100
+    assert resolved.decode[0] == topology.decode[0]
+
+
+def test_vllm_command_carries_the_fabric_kv_transfer_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fabric.models.tiny
+
+    built: list[tuple[Path, bool]] = []
+
+    def make_tiny_model(out_dir: Path, *, kv_heavy: bool = False) -> Path:
+        built.append((out_dir, kv_heavy))
+        return out_dir
+
+    monkeypatch.setattr(fabric.models.tiny, "make_tiny_model", make_tiny_model)
+    topology = parse_topology(
+        {
+            "model": "tiny",
+            "workdir": str(tmp_path),
+            "prefill": [{"port": 8100, "kv_port": 8101, "args": ["--max-num-seqs", "4"]}],
+            "decode": [{"port": 8200, "kv_port": 8201, "model": "tiny-kv-heavy"}],
+            "connector": {"store_mib": 64, "extra": {"pack_threads": 2}},
+        }
+    )
+
+    command = up.engine_command(topology.prefill[0], topology)
+
+    assert built == [(tmp_path / "models" / "tiny", False)]
+    assert command[:4] == [sys.executable, "-m", "fabric.launch.vllm_main", "serve"]
+    assert command[4] == str(tmp_path / "models" / "tiny")
+    assert option(command, "--port") == "8100"
+    assert option(command, "--served-model-name") == "tiny"
+    assert command[-2:] == ["--max-num-seqs", "4"]
+    assert json.loads(option(command, "--kv-transfer-config")) == {
+        "kv_connector": "FabricConnector",
+        "kv_connector_module_path": "fabric.integrations.vllm",
+        "kv_role": "kv_producer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "kv_port": 8101,
+            "host": "127.0.0.1",
+            "chunk_tokens": 256,
+            "transport": "auto",
+            "store_mib": 64,
+            "pack_threads": 2,
+        },
+    }
+    decode = up.engine_command(topology.decode[0], topology)
+    assert built[-1] == (tmp_path / "models" / "tiny-kv-heavy", True)
+    assert json.loads(option(decode, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+
+
+def test_real_model_names_go_to_vllm_as_they_are(tmp_path: Path) -> None:
+    topology = parse_topology(
+        {
+            "model": "org/model",
+            "workdir": str(tmp_path),
+            "prefill": [{"port": 8100, "kv_port": 8101}],
+            "decode": [{"port": 8200, "kv_port": 8201}],
+        }
+    )
+    command = up.engine_command(topology.prefill[0], topology)
+    assert command[4] == "org/model" and "--served-model-name" not in command
+
+
+def test_engine_environment_pins_and_adds_env(tmp_path: Path) -> None:
+    topology = parse_topology(
+        {
+            "model": "m",
+            "workdir": str(tmp_path),
+            "prefill": [{"cpu_cores": "1", "cuda_visible_devices": "2", "env": {"X": "y"}}],
+            "decode": [{}],
+        }
+    )
+    env = up.engine_environment(topology.prefill[0], topology)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["CUDA_VISIBLE_DEVICES"], env["X"]) == (
+        "1",
+        "2",
+        "y",
+    )
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_command_template_is_filled(tmp_path: Path) -> None:
+    topology = parse_topology(
+        {
+            "model": "fake",
+            "workdir": str(tmp_path),
+            "prefill": [
+                {"port": 8100, "kv_port": 8101, "command": [*FAKE, "--json={kv_transfer_config}"]}
+            ],
+            "decode": [{"port": 8200, "kv_port": 8201}],
+        }
+    )
+    command = up.engine_command(topology.prefill[0], topology)
+    assert command[:5] == [sys.executable, "-m", "fabric.router.fake_engine", "--port", "8100"]
+    assert option(command, "--kv-port") == "8101" and option(command, "--model") == "fake"
+    kv_config = json.loads(command[-1].removeprefix("--json="))
+    assert kv_config["kv_connector_extra_config"]["kv_port"] == 8101
+
+
+def option(command: list[str], name: str) -> str:
+    """The value after ``name`` in a command line."""
+    return command[command.index(name) + 1]
+
+
+class UpRun:
+    """``fabric up`` in a subprocess; whatever it started is killed at teardown."""
+
+    def __init__(self, tmp_path: Path, prefill: list[str], decode: list[str], **top: Any) -> None:
+        self.workdir = tmp_path / "work"
+        config = {
+            "model": "fake",
+            "workdir": str(self.workdir),
+            "prefill": [{"command": prefill}],
+            "decode": [{"command": decode}],
+            "proxy": {"port": free_port(), "health_interval_s": 0.5},
+            **top,
+        }
+        path = tmp_path / "topology.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fabric.cli", "up", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(
+            target=self._read, args=(self.process.stdout, self.lines.put), daemon=True
+        ).start()
+        threading.Thread(
+            target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True
+        ).start()
+
+    @staticmethod
+    def _read(stream: Any, put: Any) -> None:
+        for line in stream:
+            put(line)
+
+    def wait_line(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        """The first stdout line matching ``pattern``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    break
+                continue
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"no line matching {pattern!r}; stderr:\n{''.join(self.stderr)}")
+
+    def engine_pids(self) -> list[int]:
+        """Pids of the engines it started, from its log."""
+        return [int(m) for m in re.findall(r"started \S+ \(pid (\d+)\)", "".join(self.stderr))]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` and wait for the exit status."""
+        self.process.send_signal(sig)
+        return self.process.wait(timeout)
+
+    def kill_all(self) -> None:
+        """Teardown backstop: kill the launcher and every engine it reported."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        for pid in self.engine_pids():
+            if is_running(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def runs() -> Iterator[list[UpRun]]:
+    started: list[UpRun] = []
+    yield started
+    for run in started:
+        run.kill_all()
+
+
+def test_up_serves_through_the_proxy_and_stops_everything_on_sigterm(
+    tmp_path: Path, runs: list[UpRun]
+) -> None:
+    run = UpRun(tmp_path, FAKE, FAKE)
+    runs.append(run)
+
+    url = run.wait_line(r"proxy ready at (http://\S+)").group(1)
+    state = json.loads((run.workdir / "run" / "up.json").read_text())
+    response = httpx.post(
+        f"{url}/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 3}, timeout=10
+    )
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    status = run.stop(signal.SIGTERM)
+
+    assert response.status_code == 200, response.text
+    assert "fabric_proxy_fallbacks_total 0\n" in metrics
+    assert state["proxy_url"] == url
+    assert [e["name"] for e in state["engines"]] == ["prefill-0", "decode-0"]
+    pids = [e["pid"] for e in state["engines"]]
+    assert sorted(pids) == sorted(run.engine_pids())
+    assert status == 0
+    assert not any(is_running(pid) for pid in pids)
+    assert not (run.workdir / "run" / "up.json").exists()
+    assert (run.workdir / "logs" / "decode-0.log").exists()
+
+
+def test_engine_that_dies_at_start_stops_everything_and_shows_its_log(
+    tmp_path: Path, runs: list[UpRun]
+) -> None:
+    run = UpRun(tmp_path, FAKE, CRASH)
+    runs.append(run)
+
+    status = run.process.wait(60)
+
+    stderr = "".join(run.stderr)
+    assert status == 1
+    assert "decode-0" in stderr and "engine decode-0 is broken" in stderr
+    assert run.engine_pids() and not any(is_running(pid) for pid in run.engine_pids())
+
+
+def test_engine_that_never_answers_is_a_bounded_failure(tmp_path: Path, runs: list[UpRun]) -> None:
+    run = UpRun(tmp_path, FAKE, STALL, startup_timeout_s=2)
+    runs.append(run)
+
+    status = run.process.wait(60)
+
+    assert status == 1
+    assert "decode-0 not healthy within 2 s" in "".join(run.stderr)
+    assert not any(is_running(pid) for pid in run.engine_pids())
+
+
+def test_sigint_while_waiting_for_engines_stops_them(tmp_path: Path, runs: list[UpRun]) -> None:
+    run = UpRun(tmp_path, FAKE, STALL)
+    runs.append(run)
+    run.wait_line(r"waiting for 2 engines")
+
+    status = run.stop(signal.SIGINT)
+
+    assert status == 0
+    assert len(run.engine_pids()) == 2
+    assert not any(is_running(pid) for pid in run.engine_pids())

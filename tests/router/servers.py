@@ -1,0 +1,106 @@
+"""In-process servers for the proxy tests: fake engines and proxies on free ports."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Self
+
+import uvicorn
+from fastapi import FastAPI
+
+from fabric.config import TopologyConfig, parse_topology
+from fabric.launch.process import free_port
+from fabric.router import create_app
+from fabric.router.fake_engine import FakeEngineConfig, FakeEngineState, create_fake_engine
+from fabric.router.serve import bind_socket, socket_url
+from fabric.router.state import ProxyState
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn in a daemon thread on a free loopback port."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._sock = bind_socket("127.0.0.1", 0)
+        self.url = socket_url(self._sock)
+        config = uvicorn.Config(
+            app, access_log=False, log_config=None, lifespan="on", timeout_graceful_shutdown=1
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self, timeout: float = 10.0) -> Self:
+        """Start serving; return once the server accepts connections."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def request_stop(self) -> None:
+        """Ask the server to shut down (returns at once)."""
+        self._server.should_exit = True
+
+    def stop(self) -> None:
+        """Shut down and join the thread."""
+        self.request_stop()
+        self._thread.join(10.0)
+        self._sock.close()
+
+
+class FakeEngine(ServerThread):
+    """A fake engine in a thread; ``seen`` holds the requests it received."""
+
+    def __init__(self, config: FakeEngineConfig) -> None:
+        super().__init__(create_fake_engine(config))
+        self.config = config
+
+    @property
+    def state(self) -> FakeEngineState:
+        """The engine's recorded state."""
+        state: FakeEngineState = self.app.state.fake
+        return state
+
+    @property
+    def seen(self) -> list[dict[str, Any]]:
+        """Generation requests received so far, oldest first."""
+        return list(self.state.seen)
+
+
+class Proxy(ServerThread):
+    """A proxy in a thread."""
+
+    def __init__(self, topology: TopologyConfig) -> None:
+        super().__init__(create_app(topology))
+
+    @property
+    def state(self) -> ProxyState:
+        """The proxy's state (counters, engines)."""
+        state: ProxyState = self.app.state.proxy
+        return state
+
+
+def dead_url() -> str:
+    """The URL of a loopback port nothing listens on."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def topology(
+    prefill_urls: list[str], decode_urls: list[str], **proxy: Any
+) -> tuple[TopologyConfig, list[int]]:
+    """A topology of running engines; returns it and the decoders' kv ports."""
+    kv_ports = [free_port() for _ in decode_urls]
+    proxy_config = {"port": None, "health_interval_s": 0, **proxy}
+    data = {
+        "prefill": [{"url": url} for url in prefill_urls],
+        "decode": [
+            {"url": url, "kv_port": kv} for url, kv in zip(decode_urls, kv_ports, strict=True)
+        ],
+        "proxy": proxy_config,
+    }
+    return parse_topology(data, source="test"), kv_ports

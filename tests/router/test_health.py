@@ -1,0 +1,107 @@
+"""``/health``, ``/v1/models``, ``/metrics`` and the background health loop."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from .conftest import StartEngine, StartProxy
+from .servers import dead_url
+
+
+def test_health_is_ok_when_a_prefiller_and_a_decoder_answer(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p.url, dead_url()], [d.url])
+
+    response = client.get(f"{proxy.url}/health")
+
+    assert response.status_code == 200
+    body = response.json()
+    assert body["status"] == "ok"
+    assert body["prefill"]["prefill-0"]["healthy"] is True
+    assert body["prefill"]["prefill-1"]["healthy"] is False
+    assert "ConnectError" in body["prefill"]["prefill-1"]["error"]
+
+
+def test_health_is_503_without_a_prefiller(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    d = start_engine("decode")
+    proxy = start_proxy([dead_url()], [d.url])
+
+    response = client.get(f"{proxy.url}/health")
+
+    assert response.status_code == 503
+    assert response.json()["status"] == "unavailable"
+    assert response.json()["decode"]["decode-0"]["healthy"] is True
+
+
+def test_health_is_503_without_a_decoder(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p = start_engine("prefill")
+    proxy = start_proxy([p.url], [dead_url()])
+
+    assert client.get(f"{proxy.url}/health").status_code == 503
+
+
+def test_models_come_from_the_first_healthy_decoder(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode", model="tiny")
+    proxy = start_proxy([p.url], [dead_url(), d.url])
+
+    response = client.get(f"{proxy.url}/v1/models")
+
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"]] == ["tiny"]
+
+
+def test_models_without_a_decoder_is_a_503_json_error(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p = start_engine("prefill")
+    proxy = start_proxy([p.url], [dead_url()])
+
+    response = client.get(f"{proxy.url}/v1/models")
+
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "service_unavailable"
+
+
+def test_health_loop_brings_a_prefiller_back(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url], health_interval_s=0.05)
+    engine = proxy.state.pool.prefillers[0]
+    engine.mark_down("test")
+
+    deadline = time.monotonic() + 5.0
+    while not engine.healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+    assert engine.healthy
+    response = client.post(
+        f"{proxy.url}/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2}
+    )
+    assert response.status_code == 200
+    assert len(p.seen) == 1 and proxy.state.counters.fallbacks == 0
+
+
+def test_metrics_export_counters_and_engine_gauges(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url])
+    client.post(f"{proxy.url}/v1/completions", json={"model": "fake", "prompt": "x"})
+
+    text = client.get(f"{proxy.url}/metrics").text
+
+    assert "fabric_proxy_requests_total 1\n" in text
+    assert "fabric_proxy_fallbacks_total 0\n" in text
+    assert 'fabric_proxy_engine_healthy{engine="decode-0",role="decode"} 1\n' in text
+    assert 'fabric_proxy_engine_outstanding{engine="prefill-0",role="prefill"} 0\n' in text
