@@ -34,7 +34,7 @@ CHUNK_TOKENS = 256  # vLLM CPU block size is 128: 2 blocks per chunk
 PROMPT_LENGTHS = [3, 40, 127, 128, 255, 256, 257, 300, 384, 511, 512, 513, 700, 768]
 PROMPT_LENGTHS += [1024, 1100, 1300, 1536, 1800, 2000]
 MAX_TOKENS = 6
-LOGPROB_ABS_TOL = 0.05  # a few bf16 steps at |logprob| ~ 1-6
+LOGPROB_ABS_TOL = 0.01  # one bf16 step; measured: 0.0003 on the tiny model
 FALLBACK_BOUND_S = 60.0
 
 
