@@ -19,7 +19,10 @@ boundary with ``raise X(...) from exc``.
      |    +-- ReservationExpired a lease ran out before the write completed
      |    +-- TransportFailed   the data plane reported an error
      +-- ProtocolError          a wire message that cannot be accepted
-                                (wrong version, garbage, too large)
+     |                          (wrong version, garbage, too large)
+     +-- LaunchError            a process fabric started did not come up
+          +-- ProcessExited     it exited while we waited (message: log tail)
+          +-- StartTimeout      it was not healthy in time (also a TimeoutError)
 """
 
 from __future__ import annotations
@@ -87,3 +90,15 @@ class TransportFailed(TransferError):
 
 class ProtocolError(FabricError):
     """A control message was refused: wrong version, garbage, or too large."""
+
+
+class LaunchError(FabricError):
+    """A process fabric started did not come up."""
+
+
+class ProcessExited(LaunchError):
+    """The process exited while we waited for it; the message carries its log tail."""
+
+
+class StartTimeout(LaunchError, TimeoutError):
+    """The process did not become healthy within the timeout."""

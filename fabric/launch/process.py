@@ -33,23 +33,22 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from fabric.errors import FabricError
+from fabric.errors import LaunchError, ProcessExited, StartTimeout
+
+__all__ = [
+    "LaunchError",
+    "ManagedProcess",
+    "ProcessExited",
+    "StartTimeout",
+    "engine_env",
+    "free_port",
+    "vllm_serve_command",
+    "wait_http_ok",
+]
 
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_SEED = 0
 LOG_TAIL_BYTES = 4000
-
-
-class LaunchError(FabricError):
-    """A process fabric started did not come up."""
-
-
-class ProcessExited(LaunchError):
-    """The process exited while we waited for it; the message carries its log tail."""
-
-
-class StartTimeout(LaunchError, TimeoutError):
-    """The process did not become healthy within the timeout."""
 
 
 class ManagedProcess:
