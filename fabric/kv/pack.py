@@ -15,8 +15,8 @@ CPU tensors (the point of this module: torch's CPU ``index_select`` manages
 If the C extension was not built, a Python loop of torch slice ``copy_`` calls
 does the same copies (correct, slower) and a warning is logged once;
 :func:`backend` says which one runs. Tensors on an accelerator go to
-:class:`DeviceKernels` chosen per device type; for now a torch indexing
-implementation that runs on the device.
+:class:`DeviceKernels` chosen per device type: the fused kernels of ``csrc/``
+for CUDA when they load (:mod:`fabric.kv.cuda`), else torch indexing.
 """
 
 from __future__ import annotations
@@ -282,10 +282,14 @@ class TorchIndexKernels:
 
 
 def device_kernels(device_type: str) -> DeviceKernels:
-    """The pack/unpack implementation for caches on ``device_type``."""
-    # NOTE: the fused CUDA kernels (csrc/, one launch for all layers) slot in
-    # here once built; until then every accelerator uses torch indexing.
-    return TorchIndexKernels()
+    """The pack/unpack implementation for caches on ``device_type``.
+
+    CUDA caches get the fused ``csrc/`` kernels when the extension loads, any
+    other accelerator (or CUDA without it) torch indexing: see :mod:`fabric.kv.cuda`.
+    """
+    from fabric.kv.cuda import kernels_for  # NOTE: lazy, fabric.kv.cuda imports this module
+
+    return kernels_for(device_type)
 
 
 def _block_ids(block_ids: BlockIds, layout: KVLayout) -> np.ndarray:
