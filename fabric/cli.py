@@ -1,5 +1,5 @@
 """``fabric`` command line: ``fabric bench transfer ...``, ``fabric model tiny DIR``,
-``fabric up CONFIG``, ``fabric proxy CONFIG``, ``version``."""
+``fabric up CONFIG``, ``fabric proxy CONFIG``, ``fabric status``, ``version``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     proxy.add_argument("config", help="topology YAML whose engines have url (or port)")
     proxy.add_argument("--host", help="listen address (default: proxy.host)")
     proxy.add_argument("--port", type=int, help="listen port (default: proxy.port)")
+    status = sub.add_parser("status", help="a running proxy's engines and counters")
+    status.add_argument("--url", help="proxy URL (default: WORKDIR/run/up.json, else :8000)")
+    status.add_argument("--workdir", default="work", help="fabric up's workdir (default: work)")
     ns = parser.parse_args(argv)
     if ns.command == "version":
         from fabric import __version__
@@ -39,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from fabric.models import make_tiny_model
 
         print(make_tiny_model(ns.dir, kv_heavy=ns.kv_heavy, seed=ns.seed))
+    elif ns.command == "status":
+        from fabric.launch.status import main as status_main
+
+        return status_main(ns.url, ns.workdir)
     elif ns.command in ("up", "proxy"):
         return _serve(ns)
     return 0

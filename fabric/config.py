@@ -37,6 +37,7 @@ Role = Literal["prefill", "decode", "both"]
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 Seconds = Annotated[float, Field(gt=0)]
+PolicyName = Literal["round_robin", "least_outstanding"]
 
 LOCAL_HOST = "127.0.0.1"
 
@@ -145,6 +146,12 @@ class ProxyConfig(_Frozen):
     HTTP client, per engine. ``http_pool``: the connection pool under that
     client: ``aiohttp`` (default; httpx's own when aiohttp is not installed)
     or ``httpx`` (see :mod:`fabric.router.transport`).
+
+    ``policy`` picks prefillers and decoders (:mod:`fabric.router.policy`);
+    ``prefill_policy`` / ``decode_policy`` override it for one role.
+    ``disaggregate_min_prompt_tokens``: prompts shorter than this go straight
+    to a decoder, which computes them itself (0 = always disaggregate). Token
+    ids are counted exactly; text is estimated as UTF-8 bytes // 4.
     """
 
     host: str = LOCAL_HOST
@@ -154,7 +161,10 @@ class ProxyConfig(_Frozen):
     decode_timeout_s: Seconds = 600.0
     health_timeout_s: Seconds = 2.0
     health_interval_s: Annotated[float, Field(ge=0)] = 5.0
-    policy: Literal["round_robin"] = "round_robin"
+    policy: PolicyName = "round_robin"
+    prefill_policy: PolicyName | None = None
+    decode_policy: PolicyName | None = None
+    disaggregate_min_prompt_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     max_connections: PositiveInt = 1024
     http_pool: Literal["aiohttp", "httpx"] = "aiohttp"
 

@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (the PD flow
 of :mod:`fabric.router.pd`), ``GET /v1/models`` (from the first healthy
 decoder), ``GET /health`` (200 when at least one prefiller and one decoder
 answer their ``/health``, else 503 with per-engine details) and
-``GET /metrics`` (Prometheus text: counters, engine health and load).
+``GET /metrics`` (Prometheus text: counters, engine health and load) and
+``GET /fabric/status`` (the same as JSON, for ``fabric status``).
 
 NOTE: per-request overhead is what limits a Python proxy (see
 ``notes/peers.md``): routes are plain Starlette routes (no body models, no
@@ -28,7 +29,7 @@ from fabric.config import TopologyConfig
 from fabric.router import pd
 from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
 from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_response
-from fabric.router.policy import make_policy
+from fabric.router.policy import Routing
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from fabric.router.state import ProxyState
 
@@ -45,7 +46,7 @@ def create_app(topology: TopologyConfig) -> FastAPI:
     Raises ``ConfigError`` when an engine has no url/port or a decoder no kv_port.
     """
     state = ProxyState(
-        topology.proxy, EnginePool.from_topology(topology), make_policy(topology.proxy.policy)
+        topology.proxy, EnginePool.from_topology(topology), Routing.from_config(topology.proxy)
     )
     app = FastAPI(
         title="fabric PD proxy",
@@ -60,6 +61,7 @@ def create_app(topology: TopologyConfig) -> FastAPI:
     app.add_route("/v1/models", _guarded(lambda request: _models(state)), methods=["GET"])
     app.add_route("/health", _guarded(lambda request: _health(state)), methods=["GET"])
     app.add_route("/metrics", _guarded(lambda request: _metrics(state)), methods=["GET"])
+    app.add_route("/fabric/status", _guarded(lambda request: _status(state)), methods=["GET"])
     return app
 
 
@@ -148,6 +150,7 @@ async def _metrics(state: ProxyState) -> Response:
     for name, value in state.counters.as_dict().items():
         metric = f"fabric_proxy_{name}_total"
         lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
+    lines += ["# TYPE fabric_proxy_in_flight gauge", f"fabric_proxy_in_flight {state.in_flight}"]
     for gauge in ("healthy", "outstanding"):
         metric = f"fabric_proxy_engine_{gauge}"
         lines.append(f"# TYPE {metric} gauge")
@@ -155,3 +158,25 @@ async def _metrics(state: ProxyState) -> Response:
             value = int(getattr(e, gauge))
             lines.append(f'{metric}{{engine="{e.name}",role="{e.role}"}} {value}')
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+async def _status(state: ProxyState) -> Response:
+    """What the proxy knows now (no probes): engines, policies, counters, in-flight requests."""
+    body = {
+        "engines": [
+            {
+                "name": e.name,
+                "role": e.role,
+                "url": e.url,
+                "healthy": e.healthy,
+                "outstanding": e.outstanding,
+                "error": e.last_error,
+            }
+            for e in state.pool.engines
+        ],
+        "policies": {"prefill": state.policy.prefill.name, "decode": state.policy.decode.name},
+        "disaggregate_min_prompt_tokens": state.config.disaggregate_min_prompt_tokens,
+        "counters": state.counters.as_dict(),
+        "in_flight": state.in_flight,
+    }
+    return JSONResponse(body)

@@ -34,10 +34,17 @@ class ProxyError(Exception):
         self.message = message
         self.type = type
         self.param = param
+        self.request_id: str | None = None
+        # NOTE: True when nothing reached the engine (connection refused), so
+        # the request may go to another engine.
+        self.retryable = False
 
     def response(self) -> Response:
-        """The JSON response the client gets."""
-        return error_response(self.status, self.message, self.type, self.param)
+        """The JSON response the client gets (with ``X-Request-Id`` once known)."""
+        response = error_response(self.status, self.message, self.type, self.param)
+        if self.request_id is not None:
+            response.headers["x-request-id"] = self.request_id
+        return response
 
 
 def error_body(status: int, message: str, type: str, param: str | None = None) -> bytes:

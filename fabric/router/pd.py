@@ -4,6 +4,7 @@
 
     client --body--> proxy
                        | pick (P, D) by policy; transfer_id = uuid4().hex
+                       | (CLIENT_ID-xxxxxxxx if the client sent X-Request-Id)
                        |--- body + max_tokens=1, stream=false,
                        |    kv_transfer_params{do_remote_decode, transfer_id,
                        |    decode_kv_endpoint=D} --------------------------> P
@@ -16,6 +17,10 @@ If the prefill fails (unreachable, timeout, non-2xx) or P returns no
 prompt itself; the fallback is logged and counted. A decoder failure is an
 OpenAI-style 502 (unreachable) or 504 (timeout) JSON error; after a stream
 has started, an error event ends it.
+
+A prompt shorter than ``disaggregate_min_prompt_tokens`` skips P: D gets the
+body without params and computes it (counted as a local decode). P and D get
+the transfer id as ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from fabric.router.requests import (
     Endpoint,
     decode_body,
     dump_json,
+    estimate_prompt_tokens,
     is_stream,
     parse_body,
     prefill_body,
@@ -44,26 +50,108 @@ from fabric.router.state import ProxyState
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
+MAX_CLIENT_ID = 128
 
 
 async def serve_generation(state: ProxyState, request: Request, endpoint: Endpoint) -> Response:
-    """Answer one completion/chat request through a prefiller and a decoder."""
+    """Answer one completion/chat request through a prefiller and a decoder.
+
+    The answer (errors too) carries ``X-Request-Id``: the client's, or the
+    transfer id when the client sent none.
+    """
     state.counters.requests += 1
+    client_id = request.headers.get("x-request-id")
+    transfer_id = new_transfer_id(client_id)
+    try:
+        response = await _serve(state, request, endpoint, transfer_id)
+    except ProxyError as exc:
+        exc.request_id = client_id or transfer_id
+        raise
+    response.headers["x-request-id"] = client_id or transfer_id
+    return response
+
+
+def new_transfer_id(client_id: str | None) -> str:
+    """A unique id for P and D (vLLM's request id): the client's id plus a suffix.
+
+    NOTE: clients may reuse ids; P and D need unique ones, hence the suffix.
+    """
+    if not client_id:
+        return uuid4().hex
+    return f"{client_id[:MAX_CLIENT_ID]}-{uuid4().hex[:8]}"
+
+
+async def _serve(
+    state: ProxyState, request: Request, endpoint: Endpoint, transfer_id: str
+) -> Response:
     try:
         body = parse_body(await request.body(), endpoint)
     except ProxyError:
         state.counters.client_errors += 1
         raise
-    prefill, decode = state.policy.pick(
-        state.pool.healthy_prefillers(), state.pool.candidate_decoders(), body
-    )
-    transfer_id = uuid4().hex
+    local = _too_short(state, body, endpoint)
+    prefillers = [] if local else state.pool.healthy_prefillers()
+    prefill, decode = state.policy.pick(prefillers, state.pool.candidate_decoders(), body)
     headers = _forward_headers(request, transfer_id)
-    params = await _prefill_or_none(state, prefill, decode, endpoint, body, transfer_id, headers)
-    content = dump_json(decode_body(body, params))
+    # NOTE: D counts the request from its pick (its prefill included), so
+    # load-aware policies see requests that are still prefilling; _decode
+    # and relay_stream take the count over and release it.
+    decode.outstanding += 1
+    try:
+        if local:
+            state.counters.local_decodes += 1
+            params = None
+        else:
+            params = await _prefill_or_none(
+                state, prefill, decode, endpoint, body, transfer_id, headers
+            )
+        content = dump_json(decode_body(body, params))
+    except BaseException:
+        decode.outstanding -= 1
+        state.policy.on_finish(prefill, decode, False)
+        raise
+    try:
+        return await _send_decode(state, prefill, decode, endpoint, body, content, headers)
+    except ProxyError as exc:
+        retry = _other_decoder(state, decode) if exc.retryable else None
+        if retry is None:
+            raise
+    # D was unreachable before anything reached it: the KV P pushed there is
+    # lost, so another decoder computes the prompt itself (a fallback).
+    state.counters.fallbacks += 1
+    logger.warning(
+        "%s: decoder %s is unreachable; %s computes the prompt",
+        transfer_id, decode.name, retry.name,
+    )  # fmt: skip
+    retry.outstanding += 1
+    content = dump_json(decode_body(body, None))
+    return await _send_decode(state, None, retry, endpoint, body, content, headers)
+
+
+async def _send_decode(
+    state: ProxyState,
+    prefill: Engine | None,
+    decode: Engine,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    content: bytes,
+    headers: dict[str, str],
+) -> Response:
     if is_stream(body):
         return await _stream_decode(state, prefill, decode, endpoint, content, headers)
     return await _decode(state, prefill, decode, endpoint, content, headers)
+
+
+def _other_decoder(state: ProxyState, failed: Engine) -> Engine | None:
+    """The least loaded healthy decoder other than ``failed``, if any."""
+    others = [e for e in state.pool.decoders if e is not failed and e.healthy]
+    return min(others, key=lambda e: e.outstanding, default=None)
+
+
+def _too_short(state: ProxyState, body: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether the prompt is below ``disaggregate_min_prompt_tokens`` (D computes it)."""
+    minimum = state.config.disaggregate_min_prompt_tokens
+    return minimum > 0 and estimate_prompt_tokens(body, endpoint) < minimum
 
 
 async def _prefill_or_none(
@@ -99,7 +187,7 @@ async def _call_prefill(
     prefill.outstanding += 1
     try:
         request = state.engine_request(prefill, endpoint.path, content, headers, prefill=True)
-        response = await state.client.send(request)
+        response = await state.send(request)
     except httpx.HTTPError as exc:
         state.counters.prefill_errors += 1
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
@@ -135,11 +223,10 @@ async def _decode(
     headers: dict[str, str],
 ) -> Response:
     """POST to D and return its answer as is (status, body, content type)."""
-    decode.outstanding += 1
     ok = False
     try:
         request = state.engine_request(decode, endpoint.path, content, headers)
-        response = await state.client.send(request)
+        response = await state.send(request)
         ok = response.is_success
     except httpx.HTTPError as exc:
         raise decode_failure(state, decode, exc) from exc

@@ -30,7 +30,9 @@ def decode_failure(state: ProxyState, decode: Engine, exc: httpx.HTTPError) -> P
     what = f"decode engine {decode.name} ({decode.url})"
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         decode.mark_down(describe(exc))
-        return ProxyError(502, f"{what} is unreachable: {describe(exc)}", UPSTREAM_ERROR)
+        error = ProxyError(502, f"{what} is unreachable: {describe(exc)}", UPSTREAM_ERROR)
+        error.retryable = True
+        return error
     if isinstance(exc, httpx.TimeoutException):
         timeout = state.config.decode_timeout_s
         return ProxyError(504, f"{what} timed out after {timeout} s", UPSTREAM_TIMEOUT)
@@ -43,10 +45,12 @@ async def relay_stream(
     decode: Engine,
     request: httpx.Request,
 ) -> Response:
-    """Send ``request`` to D; relay its stream, or pass on its error answer whole."""
-    decode.outstanding += 1
+    """Send ``request`` to D; relay its stream, or pass on its error answer whole.
+
+    D's outstanding count, taken when D was picked, is released here.
+    """
     try:
-        response = await state.client.send(request, stream=True)
+        response = await state.send(request, stream=True)
     except httpx.HTTPError as exc:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)

@@ -75,6 +75,32 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     return out
 
 
+def estimate_prompt_tokens(body: dict[str, Any], endpoint: Endpoint) -> int:
+    """The prompt's length in tokens, cheaply, without a tokenizer.
+
+    Token ids count exactly; text counts as its UTF-8 bytes // 4 (about four
+    bytes per token for English with common BPE vocabularies; an estimate,
+    good enough to tell short prompts from long ones). Chat messages count
+    their text content only.
+    """
+    return _count_tokens(body.get(endpoint.input_field))
+
+
+def _count_tokens(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode()) // 4
+    if isinstance(value, int) and not isinstance(value, bool):
+        return 1
+    if isinstance(value, list):
+        if value and isinstance(value[0], int):
+            return len(value)  # token ids: a list is all ids or all prompts
+        return sum(_count_tokens(item) for item in value)
+    if isinstance(value, dict):
+        # A chat message ({"content": str | parts}) or a content part ({"text": str}).
+        return _count_tokens(value.get("content")) + _count_tokens(value.get("text"))
+    return 0
+
+
 def dump_json(obj: Any) -> bytes:
     """Compact JSON bytes for an engine request."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()

@@ -339,7 +339,7 @@ class TransferServer:
             logger.warning("request %s chunk %d: %s", request_id, index, exc)
         except (ReservationExpired, SlotStateError) as exc:
             self.stats.late_writes += 1
-            logger.info("ignored write for %s chunk %d: %s", request_id, index, exc)
+            logger.warning("ignored write for %s chunk %d: %s", request_id, index, exc)
             return
         res = self.store.reservation(request_id)
         with self._cond:

@@ -88,6 +88,23 @@ def test_decoder_down_is_a_502_json_error(
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_unreachable_decoder_sends_the_request_to_another(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, stream: bool
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode")
+    # round robin picks the dead decoder first
+    proxy = start_proxy([p.url], [dead_url(), d.url], health_interval_s=0)
+
+    response = client.post(f"{proxy.url}/v1/completions", json={**COMPLETION, "stream": stream})
+
+    assert response.status_code == 200
+    received = d.seen[-1]
+    assert "kv_transfer_params" not in received["body"]  # its KV went to the dead one
+    counters = proxy.state.counters
+    assert (counters.decode_errors, counters.fallbacks) == (1, 1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_slow_decoder_is_a_504_within_the_timeout(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, stream: bool
 ) -> None:

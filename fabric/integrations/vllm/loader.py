@@ -145,10 +145,12 @@ class Loader:
         if len(load.done) == len(load.chunks):
             self._finish(load, ok=True)
         elif elapsed > self.load_timeout_s:
-            missing = len(load.chunks) - len(load.done)
-            self._finish(
-                load, ok=False, why=f"{missing} chunk(s) of {tid} not in after {elapsed:.1f} s"
+            missing = sorted(set(load.chunks) - load.done)
+            why = (
+                f"chunk(s) {missing} of {tid} not in after {elapsed:.1f} s "
+                f"(landed {sorted(prog.landed)}, verified {sorted(prog.filled)})"
             )
+            self._finish(load, ok=False, why=why)
 
     @staticmethod
     def _available(index: int, prog: object, res: object) -> bool:

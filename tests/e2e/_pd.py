@@ -1,0 +1,159 @@
+"""Shared pieces of the PD e2e tests: engine configs, the in-process proxy,
+requests with token ids and logprobs, Prometheus scraping."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from fabric.config import parse_topology
+from fabric.launch.process import free_port
+
+CHUNK_TOKENS = 256  # vLLM CPU block size is 128: 2 blocks per chunk
+# shorter than a chunk, exact multiples, partial last chunks, more than 4 chunks
+PROMPT_LENGTHS = [3, 40, 127, 128, 255, 256, 257, 300, 384, 511, 512, 513, 700, 768]
+PROMPT_LENGTHS += [1024, 1100, 1300, 1536, 1800, 2000]
+MAX_TOKENS = 6
+LOGPROB_ABS_TOL = 0.01  # one bf16 step; measured: 0.0003 on the tiny model
+FALLBACK_BOUND_S = 60.0
+
+
+def kv_config(role: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "FabricConnector",
+        "kv_connector_module_path": "fabric.integrations.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "store_mib": 256, **extra},
+    }
+
+
+class Proxy:
+    """The fabric proxy app served by uvicorn in a thread of the test process."""
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[tuple[str, int]],
+        **proxy: Any,
+    ) -> None:
+        """``prefill``: engine URLs; ``decode``: (engine URL, kv_port) pairs."""
+        import uvicorn
+
+        from fabric.router.app import create_app
+
+        settings = {"port": None, "prefill_timeout_s": 120, "decode_timeout_s": 180} | proxy
+        topology = parse_topology(
+            {
+                "prefill": [{"name": f"p{i}", "url": url} for i, url in enumerate(prefill)],
+                "decode": [
+                    {"name": f"d{i}", "url": url, "kv_port": kv_port}
+                    for i, (url, kv_port) in enumerate(decode)
+                ],
+                "proxy": settings,
+            }
+        )
+        self.port = free_port()
+        config = uvicorn.Config(
+            create_app(topology), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "proxy did not start"
+            time.sleep(0.05)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(length)]
+
+
+def body(prompt: list[int], *, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+
+
+def chat_body(text: str, *, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+
+
+def _choice_logprobs(choice: dict[str, Any]) -> list[float]:
+    logprobs = choice.get("logprobs") or {}
+    if "token_logprobs" in logprobs:  # completions
+        return list(logprobs["token_logprobs"] or [])
+    return [entry["logprob"] for entry in logprobs.get("content") or []]  # chat
+
+
+def complete(url: str, payload: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """Token ids and logprobs of the generated tokens (completions or chat,
+    streamed or not)."""
+    if not payload.get("stream"):
+        response = httpx.post(url, json=payload, timeout=300)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return list(choice["token_ids"]), _choice_logprobs(choice)
+    ids: list[int] = []
+    lps: list[float] = []
+    with httpx.stream("POST", url, json=payload, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                ids += choice.get("token_ids") or []
+                lps += _choice_logprobs(choice)
+    return ids, lps
+
+
+def metric(engine_url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include ``labels``."""
+    text = httpx.get(engine_url + "/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def assert_same(
+    got: tuple[list[int], list[float]],
+    want: tuple[list[int], list[float]],
+    tol: float = LOGPROB_ABS_TOL,
+) -> None:
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=tol)

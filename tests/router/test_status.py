@@ -1,0 +1,87 @@
+"""``GET /fabric/status`` and ``fabric status``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fabric.cli import main
+from fabric.launch.status import DEFAULT_URL, proxy_url, render_plain
+
+from .conftest import StartEngine, StartProxy
+from .servers import dead_url
+from .test_pd_flow import COMPLETION
+
+
+def test_status_lists_engines_counters_and_in_flight(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url, dead_url()], prefill_policy="least_outstanding")
+    assert client.post(f"{proxy.url}/v1/completions", json=COMPLETION).status_code == 200
+    proxy.state.pool.decoders[1].mark_down("ConnectError: refused")
+
+    status = client.get(f"{proxy.url}/fabric/status").json()
+
+    assert status["engines"] == [
+        {"name": "prefill-0", "role": "prefill", "url": p.url, "healthy": True,
+         "outstanding": 0, "error": None},
+        {"name": "decode-0", "role": "decode", "url": d.url, "healthy": True,
+         "outstanding": 0, "error": None},
+        {"name": "decode-1", "role": "decode", "url": proxy.state.pool.decoders[1].url,
+         "healthy": False, "outstanding": 0, "error": "ConnectError: refused"},
+    ]  # fmt: skip
+    assert status["counters"]["requests"] == 1
+    assert status["counters"]["local_decodes"] == 0
+    assert status["in_flight"] == 0
+    assert status["policies"] == {"prefill": "least_outstanding", "decode": "round_robin"}
+
+
+def test_fabric_status_prints_a_table(
+    start_engine: StartEngine,
+    start_proxy: StartProxy,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url])
+
+    assert main(["status", "--url", proxy.url]) == 0
+
+    out = capsys.readouterr().out
+    assert "prefill-0" in out and "decode-0" in out and "in_flight" in out
+
+
+def test_fabric_status_fails_with_a_message_when_no_proxy_answers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = dead_url()
+
+    assert main(["status", "--url", url]) == 1
+
+    assert f"fabric status: no status from {url}" in capsys.readouterr().err
+
+
+def test_status_url_comes_from_up_json(tmp_path: Path) -> None:
+    assert proxy_url(None, tmp_path) == DEFAULT_URL
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "up.json").write_text(json.dumps({"proxy_url": "http://h:9/"}))
+
+    assert proxy_url(None, tmp_path) == "http://h:9"
+    assert proxy_url("http://x:1", tmp_path) == "http://x:1"
+
+
+def test_plain_table_is_aligned() -> None:
+    status = {
+        "engines": [{"name": "p", "role": "prefill", "url": "http://a", "healthy": True,
+                     "outstanding": 2, "error": None}],
+        "counters": {"requests": 3},
+        "in_flight": 1,
+    }  # fmt: skip
+
+    text = render_plain(status)
+
+    assert "p     prefill  http://a  yes      2            -" in text
+    assert "requests" in text and "in_flight" in text
