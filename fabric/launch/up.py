@@ -37,12 +37,9 @@ from typing import Any
 import httpx
 
 from fabric.config import ConnectorConfig, EngineConfig, TopologyConfig, load_topology
-from fabric.errors import ConfigError
+from fabric.errors import ConfigError, LaunchError, ProcessExited, StartTimeout
 from fabric.launch.process import (
-    LaunchError,
     ManagedProcess,
-    ProcessExited,
-    StartTimeout,
     engine_env,
     free_port,
     vllm_serve_command,

@@ -137,8 +137,10 @@ async def _send_decode(
     content: bytes,
     headers: dict[str, str],
 ) -> Response:
+    """D's answer: relayed as a stream (see :mod:`fabric.router.relay`) or whole."""
     if is_stream(body):
-        return await _stream_decode(state, prefill, decode, endpoint, content, headers)
+        request = state.engine_request(decode, endpoint.path, content, headers)
+        return await relay_stream(state, prefill, decode, request)
     return await _decode(state, prefill, decode, endpoint, content, headers)
 
 
@@ -235,19 +237,6 @@ async def _decode(
         state.policy.on_finish(prefill, decode, ok)
     media_type = response.headers.get("content-type", JSON)
     return Response(response.content, response.status_code, media_type=media_type)
-
-
-async def _stream_decode(
-    state: ProxyState,
-    prefill: Engine | None,
-    decode: Engine,
-    endpoint: Endpoint,
-    content: bytes,
-    headers: dict[str, str],
-) -> Response:
-    """Relay D's stream (see :mod:`fabric.router.relay`)."""
-    request = state.engine_request(decode, endpoint.path, content, headers)
-    return await relay_stream(state, prefill, decode, request)
 
 
 def _forward_headers(request: Request, transfer_id: str) -> dict[str, str]:
