@@ -37,7 +37,7 @@ Role = Literal["prefill", "decode", "both"]
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 Seconds = Annotated[float, Field(gt=0)]
-PolicyName = Literal["round_robin", "least_outstanding"]
+PolicyName = Literal["round_robin", "least_outstanding", "cache_aware"]
 
 LOCAL_HOST = "127.0.0.1"
 
@@ -152,6 +152,10 @@ class ProxyConfig(_Frozen):
     ``disaggregate_min_prompt_tokens``: prompts shorter than this go straight
     to a decoder, which computes them itself (0 = always disaggregate). Token
     ids are counted exactly; text is estimated as UTF-8 bytes // 4.
+    ``cache_aware`` asks every engine's store (over its ``kv_port``, each
+    lookup bounded by ``lookup_timeout_ms``) and picks the one holding the
+    longest prefix, unless it has ``cache_aware_max_imbalance`` more
+    requests in flight than the least loaded one.
     """
 
     host: str = LOCAL_HOST
@@ -167,6 +171,8 @@ class ProxyConfig(_Frozen):
     disaggregate_min_prompt_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     max_connections: PositiveInt = 1024
     http_pool: Literal["aiohttp", "httpx"] = "aiohttp"
+    lookup_timeout_ms: PositiveInt = 500
+    cache_aware_max_imbalance: Annotated[int, Field(strict=True, ge=0)] = 4
 
 
 class ConnectorConfig(_Frozen):
@@ -177,6 +183,14 @@ class ConnectorConfig(_Frozen):
     connector's default). ``load_timeout_s``: how long a decoder waits for
     pushed chunks before recomputing (None: the connector's default). ``extra``
     is passed through verbatim (the connector refuses keys it does not know).
+
+    Reuse tier: ``reuse`` says which engines look their store up before
+    computing a prompt and keep the chunks they compute (``all``,
+    ``prefill``, ``decode`` or ``none``; a ``both`` engine counts as either).
+    ``disk_path`` adds the disk tier: each engine gets ``<disk_path>/<name>``
+    (made absolute here), so a restarted engine finds its predecessor's
+    chunks; ``disk_gib`` is each engine's disk budget; ``eviction`` the
+    policy of both tiers (``lru``).
     """
 
     chunk_tokens: PositiveInt = 256
@@ -184,6 +198,10 @@ class ConnectorConfig(_Frozen):
     store_mib: PositiveInt | None = None
     transport: Literal["auto", "nixl", "tcp"] = "auto"
     load_timeout_s: Seconds | None = None
+    reuse: Literal["all", "prefill", "decode", "none"] = "all"
+    disk_path: str | None = None
+    disk_gib: Annotated[float, Field(gt=0)] | None = None
+    eviction: Literal["lru"] = "lru"
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -192,20 +210,28 @@ class ConnectorConfig(_Frozen):
             raise ValueError("give store_slots or store_mib, not both")
         return self
 
-    def extra_config(self, kv_port: int, host: str = LOCAL_HOST) -> dict[str, Any]:
-        """The ``kv_connector_extra_config`` dict of an engine whose channel is ``kv_port``."""
+    def extra_config(
+        self, kv_port: int, host: str = LOCAL_HOST, *, role: Role = "both", name: str = "engine"
+    ) -> dict[str, Any]:
+        """The ``kv_connector_extra_config`` dict of engine ``name`` (``role``)
+        whose channel is ``kv_port``."""
+        reuse = self.reuse == "all" or (role in (self.reuse, "both") and self.reuse != "none")
         out: dict[str, Any] = {
             "kv_port": kv_port,
             "host": host,
             "chunk_tokens": self.chunk_tokens,
             "transport": self.transport,
+            "reuse": reuse,
         }
         optional = {
             "store_slots": self.store_slots,
             "store_mib": self.store_mib,
             "load_timeout_s": self.load_timeout_s,
+            "disk_gib": self.disk_gib,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
+        if reuse and self.disk_path is not None:
+            out["disk_path"] = str(Path(self.disk_path, name).resolve())
         return {**out, **self.extra}
 
 

@@ -120,7 +120,9 @@ def kv_transfer_config(engine: EngineConfig, connector: ConnectorConfig) -> dict
         # A decoder whose KV does not arrive recomputes the prompt (vLLM's
         # default, "fail", would return an error to the client).
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": connector.extra_config(engine.kv_port, engine.host),
+        "kv_connector_extra_config": connector.extra_config(
+            engine.kv_port, engine.host, role=engine.role, name=engine.name
+        ),
     }
 
 

@@ -5,7 +5,9 @@ of :mod:`fabric.router.pd`), ``GET /v1/models`` (from the first healthy
 decoder), ``GET /health`` (200 when at least one prefiller and one decoder
 answer their ``/health``, else 503 with per-engine details) and
 ``GET /metrics`` (Prometheus text: counters, engine health and load) and
-``GET /fabric/status`` (the same as JSON, for ``fabric status``).
+``GET /fabric/status`` (the same as JSON, for ``fabric status``), and
+``POST /fabric/lookup|clear|pin`` (the engines' reuse tiers, see
+:mod:`fabric.router.controller`).
 
 NOTE: per-request overhead is what limits a Python proxy (see
 ``notes/peers.md``): routes are plain Starlette routes (no body models, no
@@ -26,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from fabric.config import TopologyConfig
-from fabric.router import pd
+from fabric.router import controller, pd
 from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
 from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_response
 from fabric.router.policy import Routing
@@ -62,6 +64,12 @@ def create_app(topology: TopologyConfig) -> FastAPI:
     app.add_route("/health", _guarded(lambda request: _health(state)), methods=["GET"])
     app.add_route("/metrics", _guarded(lambda request: _metrics(state)), methods=["GET"])
     app.add_route("/fabric/status", _guarded(lambda request: _status(state)), methods=["GET"])
+    for name, handler in (
+        ("lookup", controller.lookup),
+        ("clear", controller.clear),
+        ("pin", controller.pin),
+    ):
+        app.add_route(f"/fabric/{name}", _admin(state, handler), methods=["POST"])
     return app
 
 
@@ -91,6 +99,12 @@ def _lifespan(
 
 def _generation(state: ProxyState, endpoint: Endpoint) -> Handler:
     return _guarded(lambda request: pd.serve_generation(state, request, endpoint))
+
+
+def _admin(
+    state: ProxyState, handler: Callable[[ProxyState, Request], Awaitable[Response]]
+) -> Handler:
+    return _guarded(lambda request: handler(state, request))
 
 
 def _guarded(handler: Handler) -> Handler:

@@ -35,6 +35,7 @@ from starlette.responses import Response
 
 from fabric.router.engines import Engine, describe
 from fabric.router.errors import ProxyError
+from fabric.router.prefix import lookup_all, prompt_token_ids
 from fabric.router.relay import decode_failure, relay_stream
 from fabric.router.requests import (
     Endpoint,
@@ -91,7 +92,9 @@ async def _serve(
         raise
     local = _too_short(state, body, endpoint)
     prefillers = [] if local else state.pool.healthy_prefillers()
-    prefill, decode = state.policy.pick(prefillers, state.pool.candidate_decoders(), body)
+    decoders = state.pool.candidate_decoders()
+    hints = await _prefix_hints(state, body, endpoint, [*prefillers, *decoders])
+    prefill, decode = state.policy.pick(prefillers, decoders, body, hints)
     headers = _forward_headers(request, transfer_id)
     # NOTE: D counts the request from its pick (its prefill included), so
     # load-aware policies see requests that are still prefilling; _decode
@@ -148,6 +151,21 @@ def _other_decoder(state: ProxyState, failed: Engine) -> Engine | None:
     """The least loaded healthy decoder other than ``failed``, if any."""
     others = [e for e in state.pool.decoders if e is not failed and e.healthy]
     return min(others, key=lambda e: e.outstanding, default=None)
+
+
+async def _prefix_hints(
+    state: ProxyState, body: dict[str, Any], endpoint: Endpoint, engines: list[Engine]
+) -> dict[str, int] | None:
+    """For cache-aware policies: prompt tokens each engine's store holds."""
+    if not state.policy.needs_hints:
+        return None
+    token_ids = await prompt_token_ids(state, body, endpoint, engines)
+    if token_ids is None:
+        return None
+    hits = await lookup_all(state, engines, token_ids)
+    if any(hit.hit_tokens for hit in hits):
+        state.counters.prefix_hits += 1
+    return {hit.engine.name: hit.hit_tokens for hit in hits}
 
 
 def _too_short(state: ProxyState, body: dict[str, Any], endpoint: Endpoint) -> bool:

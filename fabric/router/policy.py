@@ -11,7 +11,12 @@ Load is ``Engine.outstanding``: a decoder counts a request from the moment
 it is picked until its answer ends (its prefill included), a prefiller
 while it prefills.
 
-Planned: cache-aware (the pair whose store holds the longest prefix).
+Cache-aware: the engine whose fabric store holds the longest prefix of the
+prompt (``hints``: engine name -> prefix tokens held, looked up by the proxy
+before it picks, see :mod:`fabric.router.prefix`), unless it is overloaded
+compared with the least loaded one; otherwise least outstanding. For
+prefillers a hit saves prefill compute; for decoders it saves transfer (a
+chunk the decoder holds is not pushed again).
 """
 
 from __future__ import annotations
@@ -24,14 +29,21 @@ from fabric.config import ProxyConfig
 from fabric.errors import ConfigError
 from fabric.router.engines import Engine
 
+Hints = Mapping[str, int] | None
+"""Engine name -> prompt tokens its store holds (cache-aware routing)."""
+
 
 class Policy(ABC):
     """Chooses one engine of a role for each request."""
 
     name: str = ""
 
+    needs_hints = False  # whether pick wants the prefix hints (costs lookups)
+
     @abstractmethod
-    def pick(self, engines: Sequence[Engine], body: Mapping[str, Any]) -> Engine:
+    def pick(
+        self, engines: Sequence[Engine], body: Mapping[str, Any], hints: Hints = None
+    ) -> Engine:
         """The engine for ``body``; ``engines`` is never empty."""
 
     def on_finish(self, engine: Engine, ok: bool) -> None:  # noqa: B027
@@ -46,7 +58,9 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, engines: Sequence[Engine], body: Mapping[str, Any]) -> Engine:
+    def pick(
+        self, engines: Sequence[Engine], body: Mapping[str, Any], hints: Hints = None
+    ) -> Engine:
         """The next engine."""
         engine = engines[self._next % len(engines)]
         self._next += 1
@@ -61,7 +75,9 @@ class LeastOutstanding(Policy):
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, engines: Sequence[Engine], body: Mapping[str, Any]) -> Engine:
+    def pick(
+        self, engines: Sequence[Engine], body: Mapping[str, Any], hints: Hints = None
+    ) -> Engine:
         """The least loaded engine, the first after the last pick on a tie."""
         n = len(engines)
         start = self._next % n
@@ -74,7 +90,32 @@ class LeastOutstanding(Policy):
         return best
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastOutstanding)}
+class CacheAware(Policy):
+    """The engine holding the longest prefix, within a load bound; else least loaded."""
+
+    name = "cache_aware"
+    needs_hints = True
+
+    def __init__(self, max_imbalance: int = 4) -> None:
+        self.max_imbalance = max_imbalance
+        self._fallback = LeastOutstanding()
+
+    def pick(
+        self, engines: Sequence[Engine], body: Mapping[str, Any], hints: Hints = None
+    ) -> Engine:
+        """Most prefix tokens held (fewest outstanding on a tie), unless overloaded."""
+        least = self._fallback.pick(engines, body)
+        if not hints:
+            return least
+        best = max(engines, key=lambda e: (hints.get(e.name, 0), -e.outstanding))
+        if hints.get(best.name, 0) <= hints.get(least.name, 0):
+            return least
+        if best.outstanding > least.outstanding + self.max_imbalance:
+            return least
+        return best
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastOutstanding, CacheAware)}
 
 
 class Routing:
@@ -87,16 +128,27 @@ class Routing:
     @classmethod
     def from_config(cls, config: ProxyConfig) -> Routing:
         """Per-role policies of ``config`` (each role defaults to ``policy``)."""
-        prefill = make_policy(config.prefill_policy or config.policy, "proxy.prefill_policy")
-        decode = make_policy(config.decode_policy or config.policy, "proxy.decode_policy")
+        imbalance = config.cache_aware_max_imbalance
+        prefill_name = config.prefill_policy or config.policy
+        decode_name = config.decode_policy or config.policy
+        prefill = make_policy(prefill_name, "proxy.prefill_policy", max_imbalance=imbalance)
+        decode = make_policy(decode_name, "proxy.decode_policy", max_imbalance=imbalance)
         return cls(prefill, decode)
 
+    @property
+    def needs_hints(self) -> bool:
+        return self.prefill.needs_hints or self.decode.needs_hints
+
     def pick(
-        self, prefillers: Sequence[Engine], decoders: Sequence[Engine], body: Mapping[str, Any]
+        self,
+        prefillers: Sequence[Engine],
+        decoders: Sequence[Engine],
+        body: Mapping[str, Any],
+        hints: Hints = None,
     ) -> tuple[Engine | None, Engine]:
         """The pair for ``body``: P None when ``prefillers`` is empty; ``decoders`` is not."""
-        decode = self.decode.pick(decoders, body)
-        prefill = self.prefill.pick(prefillers, body) if prefillers else None
+        decode = self.decode.pick(decoders, body, hints)
+        prefill = self.prefill.pick(prefillers, body, hints) if prefillers else None
         return prefill, decode
 
     def on_finish(self, prefill: Engine | None, decode: Engine, ok: bool) -> None:
@@ -106,10 +158,11 @@ class Routing:
         self.decode.on_finish(decode, ok)
 
 
-def make_policy(name: str, field: str = "proxy.policy") -> Policy:
+def make_policy(name: str, field: str = "proxy.policy", *, max_imbalance: int = 4) -> Policy:
     """A new policy by its config name."""
     try:
-        return POLICIES[name]()
+        kind = POLICIES[name]
     except KeyError:
         known = ", ".join(POLICIES)
         raise ConfigError(f"{field}: unknown policy {name!r}; known: {known}") from None
+    return CacheAware(max_imbalance) if kind is CacheAware else kind()

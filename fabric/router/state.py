@@ -15,6 +15,7 @@ from fabric.config import ProxyConfig
 from fabric.router.engines import Engine, EnginePool
 from fabric.router.policy import Routing
 from fabric.router.transport import open_transport
+from fabric.transfer.lookup import StoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ class Counters:
     returned no ``kv_transfer_params``, or no prefiller was healthy), so the
     decoder computed the prompt itself. ``local_decodes``: requests sent
     straight to a decoder on purpose (prompt shorter than
-    ``disaggregate_min_prompt_tokens``); not fallbacks.
+    ``disaggregate_min_prompt_tokens``); not fallbacks. ``prefix_hits``:
+    requests for which a cache-aware lookup found a prefix in some store.
     """
 
     requests: int = 0
@@ -36,6 +38,7 @@ class Counters:
     local_decodes: int = 0
     prefill_errors: int = 0
     decode_errors: int = 0
+    prefix_hits: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""
@@ -50,6 +53,7 @@ class ProxyState:
         self.pool = pool
         self.policy = policy
         self.counters = Counters()
+        self.store_clients: dict[str, StoreClient] = {}  # kv endpoint -> client
         connect = config.connect_timeout_s
         self.prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=connect)
         self.decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=connect)
@@ -124,7 +128,10 @@ class ProxyState:
         return httpx.Request("POST", url, content=content, headers=headers, extensions=extensions)
 
     async def close_client(self) -> None:
-        """Close the shared client."""
+        """Close the shared client and the store clients."""
+        for store in self.store_clients.values():
+            store.close()
+        self.store_clients.clear()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

@@ -4,12 +4,15 @@
   the transport;
 - :mod:`fabric.store.index`: :class:`ChunkStore`, chunk key -> slot, with
   reservations (leases) for remote writers, ref counts, pins and LRU eviction;
-- :mod:`fabric.store.checksum`: :func:`checksum`, xxh3-64 over a slot's bytes.
+- :mod:`fabric.store.checksum`: :func:`checksum`, xxh3-64 over a slot's bytes;
+- :mod:`fabric.store.disk`: :class:`DiskTier`, checksummed chunk files within a
+  byte budget, LRU, rebuilt at start.
 """
 
 from __future__ import annotations
 
 from fabric.store.checksum import checksum
+from fabric.store.disk import DiskStats, DiskTier
 from fabric.store.index import ChunkStore
 from fabric.store.pool import ChunkPool
 from fabric.store.records import Reservation, SlotState, StoreConfig, StoreStats
@@ -17,6 +20,8 @@ from fabric.store.records import Reservation, SlotState, StoreConfig, StoreStats
 __all__ = [
     "ChunkPool",
     "ChunkStore",
+    "DiskStats",
+    "DiskTier",
     "Reservation",
     "SlotState",
     "StoreConfig",

@@ -102,6 +102,9 @@ class ChunkStore:
         self._slots = SlotTable(config.num_slots)
         self._leases = LeaseTable()
         self._counters = _Counters()
+        # Called (outside the lock) with each key that becomes present by a
+        # commit or a fill: the disk tier's write-behind hooks in here.
+        self.on_present: Callable[[bytes], None] | None = None
 
     # --- queries
 
@@ -179,7 +182,8 @@ class ChunkStore:
                 assert winner_checksum is not None
                 return winner_checksum
             self._slots.fill(slot, key, nbytes, checksum, refs=0)
-            return checksum
+        self._notify_present(key)
+        return checksum
 
     def abort(self, slot: int) -> None:
         """Give up a local allocation: RESERVED -> FREE.
@@ -255,6 +259,8 @@ class ChunkStore:
                     f"sent {checksum:#018x}, landed {actual:#018x}"
                 )
             settle_entry(self._slots, lease, index, actual)
+            key = lease.keys[index]
+        self._notify_present(key)
 
     def release(self, request_id: str) -> None:
         """The reader is done: drop the refs, quarantine unfilled slots. Idempotent."""
@@ -331,6 +337,21 @@ class ChunkStore:
         """Unpin the present ``keys``; returns how many were present."""
         return self._for_present(keys, self._slots.unpin)
 
+    def drop_unused(self) -> int:
+        """Free every present slot nobody references (pinned ones too); returns how many.
+
+        What readers or reservations hold stays. Used to clear the memory tier.
+        """
+        with self._lock:
+            slots = [
+                slot
+                for slot, meta in enumerate(self._slots.slots)
+                if meta.state in (SlotState.FILLED, SlotState.PINNED) and meta.refs == 0
+            ]
+            for slot in slots:
+                self._slots.free(slot)
+            return len(slots)
+
     def slot_state(self, slot: int) -> SlotState:
         """The state of ``slot``."""
         with self._lock:
@@ -352,6 +373,12 @@ class ChunkStore:
             return self._slots.get(slot).generation
 
     # --- internals (callers hold the lock unless noted)
+
+    def _notify_present(self, key: bytes) -> None:
+        """Tell the listener (lock NOT held) that ``key`` became present."""
+        listener = self.on_present
+        if listener is not None:
+            listener(key)
 
     def _collect_expired(self, now: float) -> int:
         expired = self._leases.take_expired(now)

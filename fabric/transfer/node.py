@@ -13,6 +13,7 @@ from fabric.transfer.server import TransferServer
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
+    from fabric.store.tier import TieredStore
 
 
 def default_agent_name(prefix: str = "fabric") -> str:
@@ -35,6 +36,7 @@ class TransferNode:
         *,
         name: str | None = None,
         serve: bool = True,
+        tier: TieredStore | None = None,
     ) -> None:
         self.store, self.config = store, config
         self.plane = open_data_plane(config, name or default_agent_name())
@@ -43,7 +45,9 @@ class TransferNode:
             self.plane.register_pool(pool.base_address, pool.nbytes, str(pool.device))
             self.client = TransferClient(store, self.plane, config, fingerprint)
             self.server = (
-                TransferServer(store, self.plane, config, fingerprint).start() if serve else None
+                TransferServer(store, self.plane, config, fingerprint, tier=tier).start()
+                if serve
+                else None
             )
         except BaseException:
             self.plane.close()

@@ -113,7 +113,80 @@ class WriteDone(msgspec.Struct, tag="write_done", array_like=True, frozen=True):
     checksums: list[int]
 
 
-Message = Hello | HelloAck | Reserve | Reserved | Refused | Cancel | Heartbeat | Ack | WriteDone
+class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
+    """How many leading full chunks of ``token_ids`` does the store hold?
+
+    Needs no Hello: the engine's own scheduler and the proxy ask it. With
+    ``hold`` the receiver brings disk hits into memory and keeps every hit
+    chunk referenced for ``request_id`` (``lease_ms`` at most) until the
+    engine's worker loads them or ``Release`` drops them.
+    """
+
+    seq: int
+    request_id: str
+    token_ids: list[int]
+    hold: bool
+    lease_ms: int
+
+
+class LookupResult(msgspec.Struct, tag="lookup_result", array_like=True, frozen=True):
+    """Reply to Lookup: ``hit_chunks`` leading chunks present, of which
+    ``disk_chunks`` came from (or are only on) the disk tier."""
+
+    seq: int
+    request_id: str
+    chunk_tokens: int
+    hit_chunks: int
+    disk_chunks: int
+    held: bool
+
+
+class Release(msgspec.Struct, tag="release", array_like=True, frozen=True):
+    """Drop the chunks a Lookup held for ``request_id``."""
+
+    seq: int
+    request_id: str
+
+
+class Clear(msgspec.Struct, tag="clear", array_like=True, frozen=True):
+    """Empty a tier: ``"memory"``, ``"disk"`` or ``"all"``."""
+
+    seq: int
+    tier: str
+
+
+class Pin(msgspec.Struct, tag="pin", array_like=True, frozen=True):
+    """Pin (or, with ``pin=False``, unpin) the present full chunks of a prompt."""
+
+    seq: int
+    token_ids: list[int]
+    pin: bool
+
+
+class Done(msgspec.Struct, tag="done", array_like=True, frozen=True):
+    """Reply to Release/Clear/Pin: how many chunks (or holds) it touched."""
+
+    seq: int
+    count: int
+
+
+Message = (
+    Hello
+    | HelloAck
+    | Reserve
+    | Reserved
+    | Refused
+    | Cancel
+    | Heartbeat
+    | Ack
+    | WriteDone
+    | Lookup
+    | LookupResult
+    | Release
+    | Clear
+    | Pin
+    | Done
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

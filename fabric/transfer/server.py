@@ -33,6 +33,7 @@ import zmq
 from fabric.errors import (
     CapacityError,
     ChecksumMismatch,
+    FabricError,
     ProtocolError,
     ReservationExpired,
     SlotStateError,
@@ -41,6 +42,7 @@ from fabric.transfer import protocol as proto
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
+    from fabric.store.tier import TieredStore
     from fabric.transfer.config import TransferConfig
     from fabric.transfer.dataplane import DataPlane
 
@@ -61,6 +63,7 @@ class ServerStats:
     late_writes: int = 0
     cancels: int = 0
     expired: int = 0
+    lookups: int = 0
 
 
 @dataclass
@@ -88,9 +91,15 @@ class TransferServer:
     """Serves reservations on a ZMQ ROUTER and verifies chunks as they land."""
 
     def __init__(
-        self, store: ChunkStore, plane: DataPlane, config: TransferConfig, fingerprint: str
+        self,
+        store: ChunkStore,
+        plane: DataPlane,
+        config: TransferConfig,
+        fingerprint: str,
+        *,
+        tier: TieredStore | None = None,
     ) -> None:
-        self.store, self.plane, self.config = store, plane, config
+        self.store, self.plane, self.config, self.tier = store, plane, config, tier
         self.fingerprint = fingerprint
         self.stats = ServerStats()
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
@@ -213,6 +222,8 @@ class TransferServer:
             return proto.Refused(-1, "", "bad_message", str(exc))
         if isinstance(msg, proto.Hello):
             return self._on_hello(identity, msg)
+        if isinstance(msg, proto.Lookup | proto.Release | proto.Clear | proto.Pin):
+            return self._on_tier(msg)
         if identity not in self._peers:
             self.stats.refused += 1
             return proto.Refused(getattr(msg, "seq", -1), "", "no_hello", "send Hello first")
@@ -284,6 +295,40 @@ class TransferServer:
             msg.lease_ms,
         )
 
+    def _on_tier(
+        self, msg: proto.Lookup | proto.Release | proto.Clear | proto.Pin
+    ) -> proto.Message:
+        """Lookups and admin for the reuse tier: asked by this engine's
+        scheduler and by the proxy, so no Hello is needed."""
+        tier = self.tier
+        if tier is None:
+            self.stats.refused += 1
+            return proto.Refused(msg.seq, "", "no_tier", "this engine keeps no reuse tier")
+        try:
+            if isinstance(msg, proto.Lookup):
+                self.stats.lookups += 1
+                hit = tier.lookup(
+                    msg.token_ids,
+                    hold=msg.request_id if msg.hold else None,
+                    lease_ms=msg.lease_ms,
+                )
+                return proto.LookupResult(
+                    msg.seq,
+                    msg.request_id,
+                    tier.chunk_tokens,
+                    hit.chunks,
+                    hit.disk,
+                    bool(hit.slots),
+                )
+            if isinstance(msg, proto.Release):
+                return proto.Done(msg.seq, int(tier.release_hold(msg.request_id)))
+            if isinstance(msg, proto.Clear):
+                return proto.Done(msg.seq, tier.clear(msg.tier))
+            return proto.Done(msg.seq, tier.pin(msg.token_ids, pin=msg.pin))
+        except (ValueError, FabricError) as exc:
+            self.stats.refused += 1
+            return proto.Refused(msg.seq, "", "bad_request", str(exc))
+
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:
             msg = proto.decode(frame, self.config.max_message_bytes)
@@ -303,6 +348,8 @@ class TransferServer:
 
     def _expire(self) -> None:
         self.stats.expired += self.store.expire()
+        if self.tier is not None:
+            self.tier.expire_holds()
         with self._cond:
             gone = [
                 rid

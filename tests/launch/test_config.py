@@ -64,10 +64,47 @@ def test_good_yaml_fills_defaults_from_the_list_and_the_top(tmp_path: Path) -> N
         "host": "127.0.0.1",
         "chunk_tokens": 256,
         "transport": "auto",
+        "reuse": True,
         "store_slots": 64,
         "load_timeout_s": 5.0,
         "pack_threads": 2,
     }
+
+
+@pytest.mark.parametrize(
+    ("reuse", "expect"),
+    [
+        ("all", {"prefill": True, "decode": True, "both": True}),
+        ("prefill", {"prefill": True, "decode": False, "both": True}),
+        ("decode", {"prefill": False, "decode": True, "both": True}),
+        ("none", {"prefill": False, "decode": False, "both": False}),
+    ],
+)
+def test_reuse_roles_and_per_engine_disk_dirs(
+    tmp_path: Path, reuse: str, expect: dict[str, bool]
+) -> None:
+    data = {
+        "model": "tiny",
+        "prefill": [{}],
+        "decode": [{}],
+        "connector": {"reuse": reuse, "disk_path": str(tmp_path / "kv"), "disk_gib": 2},
+    }
+    connector = parse_topology(data).connector
+    for role, wanted in expect.items():
+        extra = connector.extra_config(9000, role=role, name=f"{role}-0")  # type: ignore[arg-type]
+        assert extra["reuse"] is wanted
+        assert extra.get("disk_path") == (str(tmp_path / "kv" / f"{role}-0") if wanted else None)
+        assert extra["disk_gib"] == 2
+
+
+def test_bad_reuse_settings_name_the_field() -> None:
+    for connector, field in (
+        ({"reuse": "sometimes"}, "connector.reuse"),
+        ({"disk_gib": 0}, "connector.disk_gib"),
+        ({"eviction": "lfu"}, "connector.eviction"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            parse_topology({"model": "tiny", "decode": [{}], "connector": connector})
 
 
 def test_config_is_frozen(tmp_path: Path) -> None:

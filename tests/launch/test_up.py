@@ -95,6 +95,7 @@ def test_vllm_command_carries_the_fabric_kv_transfer_config(
             "host": "127.0.0.1",
             "chunk_tokens": 256,
             "transport": "auto",
+            "reuse": True,
             "store_mib": 64,
             "pack_threads": 2,
         },

@@ -33,6 +33,11 @@ class ConnectorConfig:
     pack_threads: int = 1
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
+    reuse: bool = True
+    disk_path: str | None = None
+    disk_gib: float = 16.0
+    eviction: str = "lru"
+    lookup_timeout_ms: int = 2000
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_port < 65536:
@@ -42,7 +47,13 @@ class ConnectorConfig:
         for name in ("chunk_tokens", "store_mib", "lease_ms", "pack_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be >= 1")
-        for name in ("load_timeout_s", "unknown_transfer_grace_s", "push_timeout_s"):
+        if self.eviction != "lru":
+            raise ConfigError(
+                f"kv_connector_extra_config.eviction: {self.eviction!r}; only 'lru' is supported"
+            )
+        if self.lookup_timeout_ms < 1:
+            raise ConfigError("kv_connector_extra_config.lookup_timeout_ms: must be >= 1")
+        for name in ("load_timeout_s", "unknown_transfer_grace_s", "push_timeout_s", "disk_gib"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be > 0")
 
@@ -59,8 +70,33 @@ class ConnectorConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             kind: Any = type(known[name].default)
+            if name in _OPTIONAL_STR:
+                kind = str
             try:
+                if kind is bool:
+                    values[name] = _as_bool(value)
+                    continue
                 values[name] = value if value is None or kind is type(None) else kind(value)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"kv_connector_extra_config.{name}: {exc}") from exc
         return cls(**values)
+
+
+_OPTIONAL_STR = ("ucx_net_devices", "disk_path")
+
+
+def _as_bool(value: Any) -> bool:
+    """JSON booleans, 0/1, and the strings true/false/yes/no/on/off."""
+    if isinstance(value, bool | int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.strip().lower()]
+    raise ValueError(f"{value!r} is not a boolean")
+
+
+_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True} | {
+    "false": False,
+    "no": False,
+    "off": False,
+    "0": False,
+}

@@ -31,6 +31,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.stats import FabricPromMetrics, FabricStats
+from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
 
 if TYPE_CHECKING:
@@ -79,10 +80,17 @@ class FabricConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self._scheduler: FabricScheduler | None = None
         self._worker: FabricWorker | None = None
+        parallel = vllm_config.parallel_config
+        self._tier_client: WorkerTierClient | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = FabricScheduler(config, block_size, produce=produce, consume=consume)
+            if config.reuse:
+                self._tier_client = WorkerTierClient(
+                    config, tp_size=parallel.tensor_parallel_size, engine_id=transfer.engine_id
+                )
+            self._scheduler = FabricScheduler(
+                config, block_size, produce=produce, consume=consume, tier=self._tier_client
+            )
         else:
-            parallel = vllm_config.parallel_config
             self._worker = FabricWorker(
                 config,
                 produce=produce,
@@ -91,6 +99,7 @@ class FabricConnector(KVConnectorBase_V1):
                 model=_model_name(vllm_config),
                 tp_rank=getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size),
                 tp_size=parallel.tensor_parallel_size,
+                engine_id=transfer.engine_id,
             )
 
     # ------------------------------------------------------------ worker side
@@ -124,15 +133,23 @@ class FabricConnector(KVConnectorBase_V1):
         finished, failed = self._worker.get_results(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.take_load_errors()
+
     def get_kv_connector_stats(self) -> FabricStats | None:
         if self._worker is None:
             return None
+        self._worker.sync_tier_counters()
         counts = self._worker.counters.take()
         return FabricStats(data=dict(counts)) if counts else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._tier_client is not None:
+            self._tier_client.close()
 
     def _fabric_meta(self) -> FabricMetadata:
         meta = self._get_connector_metadata()

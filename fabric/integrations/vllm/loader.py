@@ -177,6 +177,7 @@ class Loader:
         self.server.release(tid)
         if ok:
             self.counters.add(loads_ok=1, tokens_loaded=load.plan.num_tokens)
+            self.counters.observe("load_seconds", time.monotonic() - load.started)
         else:
             self.counters.add(load_failures=1)
             logger.warning(

@@ -18,15 +18,18 @@ except ImportError:  # unit tests of the pure logic run without vLLM
 
 @dataclass
 class SendPlan:
-    """Prefiller: a request whose KV goes to a decoder (sent once, first step).
+    """A request whose chunks get packed as they are computed (sent once, first step).
 
-    ``chunk_blocks[i]`` is the number of vLLM blocks chunk ``i`` covers (the
-    last chunk may be short); ``token_ids`` are the prompt's, for the keys.
+    Prefiller: they go to the decoder at ``endpoint`` as ``transfer_id``.
+    Save only (reuse tier, ``endpoint`` None): they stay in this engine's
+    store. ``chunk_blocks[i]`` is the number of vLLM blocks chunk ``i``
+    covers (the last chunk may be short); ``token_ids`` are the prompt's,
+    for the keys.
     """
 
     req_id: str
-    transfer_id: str
-    endpoint: str
+    transfer_id: str | None
+    endpoint: str | None
     token_ids: list[int]
     chunk_blocks: list[int]
 
@@ -58,7 +61,25 @@ class LoadPlan:
 
 
 @dataclass
+class LocalLoad:
+    """Reuse tier: unpack the first ``num_chunks`` chunks the worker's store
+    holds for ``req_id`` (a Lookup with hold) into ``block_ids``, before this
+    step's forward pass (a synchronous load).
+
+    ``block_ids`` are the blocks for prompt tokens from ``first_block *
+    block_size`` on (blocks before it are vLLM's own prefix-cache hit).
+    """
+
+    req_id: str
+    first_block: int
+    block_ids: list[int]
+    num_chunks: int
+
+
+@dataclass
 class FabricMetadata(KVConnectorMetadata):
     sends: list[SendPlan] = field(default_factory=list)
     saves: list[SaveChunk] = field(default_factory=list)
     loads: list[LoadPlan] = field(default_factory=list)
+    local_loads: list[LocalLoad] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)  # holds never loaded

@@ -14,17 +14,36 @@ Decoder (request carries ``do_remote_prefill`` + ``transfer_id``): every
 prompt token beyond the local prefix hit is reported as loadable
 asynchronously; once vLLM allocated the blocks a ``LoadPlan`` tells the
 worker where to unpack. vLLM recomputes the last prompt token itself.
+
+Reuse tier (any role, any other request): before vLLM computes a prompt the
+scheduler asks its worker's store how many leading full chunks it holds
+(``TierClient.lookup``, which also holds them for this request); those
+tokens load synchronously (a ``LocalLoad`` unpacked before the forward pass)
+and vLLM computes only the rest. The full chunks the engine computes are
+packed into its store as they complete (save-only ``SendPlan``), so the next
+prompt with the same prefix finds them.
+
+    prompt:   | chunk 0 | chunk 1 | chunk 2 |c3|
+    store:    [ held    ][ held   ]             -> LocalLoad chunks 0, 1
+    vLLM:                          [ computes      ] -> save chunk 2
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
-from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import (
+    FabricMetadata,
+    LoadPlan,
+    LocalLoad,
+    SaveChunk,
+    SendPlan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +52,15 @@ class RequestLike(Protocol):
     request_id: str
     prompt_token_ids: list[int] | None
     kv_transfer_params: dict[str, Any] | None
+
+
+class TierClient(Protocol):
+    """The scheduler's line to its worker's reuse tier."""
+
+    def lookup(self, request_id: str, token_ids: list[int]) -> int:
+        """Leading full chunks of ``token_ids`` held, now held for the request
+        (0 when the worker cannot be asked)."""
+        ...
 
 
 def chunk_block_counts(num_tokens: int, chunk_tokens: int, block_size: int) -> list[int]:
@@ -47,8 +75,8 @@ def chunk_block_counts(num_tokens: int, chunk_tokens: int, block_size: int) -> l
 @dataclass
 class _Sending:
     req_id: str
-    transfer_id: str
-    endpoint: str
+    transfer_id: str | None  # None: save only (reuse tier), nothing pushed
+    endpoint: str | None
     token_ids: list[int]
     chunk_blocks: list[int]
     block_ids: list[int] = field(default_factory=list)
@@ -63,11 +91,24 @@ class _Receiving:
     num_local_tokens: int
 
 
+@dataclass
+class _Hit:
+    tokens: int  # chunk-aligned prefix tokens the store holds for the request
+    at: float  # when it was looked up (and held)
+
+
 class FabricScheduler:
-    """Per-request bookkeeping for pushes (prefiller) and loads (decoder)."""
+    """Per-request bookkeeping for pushes (prefiller), loads (decoder) and reuse."""
 
     def __init__(
-        self, config: ConnectorConfig, block_size: int, *, produce: bool, consume: bool
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        *,
+        produce: bool,
+        consume: bool,
+        tier: TierClient | None = None,
+        clock: Any = time.monotonic,
     ) -> None:
         if config.chunk_tokens % block_size:
             raise ConfigError(
@@ -82,6 +123,38 @@ class FabricScheduler:
         # NOTE: a failed load makes vLLM reschedule the request from scratch,
         # asking again; one load attempt per request, then it computes.
         self._attempted: set[str] = set()
+        self.tier, self._clock = tier, clock
+        self._hits: dict[str, _Hit] = {}
+        self._local_loads: list[LocalLoad] = []
+        self._releases: list[str] = []
+        # NOTE: a request waiting for blocks asks again every step; its hit is
+        # looked up once and refreshed only before the hold's lease could end.
+        self._hit_refresh_s = config.lease_ms / 2000
+
+    # ------------------------------------------------------------ reuse tier
+    def _local_match(self, request: RequestLike, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond vLLM's own prefix hit that the store holds (sync load)."""
+        rid = request.request_id
+        tokens = list(request.prompt_token_ids or [])
+        chunk_tokens = self.config.chunk_tokens
+        # vLLM must compute at least the last prompt token itself.
+        usable = (len(tokens) - 1) // chunk_tokens * chunk_tokens
+        if self.tier is None or usable <= num_computed_tokens:
+            self._drop_hit(rid)
+            return 0, False
+        hit = self._hits.get(rid)
+        now = self._clock()
+        if hit is None or now - hit.at > self._hit_refresh_s:
+            chunks = self.tier.lookup(rid, tokens[:usable])
+            hit = self._hits[rid] = _Hit(min(chunks * chunk_tokens, usable), now)
+        if hit.tokens <= num_computed_tokens:
+            return 0, False
+        return hit.tokens - num_computed_tokens, False
+
+    def _drop_hit(self, rid: str) -> None:
+        hit = self._hits.pop(rid, None)
+        if hit is not None and hit.tokens:
+            self._releases.append(rid)
 
     # ------------------------------------------------------------ decoder
     def get_num_new_matched_tokens(
@@ -89,7 +162,7 @@ class FabricScheduler:
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if not (self.consume and params.get("do_remote_prefill")):
-            return 0, False
+            return self._local_match(request, num_computed_tokens)
         if request.request_id in self._attempted:
             return 0, False
         transfer_id = params.get("transfer_id")
@@ -114,6 +187,21 @@ class FabricScheduler:
         self, request: RequestLike, block_ids: list[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
+        hit = self._hits.pop(rid, None)
+        if hit is not None and hit.tokens:
+            if num_external_tokens > 0:
+                start = hit.tokens - num_external_tokens
+                first, last = start // self.block_size, hit.tokens // self.block_size
+                self._local_loads.append(
+                    LocalLoad(
+                        rid,
+                        first,
+                        list(block_ids[first:last]),
+                        hit.tokens // self.config.chunk_tokens,
+                    )
+                )
+            else:
+                self._releases.append(rid)
         recv = self._receiving.pop(rid, None)
         if recv is not None and num_external_tokens > 0:
             self._attempted.add(rid)
@@ -123,8 +211,23 @@ class FabricScheduler:
                 LoadPlan(rid, recv.transfer_id, first, list(block_ids[first:last]), recv.num_tokens)
             )
         params = request.kv_transfer_params or {}
-        if self.produce and params.get("do_remote_decode") and rid not in self._sending:
+        if rid in self._sending:
+            return
+        if self.produce and params.get("do_remote_decode"):
             self._track_send(request, params)
+        elif self.tier is not None:
+            self._track_save(request)
+
+    def _track_save(self, request: RequestLike) -> None:
+        """Pack the prompt's full chunks into the store as they are computed."""
+        tokens = list(request.prompt_token_ids or [])
+        full = len(tokens) // self.config.chunk_tokens
+        if full:
+            counts = [self.config.chunk_tokens // self.block_size] * full
+            tokens = tokens[: full * self.config.chunk_tokens]
+            self._sending[request.request_id] = _Sending(
+                request.request_id, None, None, tokens, counts
+            )
 
     def _track_send(self, request: RequestLike, params: dict[str, Any]) -> None:
         transfer_id, endpoint = params.get("transfer_id"), params.get("decode_kv_endpoint")
@@ -143,8 +246,10 @@ class FabricScheduler:
 
     # ------------------------------------------------------------ every step
     def build_connector_meta(self, scheduler_output: Any) -> FabricMetadata:
-        meta = FabricMetadata(loads=self._loads)
-        self._loads = []
+        meta = FabricMetadata(
+            loads=self._loads, local_loads=self._local_loads, releases=self._releases
+        )
+        self._loads, self._local_loads, self._releases = [], [], []
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             send = self._sending.get(new.req_id)
@@ -199,8 +304,9 @@ class FabricScheduler:
         rid = request.request_id
         self._receiving.pop(rid, None)
         self._attempted.discard(rid)
+        self._drop_hit(rid)
         send = self._sending.pop(rid, None)
-        if send is None:
+        if send is None or send.transfer_id is None:
             return None
         if send.next_chunk < len(send.chunk_blocks):
             logger.warning(

@@ -153,6 +153,7 @@ class PushSender:
                 if done:
                     self.store.release_slots([slot])
                     self.counters.add(chunks_sent=1, bytes_sent=push.nbytes)
+                    self.counters.observe("chunk_write_seconds", now - started)
                 elif now - started > self.push_timeout_s:
                     self.store.release_slots([slot])
                     self._fail(job, f"write not done in {self.push_timeout_s} s")

@@ -1,12 +1,15 @@
 """Worker side of the FabricConnector (runs in vLLM's worker process).
 
 ``register_kv_caches`` detects the layout and builds the chunk store, the
-transfer node (a server on ``kv_port`` when this engine receives), the push
+reuse tier (optionally with its disk tier), the transfer node (a server on
+``kv_port`` when this engine receives or keeps a reuse tier), the push
 thread (prefiller) and the load thread (decoder). Per step:
 
-- ``start_load_kv``: hand new LoadPlans to the load thread (asynchronous);
+- ``start_load_kv``: unpack the store hits the scheduler held for new
+  requests (LocalLoads, synchronous, before the forward pass); hand new
+  LoadPlans to the load thread (asynchronous);
 - ``wait_for_save``: pack the chunks this step completed into store slots
-  (synchronous, memcpy speed) and hand them to the push thread;
+  (synchronous, memcpy speed) and hand the prefiller's to the push thread;
 - ``get_results``: requests whose load finished (and which of them failed).
 """
 
@@ -14,23 +17,35 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fabric.errors import CapacityError, ConfigError
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.loader import Loader
 from fabric.integrations.vllm.sender import PushJob, PushSender
-from fabric.kv import KVLayout, chunk_keys, pack
+from fabric.kv import KVLayout, chunk_keys, pack, unpack
 from fabric.store import ChunkStore, StoreConfig
+from fabric.store.disk import DiskTier
+from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode, default_agent_name
 
 if TYPE_CHECKING:
     import torch
 
     from fabric.integrations.vllm.config import ConnectorConfig
-    from fabric.integrations.vllm.metadata import FabricMetadata, SaveChunk, SendPlan
+    from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChunk, SendPlan
 
 logger = logging.getLogger(__name__)
+
+
+def endpoint_file(engine_id: str, rank: int) -> Path:
+    """Where a worker whose ``kv_port`` is 0 (a free port) leaves its control
+    endpoint for the scheduler of the same engine (another process)."""
+    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64]
+    return Path(tempfile.gettempdir()) / f"fabric-{safe}-tp{rank}.endpoint"
 
 
 class FabricWorker:
@@ -46,6 +61,7 @@ class FabricWorker:
         model: str,
         tp_rank: int = 0,
         tp_size: int = 1,
+        engine_id: str | None = None,
     ) -> None:
         self.config, self.produce, self.consume = config, produce, consume
         self.block_size, self.model = block_size, model
@@ -55,7 +71,12 @@ class FabricWorker:
         self.node: TransferNode | None = None
         self.sender: PushSender | None = None
         self.loader: Loader | None = None
+        self.tier: TieredStore | None = None
+        self.engine_id = engine_id
         self._keys: dict[str, list[bytes]] = {}
+        self._save_only: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._tier_seen: dict[str, int] = {}
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -73,22 +94,34 @@ class FabricWorker:
         num_slots = self.config.store_slots or max(4, (self.config.store_mib << 20) // slot_bytes)
         store = ChunkStore(StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots))
         self.store = store
+        if self.config.reuse:
+            self.tier = TieredStore(
+                store,
+                chunk_tokens=self.config.chunk_tokens,
+                fingerprint=layout.fingerprint(),
+                disk=self._disk_tier(),
+            )
+        serve = self.consume or self.tier is not None
         self.node = TransferNode(
             store,
-            self._transfer_config(),
+            self._transfer_config(serve),
             layout.fingerprint(),
             name=default_agent_name(f"fabric-{'d' if self.consume else 'p'}{self.tp_rank}"),
-            serve=self.consume,
+            serve=serve,
+            tier=self.tier,
         )
+        if serve and self.engine_id is not None and not self.config.kv_port:
+            self._publish_endpoint(self.node.endpoint)
         logger.info(
-            "fabric: %s layout, %d layers, %d-token chunks of %.1f MiB, %d slots, %s%s",
+            "fabric: %s layout, %d layers, %d-token chunks of %.1f MiB, %d slots, %s%s%s",
             layout.kind.value,
             layout.num_layers,
             self.config.chunk_tokens,
             slot_bytes / 2**20,
             num_slots,
             self.node.plane.kind,
-            f", serving on {self.node.endpoint}" if self.consume else "",
+            f", serving on {self.node.endpoint}" if serve else "",
+            self._tier_description(),
         )
         if self.produce:
             self.sender = PushSender(
@@ -114,9 +147,38 @@ class FabricWorker:
                 pack_threads=self.config.pack_threads,
             )
 
-    def _transfer_config(self) -> TransferConfig:
+    def _publish_endpoint(self, endpoint: str) -> None:
+        assert self.engine_id is not None
+        path = endpoint_file(self.engine_id, self.tp_rank)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(endpoint)
+        os.replace(tmp, path)
+        self._endpoint_path: Path | None = path
+
+    def _disk_tier(self) -> DiskTier | None:
+        path = self.config.disk_path
+        if not path:
+            return None
+        if self.tp_size > 1:
+            path = os.path.join(path, f"tp{self.tp_rank}")
+        return DiskTier(path, int(self.config.disk_gib * 2**30))
+
+    def _tier_description(self) -> str:
+        if self.tier is None:
+            return ", no reuse tier"
+        disk = self.tier.disk
+        if disk is None:
+            return ", reuse tier in memory"
+        stats = disk.stats()
+        return (
+            f", reuse tier with disk {self.config.disk_path} "
+            f"({stats.files} chunks, {stats.bytes / 2**30:.2f} of "
+            f"{stats.budget_bytes / 2**30:.1f} GiB)"
+        )
+
+    def _transfer_config(self, serve: bool) -> TransferConfig:
         c = self.config
-        port = c.kv_port + self.tp_rank if c.kv_port and self.consume else 0
+        port = c.kv_port + self.tp_rank if c.kv_port and serve else 0
         return TransferConfig(
             transport=c.transport,  # type: ignore[arg-type]
             host=c.host,
@@ -128,10 +190,81 @@ class FabricWorker:
 
     # ------------------------------------------------------------ per step
     def start_load(self, meta: FabricMetadata) -> None:
+        for rid in meta.releases:
+            if self.tier is not None:
+                self.tier.release_hold(rid)
+        for local in meta.local_loads:
+            self._load_local(local)
         for plan in meta.loads:
             if self.loader is None:
                 raise ConfigError("a LoadPlan reached a worker that does not consume KV")
             self.loader.submit(plan)
+
+    def _load_local(self, load: LocalLoad) -> None:
+        """Unpack the chunks the scheduler held for a request (before the forward)."""
+        assert self.layout is not None
+        slots = self.tier.take_hold(load.req_id) if self.tier is not None else None
+        if slots is None or len(slots) < load.num_chunks:
+            logger.warning(
+                "fabric: the store chunks held for request %s are gone (%s of %d); "
+                "vLLM recomputes them",
+                load.req_id,
+                "none" if slots is None else len(slots),
+                load.num_chunks,
+            )
+            self._load_errors.update(load.block_ids)
+            self.counters.add(store_load_failures=1)
+            if slots:
+                self.store.release_slots(slots)
+            return
+        chunk_blocks = self.config.chunk_tokens // self.block_size
+        started = time.monotonic()
+        try:
+            for index in range(load.first_block // chunk_blocks, load.num_chunks):
+                first = max(load.first_block - index * chunk_blocks, 0)
+                start = index * chunk_blocks + first - load.first_block
+                targets = load.block_ids[start : start + chunk_blocks - first]
+                unpack(
+                    self.store.pool.slot_view(slots[index]),
+                    self.kv_caches,
+                    self.layout,
+                    targets,
+                    chunk_blocks=chunk_blocks,
+                    first=first,
+                    num_threads=self.config.pack_threads,
+                )
+        finally:
+            self.store.release_slots(slots)
+        tokens = load.num_chunks * self.config.chunk_tokens - load.first_block * self.block_size
+        self.counters.observe("store_load_seconds", time.monotonic() - started)
+        self.counters.add(
+            store_hit_chunks=load.num_chunks - load.first_block // chunk_blocks,
+            store_hit_tokens=tokens,
+        )
+
+    def sync_tier_counters(self) -> None:
+        """Add what the reuse tier's monotonic counters moved since the last call."""
+        if self.tier is None:
+            return
+        now = {"disk_hit_chunks": self.tier.counters.disk_hit_chunks}
+        disk = self.tier.disk
+        if disk is not None:
+            stats = disk.stats()
+            now |= {
+                "disk_corrupt_chunks": stats.corrupt,
+                "disk_writes": stats.writes,
+                "disk_write_failures": stats.write_failures,
+                "disk_evictions": stats.evictions,
+            }
+        deltas = {k: v - self._tier_seen.get(k, 0) for k, v in now.items()}
+        self._tier_seen = now
+        if any(deltas.values()):
+            self.counters.add(**{k: v for k, v in deltas.items() if v})
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks whose synchronous load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def save(self, meta: FabricMetadata) -> None:
         for plan in meta.sends:
@@ -140,17 +273,26 @@ class FabricWorker:
             self._save_chunk(chunk)
 
     def _begin(self, plan: SendPlan) -> None:
-        assert self.layout is not None and self.sender is not None
+        assert self.layout is not None
         keys = chunk_keys(plan.token_ids, self.config.chunk_tokens, self.layout.fingerprint())
-        nbytes = [self.layout.chunk_nbytes(n) for n in plan.chunk_blocks]
         self._keys[plan.req_id] = keys
+        if plan.endpoint is None or plan.transfer_id is None:
+            self._save_only.add(plan.req_id)
+            return
+        if self.sender is None:
+            raise ConfigError("a push reached a worker that does not produce KV")
+        nbytes = [self.layout.chunk_nbytes(n) for n in plan.chunk_blocks]
         self.sender.begin(PushJob(plan.req_id, plan.transfer_id, plan.endpoint, keys, nbytes))
 
     def _save_chunk(self, chunk: SaveChunk) -> None:
-        assert self.layout is not None and self.sender is not None
+        assert self.layout is not None
         keys = self._keys.get(chunk.req_id)
         if keys is None:
             return
+        if chunk.req_id in self._save_only:
+            self._save_local(chunk, keys)
+            return
+        assert self.sender is not None
         key = keys[chunk.index]
         slots = self.store.acquire([key])  # packed before (same prefix): reuse it
         if not slots:
@@ -177,12 +319,41 @@ class FabricWorker:
         if chunk.index == len(keys) - 1:
             self._keys.pop(chunk.req_id, None)
 
+    def _save_local(self, chunk: SaveChunk, keys: list[bytes]) -> None:
+        """Reuse tier: pack a computed chunk into the store unless it is there."""
+        assert self.layout is not None
+        key = keys[chunk.index]
+        if chunk.index == len(keys) - 1:
+            self._keys.pop(chunk.req_id, None)
+            self._save_only.discard(chunk.req_id)
+        if self.store.contains(key):
+            return
+        try:
+            slot = self.store.allocate(key)
+        except CapacityError as exc:
+            logger.info("fabric: no slot to save %s chunk %d: %s", chunk.req_id, chunk.index, exc)
+            return
+        try:
+            nbytes = pack(
+                self.kv_caches,
+                self.layout,
+                chunk.block_ids,
+                self.store.pool.slot_view(slot),
+                num_threads=self.config.pack_threads,
+            )
+        except BaseException:
+            self.store.abort(slot)
+            raise
+        self.store.commit(slot, key, nbytes)
+        self.counters.add(chunks_saved=1, bytes_saved=nbytes)
+
     def get_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last step."""
         if self.sender is not None and finished_req_ids:
             self.sender.finished(finished_req_ids)
-            for rid in finished_req_ids:
-                self._keys.pop(rid, None)
+        for rid in finished_req_ids:
+            self._keys.pop(rid, None)
+            self._save_only.discard(rid)
         if self.loader is None:
             return set(), set()
         return self.loader.take_results()
@@ -194,3 +365,8 @@ class FabricWorker:
             self.sender.close()
         if self.node is not None:
             self.node.close()
+        if self.tier is not None:
+            self.tier.close()
+        path = getattr(self, "_endpoint_path", None)
+        if path is not None:
+            path.unlink(missing_ok=True)

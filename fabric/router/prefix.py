@@ -1,0 +1,132 @@
+"""What each engine's store holds of a prompt, as the proxy sees it.
+
+Used by the cache-aware policy and the ``/fabric/lookup|pin`` admin routes:
+
+1. the prompt's token ids: given as ids, or from an engine's ``/tokenize``
+   (vLLM's endpoint: the same tokenizer and chat template the engine
+   applies to the request);
+2. one ``Lookup`` per engine over its fabric control channel (a
+   :class:`~fabric.transfer.lookup.StoreClient`, run in a worker thread),
+   all at once, each bounded by ``proxy.lookup_timeout_ms``.
+
+Nothing here is required to serve a request: a prompt that cannot be
+tokenized or an engine that does not answer counts as no hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from fabric.errors import FabricError
+from fabric.router.engines import Engine, describe
+from fabric.transfer.lookup import StoreClient
+
+if TYPE_CHECKING:
+    from fabric.router.requests import Endpoint
+    from fabric.router.state import ProxyState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineHit:
+    """One engine's answer: leading prompt tokens its store holds."""
+
+    engine: Engine
+    hit_tokens: int = 0
+    disk_tokens: int = 0
+    chunk_tokens: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.engine.name,
+            "role": self.engine.role,
+            "hit_tokens": self.hit_tokens,
+            "disk_tokens": self.disk_tokens,
+            "chunk_tokens": self.chunk_tokens,
+            "error": self.error,
+        }
+
+
+async def prompt_token_ids(
+    state: ProxyState, body: dict[str, Any], endpoint: Endpoint, engines: Sequence[Engine]
+) -> list[int] | None:
+    """The token ids of the request's (single) prompt, or None."""
+    prompt: Any = body.get("prompt")
+    if endpoint.input_field == "prompt" and _is_ids(prompt):
+        return list(prompt)
+    if endpoint.input_field == "prompt" and isinstance(prompt, str):
+        payload: dict[str, Any] = {"prompt": prompt}
+    elif endpoint.input_field == "messages" and isinstance(body.get("messages"), list):
+        payload = {"messages": body["messages"], "add_generation_prompt": True}
+    else:
+        return None  # batches of prompts: no single prefix
+    if "model" in body:
+        payload["model"] = body["model"]
+    for engine in engines:
+        if not engine.healthy:
+            continue
+        try:
+            response = await state.client.post(
+                f"{engine.url}/tokenize", json=payload, timeout=state.config.health_timeout_s
+            )
+        except httpx.HTTPError as exc:
+            logger.debug("tokenize on %s failed: %s", engine.name, describe(exc))
+            continue
+        if response.status_code == 200:
+            tokens = response.json().get("tokens")
+            if _is_ids(tokens):
+                return list(tokens)
+        logger.debug("tokenize on %s answered %s", engine.name, response.status_code)
+    return None
+
+
+async def lookup_all(
+    state: ProxyState, engines: Sequence[Engine], token_ids: list[int]
+) -> list[EngineHit]:
+    """Ask every engine with a control endpoint how much of ``token_ids`` it holds."""
+    return list(await asyncio.gather(*(lookup_one(state, e, token_ids) for e in engines)))
+
+
+async def lookup_one(state: ProxyState, engine: Engine, token_ids: list[int]) -> EngineHit:
+    if engine.kv_endpoint is None:
+        return EngineHit(engine, error="no kv_port: its store cannot be asked")
+    client = store_client(state, engine)
+    try:
+        result = await asyncio.to_thread(client.lookup, token_ids)
+    except (FabricError, OSError) as exc:
+        return EngineHit(engine, error=str(exc))
+    tokens = result.chunk_tokens
+    return EngineHit(engine, result.hit_chunks * tokens, result.disk_chunks * tokens, tokens)
+
+
+async def call_store(state: ProxyState, engine: Engine, method: str, *args: Any, **kw: Any) -> Any:
+    """Run ``StoreClient.<method>`` for ``engine`` in a thread (admin routes)."""
+    if engine.kv_endpoint is None:
+        raise FabricError(f"{engine.name} has no kv_port: its store cannot be reached")
+    return await asyncio.to_thread(getattr(store_client(state, engine), method), *args, **kw)
+
+
+def store_client(state: ProxyState, engine: Engine) -> StoreClient:
+    assert engine.kv_endpoint is not None
+    clients: dict[str, StoreClient] = state.store_clients
+    client = clients.get(engine.kv_endpoint)
+    if client is None:
+        timeout = state.config.lookup_timeout_ms
+        client = clients[engine.kv_endpoint] = StoreClient(engine.kv_endpoint, timeout_ms=timeout)
+    return client
+
+
+def _is_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )

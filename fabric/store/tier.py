@@ -1,0 +1,303 @@
+"""The reuse tier: prompt-level lookups over the chunk store and its disk tier.
+
+:class:`TieredStore` turns token ids into chunk keys (full chunks only, the
+layout fingerprint folded in) and answers the questions an engine and the
+proxy ask before computing a prompt::
+
+    lookup(tokens)                 how many leading full chunks are held?
+                                   (memory first, then the disk tier)
+    lookup(tokens, hold=rid)       ... and keep them for request ``rid``:
+                                   disk hits are read back into pool slots
+                                   (checksum verified), every hit slot gets
+                                   a ref until the worker ``take_hold``\\ s
+                                   it or the hold's lease runs out
+    pin / clear                    admin: never evict a prefix; empty a tier
+
+Write-behind to disk: the store calls :meth:`TieredStore._on_present` for
+every key that becomes present (a local pack committed, a pushed chunk
+verified); a writer thread copies those slots to the disk tier while holding
+a ref, so a chunk evicted from memory later is still on disk, and a
+restarted engine finds what its predecessor computed. A chunk evicted before
+the writer reached it is skipped and counted (``disk_skipped``).
+
+Thread safety: holds are guarded by one lock; the store and the disk tier
+have their own. Disk reads and writes never run under the holds lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fabric.errors import CapacityError, ConfigError
+from fabric.kv.keys import chunk_keys
+
+if TYPE_CHECKING:
+    from fabric.store.disk import DiskTier
+    from fabric.store.index import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("memory", "disk", "all")
+
+
+@dataclass(frozen=True)
+class Hit:
+    """Result of a lookup: ``chunks`` leading full chunks held, ``disk`` of
+    them found only on disk; ``slots`` are the held pool slots (hold only)."""
+
+    chunks: int
+    disk: int
+    slots: tuple[int, ...] = ()
+
+
+@dataclass
+class _Hold:
+    slots: list[int]
+    expires_at: float
+
+
+@dataclass
+class TierCounters:
+    """Monotonic counters of a TieredStore."""
+
+    lookups: int = 0
+    hit_chunks: int = 0
+    disk_hit_chunks: int = 0
+    disk_read_failures: int = 0
+    disk_writes_queued: int = 0
+    disk_skipped: int = 0
+    holds_expired: int = 0
+
+
+@dataclass
+class _Writer:
+    queue: queue.Queue[bytes | None] = field(default_factory=queue.Queue)
+    pending: int = 0
+    idle: threading.Condition = field(default_factory=threading.Condition)
+
+
+class TieredStore:
+    """Prompt lookups, holds and disk write-behind over one :class:`ChunkStore`."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        *,
+        chunk_tokens: int,
+        fingerprint: str,
+        disk: DiskTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if chunk_tokens < 1:
+            raise ConfigError(f"chunk_tokens: must be >= 1, got {chunk_tokens}")
+        self.store, self.disk = store, disk
+        self.chunk_tokens, self.fingerprint = chunk_tokens, fingerprint
+        self.counters = TierCounters()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._holds: dict[str, _Hold] = {}
+        self._writer = _Writer()
+        self._thread: threading.Thread | None = None
+        if disk is not None:
+            store.on_present = self._on_present
+            self._thread = threading.Thread(
+                target=self._write_loop, name="fabric-disk", daemon=True
+            )
+            self._thread.start()
+
+    # ------------------------------------------------------------ lookups
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Keys of the full chunks of ``token_ids``."""
+        return chunk_keys(token_ids, self.chunk_tokens, self.fingerprint, include_partial=False)
+
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        *,
+        hold: str | None = None,
+        lease_ms: int = 30_000,
+    ) -> Hit:
+        """Leading full chunks of ``token_ids`` held in memory or on disk.
+
+        With ``hold`` (a request id) the hit chunks are brought into memory
+        and referenced for that request; a previous hold of the same id is
+        dropped first. A chunk that cannot be brought in (no free slot, a
+        corrupt file) ends the hit there.
+        """
+        keys = self.keys(token_ids)
+        self.counters.lookups += 1
+        if hold is None:
+            hit = self._count(keys)
+        else:
+            self.release_hold(hold)
+            hit = self._acquire(keys)
+            if hit.slots:
+                with self._lock:
+                    expires = self._clock() + lease_ms / 1000
+                    self._holds[hold] = _Hold(list(hit.slots), expires)
+        self.counters.hit_chunks += hit.chunks
+        self.counters.disk_hit_chunks += hit.disk
+        return hit
+
+    def take_hold(self, request_id: str) -> list[int] | None:
+        """The slots held for ``request_id`` (the caller now owns their refs)."""
+        with self._lock:
+            hold = self._holds.pop(request_id, None)
+        return None if hold is None else hold.slots
+
+    def release_hold(self, request_id: str) -> bool:
+        """Drop the hold of ``request_id``; returns whether there was one."""
+        slots = self.take_hold(request_id)
+        if slots is None:
+            return False
+        self.store.release_slots(slots)
+        return True
+
+    def expire_holds(self) -> int:
+        """Drop holds past their lease (their request never loaded them)."""
+        now = self._clock()
+        with self._lock:
+            gone = [rid for rid, hold in self._holds.items() if hold.expires_at <= now]
+            slots = [self._holds.pop(rid).slots for rid in gone]
+        for held in slots:
+            self.store.release_slots(held)
+        self.counters.holds_expired += len(gone)
+        return len(gone)
+
+    def held_count(self) -> int:
+        """Requests with a hold now."""
+        with self._lock:
+            return len(self._holds)
+
+    # ------------------------------------------------------------ admin
+    def pin(self, token_ids: Sequence[int], *, pin: bool = True) -> int:
+        """Pin (bring in from disk first) or unpin a prompt's leading chunks."""
+        keys = self.keys(token_ids)
+        if not pin:
+            return self.store.unpin(keys)
+        hit = self._acquire(keys)
+        try:
+            return self.store.pin(keys[: hit.chunks])
+        finally:
+            self.store.release_slots(list(hit.slots))
+
+    def clear(self, tier: str = "all") -> int:
+        """Empty ``"memory"`` (chunks nobody holds), ``"disk"`` or ``"all"``."""
+        if tier not in TIERS:
+            raise ConfigError(f"tier: {tier!r} is not one of {TIERS}")
+        count = 0
+        if tier in ("memory", "all"):
+            count += self.store.drop_unused()
+        if tier in ("disk", "all") and self.disk is not None:
+            self.flush()
+            count += self.disk.clear()
+        return count
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until the disk writer has written what was queued."""
+        deadline = time.monotonic() + timeout
+        with self._writer.idle:
+            while self._writer.pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._writer.idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.store.on_present = None
+            self._writer.queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+        for rid in list(self._holds):
+            self.release_hold(rid)
+
+    # ------------------------------------------------------------ internals
+    def _count(self, keys: list[bytes]) -> Hit:
+        chunks = disk = 0
+        for key in keys:
+            if self.store.contains(key):
+                chunks += 1
+            elif self.disk is not None and self.disk.contains(key):
+                chunks += 1
+                disk += 1
+            else:
+                break
+        return Hit(chunks, disk)
+
+    def _acquire(self, keys: list[bytes]) -> Hit:
+        """Reference the leading present chunks, reading disk-only ones in."""
+        slots: list[int] = []
+        disk = 0
+        for key in keys:
+            got = self.store.acquire([key])
+            if got:
+                slots.append(got[0])
+                continue
+            if self.disk is None or not self.disk.contains(key):
+                break
+            slot = self._read_in(key)
+            if slot is None:
+                break
+            slots.append(slot)
+            disk += 1
+        return Hit(len(slots), disk, tuple(slots))
+
+    def _read_in(self, key: bytes) -> int | None:
+        """Bring ``key`` from disk into a slot, referenced; None if it cannot."""
+        assert self.disk is not None
+        try:
+            slot = self.store.allocate(key)
+        except CapacityError as exc:
+            logger.info("fabric: no slot to read a chunk back from disk: %s", exc)
+            return None
+        nbytes = self.disk.read_into(key, self.store.pool.slot_view(slot))
+        if nbytes is None:
+            self.store.abort(slot)
+            self.counters.disk_read_failures += 1
+            return None
+        self.store.commit(slot, key, nbytes)
+        got = self.store.acquire([key])
+        return got[0] if got else None
+
+    def _on_present(self, key: bytes) -> None:
+        with self._writer.idle:
+            self._writer.pending += 1
+        self.counters.disk_writes_queued += 1
+        self._writer.queue.put(key)
+
+    def _write_loop(self) -> None:
+        assert self.disk is not None
+        while (key := self._writer.queue.get()) is not None:
+            try:
+                self._write_one(key)
+            except Exception:
+                logger.exception("fabric: disk write-behind failed")
+            finally:
+                with self._writer.idle:
+                    self._writer.pending -= 1
+                    self._writer.idle.notify_all()
+
+    def _write_one(self, key: bytes) -> None:
+        assert self.disk is not None
+        if self.disk.contains(key):
+            return
+        got = self.store.acquire([key])
+        if not got:
+            self.counters.disk_skipped += 1
+            return
+        slot = got[0]
+        try:
+            checksum = self.store.slot_checksum(slot)
+            nbytes = self.store.slot_nbytes(slot)
+            assert checksum is not None
+            self.disk.put(key, self.store.pool.memoryview(slot, nbytes), checksum)
+        finally:
+            self.store.release_slots([slot])

@@ -1,0 +1,117 @@
+"""Client of an engine's reuse tier over its control channel.
+
+The engine's own scheduler asks its worker (which owns the store) before it
+computes a prompt; the proxy asks every engine for cache-aware routing and
+its admin endpoints. No Hello and no data plane: one DEALER socket per
+endpoint, one request at a time, every call bounded by ``timeout_ms``::
+
+    client = StoreClient("tcp://127.0.0.1:5600")
+    result = client.lookup(token_ids)             # proto.LookupResult
+    result.hit_chunks * result.chunk_tokens       # prefix tokens held
+    client.lookup(token_ids, hold="req-1")        # and keep them for req-1
+    client.release("req-1"); client.clear("memory"); client.pin(token_ids)
+
+A call that gets no answer in time raises :class:`PeerUnreachable`; the
+socket is then rebuilt, so a reply that arrives late is never taken for the
+answer to a later call. A ``Refused`` reply raises :class:`TransferError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from fabric.errors import PeerUnreachable, ProtocolError, TransferError
+from fabric.transfer import protocol as proto
+
+DEFAULT_TIMEOUT_MS = 2000
+
+
+class StoreClient:
+    """Synchronous, thread-safe client of one engine's reuse tier."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        max_message_bytes: int = proto.DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.endpoint, self.timeout_ms = endpoint, timeout_ms
+        self.max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._sock: zmq.Socket[bytes] | None = None
+
+    def lookup(
+        self, token_ids: Sequence[int], *, hold: str | None = None, lease_ms: int = 30_000
+    ) -> proto.LookupResult:
+        """How many leading full chunks of ``token_ids`` the engine holds."""
+        msg = proto.Lookup(next(self._seq), hold or "", list(token_ids), hold is not None, lease_ms)
+        reply = self._call(msg)
+        if not isinstance(reply, proto.LookupResult):
+            raise ProtocolError(f"expected LookupResult, got {type(reply).__name__}")
+        return reply
+
+    def release(self, request_id: str) -> bool:
+        """Drop a hold; whether there was one."""
+        return bool(self._done(proto.Release(next(self._seq), request_id)))
+
+    def clear(self, tier: str = "all") -> int:
+        """Empty a tier of the engine's store; chunks removed."""
+        return self._done(proto.Clear(next(self._seq), tier))
+
+    def pin(self, token_ids: Sequence[int], *, pin: bool = True) -> int:
+        """Pin (or unpin) a prompt's leading chunks; chunks affected."""
+        return self._done(proto.Pin(next(self._seq), list(token_ids), pin))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+
+    def _done(self, msg: proto.Message) -> int:
+        reply = self._call(msg)
+        if not isinstance(reply, proto.Done):
+            raise ProtocolError(f"expected Done, got {type(reply).__name__}")
+        return reply.count
+
+    def _call(self, msg: proto.Message) -> proto.Message:
+        seq = msg.seq  # type: ignore[union-attr]
+        with self._lock:
+            sock = self._socket()
+            sock.send(proto.encode(msg))
+            deadline = time.monotonic() + self.timeout_ms / 1000
+            while (left := deadline - time.monotonic()) > 0:
+                if not sock.poll(max(1, int(left * 1000))):
+                    break
+                reply = proto.decode(sock.recv(), self.max_message_bytes)
+                if getattr(reply, "seq", None) != seq:
+                    continue  # a stale reply
+                if isinstance(reply, proto.Refused):
+                    raise TransferError(f"{self.endpoint} refused: {reply.reason}")
+                return reply
+            sock.close(linger=0)
+            self._sock = None
+        raise PeerUnreachable(
+            f"{self.endpoint}: no answer to {type(msg).__name__} in {self.timeout_ms} ms"
+        )
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
