@@ -191,6 +191,11 @@ class ConnectorConfig(_Frozen):
     (made absolute here), so a restarted engine finds its predecessor's
     chunks; ``disk_gib`` is each engine's disk budget; ``eviction`` the
     policy of both tiers (``lru``).
+
+    ``secret_env``: the name of an environment variable holding the shared
+    secret that signs every engine's control channel (the engines and the
+    proxy read it; the secret itself never appears in the YAML or on a
+    command line). Unset: no signing.
     """
 
     chunk_tokens: PositiveInt = 256
@@ -202,6 +207,7 @@ class ConnectorConfig(_Frozen):
     disk_path: str | None = None
     disk_gib: Annotated[float, Field(gt=0)] | None = None
     eviction: Literal["lru"] = "lru"
+    secret_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -209,6 +215,17 @@ class ConnectorConfig(_Frozen):
         if self.store_slots is not None and self.store_mib is not None:
             raise ValueError("give store_slots or store_mib, not both")
         return self
+
+    def secret(self) -> str | None:
+        """The shared secret from ``secret_env`` (None without one); ConfigError if unset."""
+        if self.secret_env is None:
+            return None
+        value = os.environ.get(self.secret_env)
+        if not value:
+            raise ConfigError(
+                f"connector.secret_env: environment variable {self.secret_env!r} is not set"
+            )
+        return value
 
     def extra_config(
         self, kv_port: int, host: str = LOCAL_HOST, *, role: Role = "both", name: str = "engine"
@@ -228,6 +245,7 @@ class ConnectorConfig(_Frozen):
             "store_mib": self.store_mib,
             "load_timeout_s": self.load_timeout_s,
             "disk_gib": self.disk_gib,
+            "secret_env": self.secret_env,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
         if reuse and self.disk_path is not None:

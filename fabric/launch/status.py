@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-ENGINE_COLUMNS = ("name", "role", "url", "healthy", "outstanding", "error")
+ENGINE_COLUMNS = ("name", "role", "url", "healthy", "outstanding", "store", "error")
 
 
 def proxy_url(url: str | None, workdir: str | Path) -> str:
@@ -39,7 +39,10 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
 
 def tables(status: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """``(title, header, rows)`` of the engines and of the proxy's counters."""
-    engines = [[_cell(e.get(c)) for c in ENGINE_COLUMNS] for e in status.get("engines", [])]
+    engines = [
+        [_store_cell(e.get(c)) if c == "store" else _cell(e.get(c)) for c in ENGINE_COLUMNS]
+        for e in status.get("engines", [])
+    ]
     policies = status.get("policies", {})
     proxy = [
         ["in_flight", _cell(status.get("in_flight"))],
@@ -91,6 +94,19 @@ def main(url: str | None, workdir: str) -> int:
         return 1
     print_status(status, target)
     return 0
+
+
+def _store_cell(store: Any) -> str:
+    """``12/512 chunks, 0 reserved, disk 40 (1.2 GiB)`` from an engine's store status."""
+    if not isinstance(store, dict):
+        return "-"
+    if "error" in store:
+        return f"unreachable: {store['error']}"
+    used = store.get("filled", 0) + store.get("pinned", 0)
+    text = f"{used}/{store.get('num_slots', '?')} chunks, {store.get('reserved', 0)} reserved"
+    if "disk_files" in store:
+        text += f", disk {store['disk_files']} ({store.get('disk_bytes', 0) / 2**30:.1f} GiB)"
+    return text
 
 
 def _cell(value: Any) -> str:

@@ -28,10 +28,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from fabric.config import TopologyConfig
+from fabric.errors import FabricError
 from fabric.router import controller, pd
 from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
 from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_response
 from fabric.router.policy import Routing
+from fabric.router.prefix import call_store
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from fabric.router.state import ProxyState
 
@@ -45,10 +47,14 @@ def create_app(topology: TopologyConfig) -> FastAPI:
 
     State lives on ``app.state.proxy`` (:class:`ProxyState`); the HTTP client
     is opened and the health loop started by the app's lifespan.
-    Raises ``ConfigError`` when an engine has no url/port or a decoder no kv_port.
+    Raises ``ConfigError`` when an engine has no url/port or a decoder no kv_port,
+    or ``connector.secret_env`` names a variable that is not set.
     """
     state = ProxyState(
-        topology.proxy, EnginePool.from_topology(topology), Routing.from_config(topology.proxy)
+        topology.proxy,
+        EnginePool.from_topology(topology),
+        Routing.from_config(topology.proxy),
+        store_secret=topology.connector.secret(),
     )
     app = FastAPI(
         title="fabric PD proxy",
@@ -175,7 +181,9 @@ async def _metrics(state: ProxyState) -> Response:
 
 
 async def _status(state: ProxyState) -> Response:
-    """What the proxy knows now (no probes): engines, policies, counters, in-flight requests."""
+    """What the proxy knows (no health probes): engines with their store
+    occupancy (asked over each kv_port, bounded), policies, counters, in-flight."""
+    stores = await asyncio.gather(*(_store_status(state, e) for e in state.pool.engines))
     body = {
         "engines": [
             {
@@ -185,8 +193,9 @@ async def _status(state: ProxyState) -> Response:
                 "healthy": e.healthy,
                 "outstanding": e.outstanding,
                 "error": e.last_error,
+                "store": store,
             }
-            for e in state.pool.engines
+            for e, store in zip(state.pool.engines, stores, strict=True)
         ],
         "policies": {"prefill": state.policy.prefill.name, "decode": state.policy.decode.name},
         "disaggregate_min_prompt_tokens": state.config.disaggregate_min_prompt_tokens,
@@ -194,3 +203,29 @@ async def _status(state: ProxyState) -> Response:
         "in_flight": state.in_flight,
     }
     return JSONResponse(body)
+
+
+STORE_STATUS_KEYS = (
+    "num_slots",
+    "slot_bytes",
+    "free",
+    "reserved",
+    "filled",
+    "pinned",
+    "quarantined",
+    "holds",
+    "disk_files",
+    "disk_bytes",
+    "disk_budget_bytes",
+)
+
+
+async def _store_status(state: ProxyState, engine: Engine) -> dict[str, object] | None:
+    """The engine's store occupancy, or ``{"error": ...}``; None without a kv_port."""
+    if engine.kv_endpoint is None:
+        return None
+    try:
+        stats = await call_store(state, engine, "stats")
+    except (FabricError, OSError) as exc:
+        return {"error": str(exc)}
+    return {key: stats[key] for key in STORE_STATUS_KEYS if key in stats}

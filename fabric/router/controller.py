@@ -13,13 +13,13 @@
 
 Every engine is asked at once, each bounded by ``proxy.lookup_timeout_ms``;
 an engine that does not answer is reported with its error, never waited on.
-Bad input gets a 400 JSON error naming the field; an unknown engine a 404.
+Bad input (unknown fields too: a typo must not widen a clear to every
+engine) gets a 400 JSON error naming the field; an unknown engine a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -29,14 +29,22 @@ from fabric.errors import FabricError
 from fabric.router.engines import Engine
 from fabric.router.errors import INVALID_REQUEST, UNAVAILABLE, ProxyError, bad_request
 from fabric.router.prefix import call_store, lookup_all, prompt_token_ids
-from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
+from fabric.router.requests import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    Endpoint,
+    check_known_fields,
+    check_messages,
+    check_prompt,
+    load_json_object,
+)
 from fabric.router.state import ProxyState
 
 TIERS = ("memory", "disk", "all")
 
 
 async def lookup(state: ProxyState, request: Request) -> Response:
-    body = await _json(request)
+    body = await _json(request, ("prompt", "messages", "model", "engine"))
     engines = _engines(state, body)
     token_ids = await _token_ids(state, body, engines)
     hits = await lookup_all(state, engines, token_ids)
@@ -46,7 +54,7 @@ async def lookup(state: ProxyState, request: Request) -> Response:
 
 
 async def clear(state: ProxyState, request: Request) -> Response:
-    body = await _json(request)
+    body = await _json(request, ("tier", "engine"))
     tier = body.get("tier", "all")
     if tier not in TIERS:
         raise bad_request(f"tier must be one of {list(TIERS)}, not {tier!r}", "tier")
@@ -56,7 +64,7 @@ async def clear(state: ProxyState, request: Request) -> Response:
 
 
 async def pin(state: ProxyState, request: Request) -> Response:
-    body = await _json(request)
+    body = await _json(request, ("prompt", "messages", "model", "engine", "pin"))
     do_pin = body.get("pin", True)
     if not isinstance(do_pin, bool):
         raise bad_request("pin must be a boolean", "pin")
@@ -79,13 +87,9 @@ async def _each(
     return {e.name: answer for e, answer in zip(engines, answers, strict=True)}
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
+async def _json(request: Request, known: tuple[str, ...]) -> dict[str, Any]:
+    body = load_json_object(await request.body() or b"{}")
+    check_known_fields(body, known)
     return body
 
 
@@ -105,10 +109,12 @@ def _engines(state: ProxyState, body: dict[str, Any]) -> list[Engine]:
 async def _token_ids(state: ProxyState, body: dict[str, Any], engines: list[Engine]) -> list[int]:
     endpoint: Endpoint
     if "messages" in body:
-        if not isinstance(body["messages"], list) or not body["messages"]:
-            raise bad_request("messages must be a non-empty list", "messages")
+        check_messages(body["messages"])
         endpoint = CHAT_COMPLETIONS
-    elif isinstance(body.get("prompt"), str | list) and body["prompt"]:
+    elif body.get("prompt"):
+        check_prompt(body["prompt"])
+        if isinstance(body["prompt"], list) and not isinstance(body["prompt"][0], int):
+            raise bad_request("give one prompt: text or a list of token ids", "prompt")
         endpoint = COMPLETIONS
     else:
         raise bad_request("give a prompt (text or token ids) or messages", "prompt")

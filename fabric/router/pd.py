@@ -21,10 +21,17 @@ has started, an error event ends it.
 A prompt shorter than ``disaggregate_min_prompt_tokens`` skips P: D gets the
 body without params and computes it (counted as a local decode). P and D get
 the transfer id as ``X-Request-Id``.
+
+A client that disconnects before its answer starts cancels the whole flow:
+the requests to P and D are dropped (vLLM aborts a request whose connection
+closes), nothing more is sent, and it is counted (``client_disconnects``).
+Once a stream is being relayed, Starlette notices the disconnect and the
+relay closes D's response (see :mod:`fabric.router.relay`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 from uuid import uuid4
@@ -64,7 +71,10 @@ async def serve_generation(state: ProxyState, request: Request, endpoint: Endpoi
     client_id = request.headers.get("x-request-id")
     transfer_id = new_transfer_id(client_id)
     try:
-        response = await _serve(state, request, endpoint, transfer_id)
+        raw = await request.body()
+        response = await _unless_disconnected(
+            state, request, _serve(state, request, raw, endpoint, transfer_id), transfer_id
+        )
     except ProxyError as exc:
         exc.request_id = client_id or transfer_id
         raise
@@ -82,11 +92,51 @@ def new_transfer_id(client_id: str | None) -> str:
     return f"{client_id[:MAX_CLIENT_ID]}-{uuid4().hex[:8]}"
 
 
+async def _unless_disconnected(
+    state: ProxyState, request: Request, work: Any, transfer_id: str
+) -> Response:
+    """Await ``work`` (the flow), cancelled if the client goes away first.
+
+    NOTE: one watcher task per request cancels this task on a disconnect
+    (cheaper than running the flow in a task of its own and waiting on both).
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    gone = asyncio.Event()
+    watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, task, gone))
+    response: Response | None = None
+    try:
+        response = await work
+    except asyncio.CancelledError:
+        if not gone.is_set():
+            raise
+    finally:
+        watch.cancel()
+        if gone.is_set() and task.cancelling():
+            task.uncancel()  # our own cancel, not the server's
+    if response is not None:
+        return response
+    state.counters.client_disconnects += 1
+    logger.info("%s: the client disconnected; prefill/decode requests dropped", transfer_id)
+    # nobody reads this; 499 is the conventional "client closed request"
+    return Response(status_code=499)
+
+
+async def _cancel_on_disconnect(
+    request: Request, task: asyncio.Task[Any], gone: asyncio.Event
+) -> None:
+    """Cancel ``task`` when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+    task.cancel()
+
+
 async def _serve(
-    state: ProxyState, request: Request, endpoint: Endpoint, transfer_id: str
+    state: ProxyState, request: Request, raw: bytes, endpoint: Endpoint, transfer_id: str
 ) -> Response:
     try:
-        body = parse_body(await request.body(), endpoint)
+        body = parse_body(raw, endpoint)
     except ProxyError:
         state.counters.client_errors += 1
         raise

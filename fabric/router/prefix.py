@@ -120,7 +120,9 @@ def store_client(state: ProxyState, engine: Engine) -> StoreClient:
     client = clients.get(engine.kv_endpoint)
     if client is None:
         timeout = state.config.lookup_timeout_ms
-        client = clients[engine.kv_endpoint] = StoreClient(engine.kv_endpoint, timeout_ms=timeout)
+        client = clients[engine.kv_endpoint] = StoreClient(
+            engine.kv_endpoint, timeout_ms=timeout, secret=state.store_secret
+        )
     return client
 
 

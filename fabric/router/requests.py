@@ -1,19 +1,38 @@
 """Parsing client requests and deriving the prefill and decode bodies.
 
-The proxy checks only what it relies on (a JSON object with ``model`` and a
-``prompt`` or ``messages``, and the types of ``stream``, ``max_tokens`` and
-``min_tokens``) and leaves everything else to the engines, which answer
-like vLLM does. A request that fails these checks gets a 400 without any
-engine being contacted.
+The proxy checks only what it relies on and leaves everything else (other
+sampling parameters, unknown fields) to the engines, which answer like vLLM
+does. What it checks:
+
+- the body: UTF-8 (or UTF-16/32) JSON, no NaN/Infinity, nested at most as
+  deep as Python's parser allows, an object;
+- ``model``: a non-empty string;
+- ``prompt``: a string, or a non-empty list of strings, of token ids, or of
+  non-empty token id lists; token ids are ints in ``[0, 2**31)``;
+- ``messages``: a non-empty list of objects with a string ``role`` and a
+  ``content`` that is a string, a list of parts or null;
+- ``max_tokens``/``max_completion_tokens`` (>= 1), ``min_tokens`` (>= 0):
+  integers below ``2**31``; ``stream``: a boolean; ``stream_options``: an
+  object (null stands for absent everywhere).
+
+A request that fails these checks gets a 400 without any engine being
+contacted; the admin routes (:mod:`fabric.router.controller`) use the same
+checks.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from fabric.router.errors import bad_request
+
+MAX_INT32 = 2**31 - 1
+MAX_ESTIMATE_DEPTH = 4
+# A surrogate escape, or the UTF-8 bytes of a surrogate (json decodes with surrogatepass).
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 # NOTE: a prefill must not stream (vLLM refuses stream_options without
 # stream) and must not be held back by a minimum length.
@@ -34,18 +53,81 @@ CHAT_COMPLETIONS = Endpoint("/v1/chat/completions", "messages")
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """The request's JSON object, checked; raises a 400 ``ProxyError``."""
+    body = load_json_object(raw)
+    _check_model(body)
+    _check_input(body, endpoint.input_field)
+    _check_optional(body, "stream", bool, "a boolean")
+    _check_optional(body, "stream_options", dict, "an object")
+    _check_optional_int(body, "max_tokens", minimum=1)
+    _check_optional_int(body, "max_completion_tokens", minimum=1)
+    _check_optional_int(body, "min_tokens", minimum=0)
+    return body
+
+
+def load_json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object; a 400 ``ProxyError`` for anything else."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise bad_request("request body is nested too deeply") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    _check_model(body)
-    _check_input(body, endpoint.input_field)
-    _check_optional(body, "stream", bool, "a boolean")
-    _check_optional_int(body, "max_tokens", minimum=1)
-    _check_optional_int(body, "min_tokens", minimum=0)
+    if _MAYBE_SURROGATE.search(raw) or json.detect_encoding(raw) != "utf-8":
+        dump_json(body)  # NOTE: only then can a lone surrogate be in it; a 400 if so
     return body
+
+
+def check_known_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
+    """A 400 naming the first field of ``body`` not in ``known`` (admin routes)."""
+    for name in body:
+        if name not in known:
+            raise bad_request(f"unknown field {name!r}; known: {list(known)}", name)
+
+
+def check_prompt(value: Any, field: str = "prompt") -> None:
+    """A string, or a non-empty list of strings, token ids or token id lists."""
+    what = (
+        f"'{field}' must be a string, or a non-empty list of strings, "
+        "of token ids or of lists of token ids"
+    )
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not value:
+        raise bad_request(what, field)
+    first = value[0]
+    if isinstance(first, str):
+        if not all(isinstance(item, str) for item in value):
+            raise bad_request(what, field)
+    elif isinstance(first, list):
+        for item in value:
+            if not isinstance(item, list) or not item:
+                raise bad_request(what, field)
+            check_token_ids(item, field)
+    else:
+        check_token_ids(value, field)
+
+
+def check_token_ids(value: list[Any], field: str) -> None:
+    """Every item an int (not a bool) in ``[0, 2**31)``."""
+    # NOTE: set(map(type, ...)) and min/max run at C speed; a per-item
+    # Python loop would cost ~3 ms per 100k-token prompt.
+    if set(map(type, value)) != {int}:
+        raise bad_request(f"'{field}' token ids must be integers", field)
+    if min(value) < 0 or max(value) > MAX_INT32:
+        raise bad_request(f"'{field}' token ids must be in [0, {MAX_INT32}]", field)
+
+
+def check_messages(value: Any, field: str = "messages") -> None:
+    """A non-empty list of ``{"role": str, "content": str | list | null, ...}``."""
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"'{field}' must be a non-empty list of messages", field)
+    for message in value:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"each of '{field}' must be an object with a string 'role'", field)
+        if not isinstance(message.get("content"), str | list | None):
+            raise bad_request("a message's 'content' must be a string or a list of parts", field)
 
 
 def is_stream(body: dict[str, Any]) -> bool:
@@ -83,27 +165,36 @@ def estimate_prompt_tokens(body: dict[str, Any], endpoint: Endpoint) -> int:
     good enough to tell short prompts from long ones). Chat messages count
     their text content only.
     """
-    return _count_tokens(body.get(endpoint.input_field))
+    return _count_tokens(body.get(endpoint.input_field), 0)
 
 
-def _count_tokens(value: Any) -> int:
+def _count_tokens(value: Any, depth: int) -> int:
+    if depth > MAX_ESTIMATE_DEPTH:  # deeper than any valid prompt: not counted
+        return 0
     if isinstance(value, str):
-        return len(value.encode()) // 4
+        return len(value.encode(errors="replace")) // 4
     if isinstance(value, int) and not isinstance(value, bool):
         return 1
     if isinstance(value, list):
         if value and isinstance(value[0], int):
             return len(value)  # token ids: a list is all ids or all prompts
-        return sum(_count_tokens(item) for item in value)
+        return sum(_count_tokens(item, depth + 1) for item in value)
     if isinstance(value, dict):
         # A chat message ({"content": str | parts}) or a content part ({"text": str}).
-        return _count_tokens(value.get("content")) + _count_tokens(value.get("text"))
+        content, text = value.get("content"), value.get("text")
+        return _count_tokens(content, depth + 1) + _count_tokens(text, depth + 1)
     return 0
 
 
 def dump_json(obj: Any) -> bytes:
-    """Compact JSON bytes for an engine request."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact JSON bytes for an engine request; a 400 for text UTF-8 cannot carry."""
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            "request text holds a lone UTF-16 surrogate (U+D800..U+DFFF), which UTF-8 cannot carry"
+        ) from exc
 
 
 def _check_model(body: dict[str, Any]) -> None:
@@ -118,12 +209,10 @@ def _check_input(body: dict[str, Any], field: str) -> None:
     value = body.get(field)
     if value is None:
         raise bad_request(f"'{field}' is required", field)
-    if field == "prompt" and not isinstance(value, str | list):
-        raise bad_request("'prompt' must be a string, a list of strings or of token ids", field)
-    if field == "messages" and not isinstance(value, list):
-        raise bad_request("'messages' must be a list of messages", field)
-    if isinstance(value, list) and not value:
-        raise bad_request(f"'{field}' must not be empty", field)
+    if field == "prompt":
+        check_prompt(value)
+    else:
+        check_messages(value)
 
 
 def _check_optional(body: dict[str, Any], field: str, kind: type, what: str) -> None:
@@ -140,3 +229,9 @@ def _check_optional_int(body: dict[str, Any], field: str, minimum: int) -> None:
         raise bad_request(f"'{field}' must be an integer", field)
     if value < minimum:
         raise bad_request(f"'{field}' must be at least {minimum}", field)
+    if value > MAX_INT32:
+        raise bad_request(f"'{field}' must be at most {MAX_INT32}", field)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")

@@ -30,6 +30,8 @@ class Counters:
     straight to a decoder on purpose (prompt shorter than
     ``disaggregate_min_prompt_tokens``); not fallbacks. ``prefix_hits``:
     requests for which a cache-aware lookup found a prefix in some store.
+    ``client_disconnects``: clients gone before their answer started (the
+    work on P and D was cancelled).
     """
 
     requests: int = 0
@@ -39,6 +41,7 @@ class Counters:
     prefill_errors: int = 0
     decode_errors: int = 0
     prefix_hits: int = 0
+    client_disconnects: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""
@@ -48,12 +51,20 @@ class Counters:
 class ProxyState:
     """State of one proxy app; the HTTP client exists while the app runs."""
 
-    def __init__(self, config: ProxyConfig, pool: EnginePool, policy: Routing) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pool: EnginePool,
+        policy: Routing,
+        *,
+        store_secret: str | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.policy = policy
         self.counters = Counters()
         self.store_clients: dict[str, StoreClient] = {}  # kv endpoint -> client
+        self.store_secret = store_secret  # signs the store clients' frames (connector.secret_env)
         connect = config.connect_timeout_s
         self.prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=connect)
         self.decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=connect)

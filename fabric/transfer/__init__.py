@@ -1,7 +1,8 @@
 """Moving chunks between processes: ZMQ control channel + NIXL/TCP data plane.
 
 Knows nothing of vLLM; see ``server`` (receiving end), ``client`` (sending
-end), ``dataplane`` (the WRITE + notify interface) and ``protocol`` (wire).
+end), ``dataplane`` (the WRITE + notify interface), ``protocol`` (wire,
+signing) and ``faults`` (fault injection for tests).
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 from fabric.transfer.client import PeerLink, PendingPush, RemoteReservation, TransferClient
 from fabric.transfer.config import TransferConfig, open_data_plane
 from fabric.transfer.dataplane import DataPlane, LoopbackDataPlane, XferState
+from fabric.transfer.faults import FaultConfig
 from fabric.transfer.node import TransferNode, default_agent_name
-from fabric.transfer.server import RequestProgress, ServerStats, TransferServer
+from fabric.transfer.progress import RequestProgress, ServerStats
+from fabric.transfer.server import TransferServer
 
 __all__ = [
     "DataPlane",
+    "FaultConfig",
     "LoopbackDataPlane",
     "PeerLink",
     "PendingPush",

@@ -11,7 +11,10 @@ Typical push of chunks already packed into the local store::
 
 Every call is bounded: control requests by ``control_timeout_ms``
 (:class:`~fabric.errors.PeerUnreachable`), writes by the caller's timeout
-(:class:`~fabric.errors.TransferTimeout`).
+(:class:`~fabric.errors.TransferTimeout`). With ``TransferConfig.secret``
+requests and notifications are signed and replies verified; a receiver
+with another secret (or none) fails the call at once with a
+:class:`~fabric.errors.TransferError` that says so.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +39,7 @@ from fabric.errors import (
 )
 from fabric.transfer import protocol as proto
 from fabric.transfer.dataplane import Segment, WriteHandle, XferState
+from fabric.transfer.faults import FaultInjector
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
@@ -63,9 +67,15 @@ class RemoteReservation:
 class PendingPush:
     """A posted write of some chunks of a reservation."""
 
-    def __init__(self, handle: WriteHandle | None, nbytes: int) -> None:
+    def __init__(
+        self,
+        handle: WriteHandle | None,
+        nbytes: int,
+        on_finish: Callable[[], None] | None = None,
+    ) -> None:
         self._handle = handle
         self.nbytes = nbytes
+        self._on_finish = on_finish
 
     def done(self) -> bool:
         """True once every byte landed; raises TransportFailed on error."""
@@ -96,6 +106,9 @@ class PendingPush:
         if self._handle is not None:
             self._handle.release()
             self._handle = None
+        if self._on_finish is not None:
+            self._on_finish()
+            self._on_finish = None
 
 
 class PeerLink:
@@ -105,10 +118,16 @@ class PeerLink:
         self.client, self.endpoint = client, endpoint
         self._sock = client.ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        limit = client.config.max_message_bytes + proto.SOCKET_SLACK_BYTES
+        self._sock.setsockopt(zmq.MAXMSGSIZE, limit)
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
-        ack = self._handshake()
+        try:
+            ack = self._handshake()
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
         self.peer_agent = client.plane.add_peer(ack.data_descriptor)
         self.remote_slot_bytes = ack.slot_bytes
         self.remote_num_slots = ack.num_slots
@@ -130,15 +149,18 @@ class PeerLink:
     def _call(self, msg: proto.Message) -> proto.Message:
         timeout_ms = self.client.config.control_timeout_ms
         seq = msg.seq  # type: ignore[union-attr]
+        codec = self.client.codec
         with self._lock:
-            self._sock.send(proto.encode(msg))
+            self._sock.send(codec.encode(msg))
             deadline = time.monotonic() + timeout_ms / 1000
             while (left := deadline - time.monotonic()) > 0:
                 if not self._sock.poll(max(1, int(left * 1000))):
                     break
-                reply = proto.decode(self._sock.recv(), self.client.config.max_message_bytes)
+                reply = decode_reply(codec, self._sock.recv(), self.endpoint)
                 if getattr(reply, "seq", None) == seq:
                     return reply
+                if isinstance(reply, proto.Refused) and reply.seq == -1:
+                    raise_refused(reply, self.endpoint)
                 # a stale reply to an earlier call that timed out: drop it
         raise PeerUnreachable(
             f"{self.endpoint}: no answer to {type(msg).__name__} in {timeout_ms} ms"
@@ -177,6 +199,20 @@ class PeerLink:
         Chunks the receiver already has are skipped; the notification names
         the chunks written with their checksums and slot generations.
         """
+        segments, written, checksums = self._plan(res, indices, local_slots)
+        if not segments:
+            return PendingPush(None, 0)
+        faults = self.client.faults
+        if faults is not None:
+            return self._write_with_faults(faults, res, segments, written, checksums)
+        notif = self._notif(res, written, checksums)
+        handle = self.client.plane.post_write(self.peer_agent, segments, notif)
+        return PendingPush(handle, sum(n for _, _, n in segments))
+
+    def _plan(
+        self, res: RemoteReservation, indices: Iterable[int], local_slots: Sequence[int]
+    ) -> tuple[list[Segment], list[int], list[int]]:
+        """One segment per chunk the receiver lacks, with its index and checksum."""
         store = self.client.store
         pool = store.pool
         segments: list[Segment] = []
@@ -193,15 +229,40 @@ class PeerLink:
             segments.append((pool.slot_offset(slot), remote, nbytes))
             written.append(index)
             checksums.append(checksum)
-        if not segments:
-            return PendingPush(None, 0)
-        notif = proto.encode(
-            proto.WriteDone(
-                res.request_id, written, [res.generations[i] for i in written], checksums
-            )
+        return segments, written, checksums
+
+    def _notif(self, res: RemoteReservation, written: list[int], checksums: list[int]) -> bytes:
+        generations = [res.generations[i] for i in written]
+        return self.client.codec.encode(
+            proto.WriteDone(res.request_id, written, generations, checksums)
         )
-        handle = self.client.plane.post_write(self.peer_agent, segments, notif)
-        return PendingPush(handle, sum(n for _, _, n in segments))
+
+    def _write_with_faults(
+        self,
+        faults: FaultInjector,
+        res: RemoteReservation,
+        segments: list[Segment],
+        written: list[int],
+        checksums: list[int],
+    ) -> PendingPush:
+        """``write`` with the sender faults of :mod:`fabric.transfer.faults` applied."""
+        store, plane = self.client.store, self.client.plane
+        faults.delay()
+        segments, scratch = faults.corrupt(store, segments, checksums)
+        notif = self._notif(res, written, checksums)
+        try:
+            mode = faults.write_mode()
+            if mode == "drop_write":
+                handle = plane.notify(self.peer_agent, notif)
+            else:
+                handle = plane.post_write(
+                    self.peer_agent, segments, b"" if mode == "drop_notify" else notif
+                )
+        except BaseException:
+            faults.release(store, scratch)
+            raise
+        nbytes = sum(n for _, _, n in segments)
+        return PendingPush(handle, nbytes, lambda: faults.release(store, scratch))
 
     def push(
         self,
@@ -245,6 +306,8 @@ class TransferClient:
     ) -> None:
         self.store, self.plane, self.config = store, plane, config
         self.fingerprint = fingerprint
+        self.codec = config.codec()
+        self.faults = FaultInjector(config.faults, "send") if config.faults.enabled else None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
@@ -268,3 +331,25 @@ class TransferClient:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+
+
+def decode_reply(codec: proto.Codec, frame: bytes, endpoint: str) -> proto.Message:
+    """A control reply; a signature problem becomes a TransferError naming the cause."""
+    try:
+        return codec.decode(frame)
+    except proto.SignatureError as exc:
+        mine = "a secret" if codec.signed else "no secret"
+        raise TransferError(
+            f"{endpoint}: reply rejected ({exc}); this side has {mine}: "
+            "both ends need the same transfer secret"
+        ) from exc
+
+
+def raise_refused(reply: proto.Refused, endpoint: str) -> None:
+    """Raise the error for a ``Refused`` the receiver could not tie to a request."""
+    if reply.code == "bad_signature":
+        raise TransferError(
+            f"{endpoint} refused our signature ({reply.reason}): "
+            "both ends need the same transfer secret"
+        )
+    raise ProtocolError(f"{endpoint} refused our message: {reply.code}: {reply.reason}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from fabric.errors import ConfigError
+from fabric.transfer.faults import FaultConfig
+from fabric.transfer.protocol import MAX_LEASE_MS, Codec
 
 if TYPE_CHECKING:
     from fabric.transfer.dataplane import DataPlane
@@ -25,6 +27,14 @@ class TransferConfig:
     busy-polling progress thread (off: see ``benchmarks/transfer.py``).
     ``ucx_net_devices``: sets ``UCX_NET_DEVICES`` before NIXL starts (``lo``
     for single-host tests; None leaves UCX's choice).
+
+    ``secret``: a shared secret; when set, every control frame and
+    notification is signed (HMAC-SHA256) and unsigned or wrongly signed ones
+    are refused (see :mod:`fabric.transfer.protocol`). Every sender,
+    receiver and store client of a deployment needs the same one; it never
+    appears in ``repr``. ``max_message_bytes`` bounds every frame, enforced
+    by ZMQ on receipt and by the codec on both ends. ``faults``: fault
+    injection for tests (:mod:`fabric.transfer.faults`), off by default.
     """
 
     transport: Transport = "auto"
@@ -38,6 +48,8 @@ class TransferConfig:
     expire_interval_ms: float = 50.0
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
+    secret: str | None = field(default=None, repr=False)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "nixl", "tcp", "loopback"):
@@ -50,6 +62,16 @@ class TransferConfig:
         for name in ("poll_interval_ms", "idle_poll_interval_ms", "expire_interval_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"transfer.{name}: must be positive")
+        if self.lease_ms > MAX_LEASE_MS:
+            raise ConfigError(f"transfer.lease_ms: {self.lease_ms} is over a day")
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ConfigError("transfer.secret: must be a non-empty string (or None)")
+        if not isinstance(self.faults, FaultConfig):
+            raise ConfigError("transfer.faults: must be a FaultConfig")
+
+    def codec(self) -> Codec:
+        """The frame codec of this side: its secret and size limit."""
+        return Codec(self.secret, self.max_message_bytes)
 
     def resolved_transport(self) -> str:
         """The concrete transport ``auto`` stands for on this machine."""
@@ -74,7 +96,7 @@ def open_data_plane(config: TransferConfig, name: str) -> DataPlane:
     if transport == "tcp":
         from fabric.transfer.tcp_plane import TcpDataPlane
 
-        return TcpDataPlane(name, host=config.host)
+        return TcpDataPlane(name, host=config.host, secret=config.secret)
     from fabric.transfer.dataplane import LoopbackDataPlane
 
     return LoopbackDataPlane(name)

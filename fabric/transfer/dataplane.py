@@ -11,7 +11,9 @@ moves lists of segments from the local pool into a peer's pool:
       (local_offset, remote_offset, nbytes) per segment, one notification
       delivered to the receiver after all segments landed.
 
-The receiver learns of a completed write only through ``take_notifs()``.
+The receiver learns of a completed write only through ``take_notifs()``; a
+write posted with an empty notification (fault injection) delivers none, and
+``notify`` sends a notification without a write.
 Implementations: NIXL/UCX (``nixl_plane``), TCP (``tcp_plane``) and the
 in-process :class:`LoopbackDataPlane` for fast unit tests.
 """
@@ -92,6 +94,10 @@ class DataPlane(ABC):
     def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
         """Start writing ``segments`` to ``peer`` and notify it when all landed."""
 
+    def notify(self, peer: str, notif: bytes) -> WriteHandle:
+        """Send ``notif`` to ``peer`` without writing any bytes."""
+        return self.post_write(peer, [], notif)
+
     @abstractmethod
     def take_notifs(self) -> list[tuple[str, bytes]]:
         """Drain notifications received so far as (peer name, message)."""
@@ -118,7 +124,9 @@ class PoolInfo(msgspec.Struct, array_like=True, frozen=True):
     nbytes: int
 
 
-class _DoneWrite(WriteHandle):
+class DoneWrite(WriteHandle):
+    """A write that completed when it was posted."""
+
     def poll(self) -> XferState:
         return XferState.DONE
 
@@ -162,8 +170,9 @@ class LoopbackDataPlane(DataPlane):
         self.check_segments(segments, target.pool_nbytes)
         for local, remote, nbytes in segments:
             ctypes.memmove(target.pool_base + remote, self.pool_base + local, nbytes)
-        target._notifs.append((self.name, notif))
-        return _DoneWrite()
+        if notif:
+            target._notifs.append((self.name, notif))
+        return DoneWrite()
 
     def take_notifs(self) -> list[tuple[str, bytes]]:
         return drain(self._notifs)

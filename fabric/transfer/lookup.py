@@ -14,6 +14,9 @@ endpoint, one request at a time, every call bounded by ``timeout_ms``::
 A call that gets no answer in time raises :class:`PeerUnreachable`; the
 socket is then rebuilt, so a reply that arrives late is never taken for the
 answer to a later call. A ``Refused`` reply raises :class:`TransferError`.
+With ``secret`` (the engines' ``TransferConfig.secret``) requests are signed
+and replies verified; a secret that differs from the engine's fails the call
+at once with a :class:`TransferError` saying so.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import zmq
 
 from fabric.errors import PeerUnreachable, ProtocolError, TransferError
 from fabric.transfer import protocol as proto
+from fabric.transfer.client import decode_reply
 
 DEFAULT_TIMEOUT_MS = 2000
 
@@ -40,9 +44,11 @@ class StoreClient:
         *,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         max_message_bytes: int = proto.DEFAULT_MAX_MESSAGE_BYTES,
+        secret: str | None = None,
     ) -> None:
         self.endpoint, self.timeout_ms = endpoint, timeout_ms
         self.max_message_bytes = max_message_bytes
+        self.codec = proto.Codec(secret, max_message_bytes)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._sock: zmq.Socket[bytes] | None = None
@@ -69,6 +75,13 @@ class StoreClient:
         """Pin (or unpin) a prompt's leading chunks; chunks affected."""
         return self._done(proto.Pin(next(self._seq), list(token_ids), pin))
 
+    def stats(self) -> dict[str, int]:
+        """The engine's store occupancy (``reserved``, ``filled``, ...) and counters."""
+        reply = self._call(proto.Stats(next(self._seq)))
+        if not isinstance(reply, proto.StatsReply):
+            raise ProtocolError(f"expected StatsReply, got {type(reply).__name__}")
+        return dict(reply.stats)
+
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
@@ -84,17 +97,18 @@ class StoreClient:
     def _call(self, msg: proto.Message) -> proto.Message:
         seq = msg.seq  # type: ignore[union-attr]
         with self._lock:
+            frame = self.codec.encode(msg)
             sock = self._socket()
-            sock.send(proto.encode(msg))
+            sock.send(frame)
             deadline = time.monotonic() + self.timeout_ms / 1000
             while (left := deadline - time.monotonic()) > 0:
                 if not sock.poll(max(1, int(left * 1000))):
                     break
-                reply = proto.decode(sock.recv(), self.max_message_bytes)
+                reply = decode_reply(self.codec, sock.recv(), self.endpoint)
+                if isinstance(reply, proto.Refused) and reply.seq in (seq, -1):
+                    raise TransferError(f"{self.endpoint} refused: {reply.code}: {reply.reason}")
                 if getattr(reply, "seq", None) != seq:
                     continue  # a stale reply
-                if isinstance(reply, proto.Refused):
-                    raise TransferError(f"{self.endpoint} refused: {reply.reason}")
                 return reply
             sock.close(linger=0)
             self._sock = None
@@ -106,6 +120,7 @@ class StoreClient:
         if self._sock is None:
             sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + proto.SOCKET_SLACK_BYTES)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock

@@ -137,11 +137,25 @@ class NixlDataPlane(DataPlane):
                 self.agent.remove_remote_agent(peer)
 
     def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+        info = self._peer(peer)
+        self.check_segments(segments, info.pool_nbytes)
+        return self._post(peer, info, np.asarray(segments, dtype=np.uint64).reshape(-1, 3), notif)
+
+    def notify(self, peer: str, notif: bytes) -> WriteHandle:
+        # NOTE: a zero-length WRITE carrying the notification, rather than
+        # send_notif: the sender progresses it like any write (send_notif is
+        # untracked, and with the progress thread off it can sit unsent).
+        info = self._peer(peer)
+        return self._post(peer, info, np.zeros((1, 3), dtype=np.uint64), notif)
+
+    def _peer(self, peer: str) -> NixlDescriptor:
         info = self._peers.get(peer)
         if info is None:
             raise TransportFailed(f"unknown NIXL peer {peer!r}")
-        self.check_segments(segments, info.pool_nbytes)
-        seg = np.asarray(segments, dtype=np.uint64).reshape(-1, 3)
+        return info
+
+    def _post(self, peer: str, info: NixlDescriptor, seg: np.ndarray, notif: bytes) -> WriteHandle:
+        """One WRITE of ``seg`` rows (local offset, remote offset, nbytes)."""
         local = np.empty((len(seg), 3), dtype=np.uint64)
         remote = np.empty((len(seg), 3), dtype=np.uint64)
         local[:, 0] = seg[:, 0] + np.uint64(self.pool_base)

@@ -2,22 +2,39 @@
 
 Every control message and every data-plane notification travels as one frame:
 
-    +-------+---------+------------------------------------------+
-    | magic | version | msgpack payload (msgspec tagged union)    |
-    | "FB"  | u16 LE  | array-like Struct, tag first              |
-    +-------+---------+------------------------------------------+
-      2 B      2 B      <= max_message_bytes - 4
+    +-------+----------------+---------------------------+-------------------+
+    | magic | version        | msgpack payload           | tag (signed only) |
+    | "FB"  | u16 LE         | msgspec tagged union,     | HMAC-SHA256 of    |
+    |       | bits 0-14: 1   | array-like Struct,        | every byte before |
+    |       | bit 15: signed | tag first                 | it                |
+    +-------+----------------+---------------------------+-------------------+
+      2 B     2 B                                          0 or 32 B
+      |<----------------- at most max_message_bytes in all ----------------->|
 
-The magic and version are checked before anything else is decoded; a frame
-that fails any check raises :class:`~fabric.errors.ProtocolError`, and the
-server answers it with ``Refused`` and counts it. Payloads are msgspec
-Structs, never pickle. ``seq`` pairs a reply with its request, so a reply that
-arrives after its request timed out is recognised and dropped.
+An unsigned frame is byte for byte the version-1 frame of earlier releases.
+With a shared secret (``TransferConfig.secret``) every frame carries the
+signed bit and a trailing tag; the receiver checks size, magic, version and
+then the tag (``hmac.compare_digest``) before a byte of msgpack is decoded.
+A signed frame reaching a side without a secret, an unsigned one reaching a
+side with one, and a wrong tag all raise :class:`SignatureError`, so a
+secret configured on one side only fails at the first message, clearly: a
+release without signing reads the signed bit as protocol version 32769.
+
+Any other failed check raises :class:`~fabric.errors.ProtocolError`; the
+server answers a bad frame with ``Refused`` and counts it. Payloads are
+msgspec Structs, never pickle; integer fields are range-checked at decode
+(token ids int32, sizes and indices non-negative, leases at most a day).
+``seq`` pairs a reply with its request, so a reply that arrives after its
+request timed out is recognised and dropped. Tags authenticate frames, they
+do not stop a replay by someone who can already capture them; keep the
+control port on a trusted network (it binds 127.0.0.1 by default).
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
+from typing import Annotated
 
 import msgspec
 
@@ -25,17 +42,38 @@ from fabric.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 MAGIC = b"FB"
+FLAG_SIGNED = 0x8000
+TAG_BYTES = 32
 _HEADER = struct.Struct("<2sH")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+MAX_LEASE_MS = 24 * 3600 * 1000
+# ZMQ's MAXMSGSIZE is the limit plus this: frames a little over the limit
+# reach the codec (which answers them); ZMQ drops larger ones unread.
+SOCKET_SLACK_BYTES = 1024
+
+# Range-checked field types (msgspec validates them while decoding).
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Index = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+LeaseMs = Annotated[int, msgspec.Meta(ge=1, le=MAX_LEASE_MS)]
+TokenId = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
+Key = Annotated[bytes, msgspec.Meta(max_length=64)]
+RequestId = Annotated[str, msgspec.Meta(max_length=1024)]
+Name = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class SignatureError(ProtocolError):
+    """A frame's HMAC tag is wrong, missing (a secret is set here) or
+    unexpected (none is set here): the two sides do not share a secret."""
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
     """Sender -> receiver: who I am and how my data plane is reached."""
 
     seq: int
-    agent_name: str
-    transport: str
-    fingerprint: str
+    agent_name: Name
+    transport: Name
+    fingerprint: Name
     data_descriptor: bytes
 
 
@@ -43,40 +81,40 @@ class HelloAck(msgspec.Struct, tag="hello_ack", array_like=True, frozen=True):
     """Receiver -> sender: the receiver's data plane and slot pool geometry."""
 
     seq: int
-    agent_name: str
-    transport: str
-    fingerprint: str
+    agent_name: Name
+    transport: Name
+    fingerprint: Name
     data_descriptor: bytes
-    slot_bytes: int
-    num_slots: int
+    slot_bytes: Count
+    num_slots: Count
 
 
 class Reserve(msgspec.Struct, tag="reserve", array_like=True, frozen=True):
     """Ask for one slot per chunk key; ``nbytes`` is each chunk's size."""
 
     seq: int
-    request_id: str
-    keys: list[bytes]
-    nbytes: list[int]
-    lease_ms: int
+    request_id: RequestId
+    keys: list[Key]
+    nbytes: list[Count]
+    lease_ms: LeaseMs
 
 
 class Reserved(msgspec.Struct, tag="reserved", array_like=True, frozen=True):
     """Slots granted for a Reserve (one per key, in order)."""
 
     seq: int
-    request_id: str
-    slots: list[int]
-    generations: list[int]
+    request_id: RequestId
+    slots: list[Index]
+    generations: list[Count]
     already_present: list[bool]
-    lease_ms: int
+    lease_ms: LeaseMs
 
 
 class Refused(msgspec.Struct, tag="refused", array_like=True, frozen=True):
     """A request the receiver will not serve; ``code`` is machine-readable."""
 
     seq: int
-    request_id: str
+    request_id: RequestId
     code: str
     reason: str
 
@@ -85,32 +123,32 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
     """Give a reservation back before it expires."""
 
     seq: int
-    request_id: str
+    request_id: RequestId
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
     """Extend a reservation's lease while the sender still works on it."""
 
     seq: int
-    request_id: str
-    lease_ms: int
+    request_id: RequestId
+    lease_ms: LeaseMs
 
 
 class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
     """Reply to Cancel/Heartbeat: whether the reservation existed."""
 
     seq: int
-    request_id: str
+    request_id: RequestId
     ok: bool
 
 
 class WriteDone(msgspec.Struct, tag="write_done", array_like=True, frozen=True):
     """Data-plane notification: chunks ``indices`` of a reservation landed."""
 
-    request_id: str
-    indices: list[int]
-    generations: list[int]
-    checksums: list[int]
+    request_id: RequestId
+    indices: list[Index]
+    generations: list[Count]
+    checksums: list[U64]
 
 
 class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
@@ -123,10 +161,10 @@ class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
     """
 
     seq: int
-    request_id: str
-    token_ids: list[int]
+    request_id: RequestId
+    token_ids: list[TokenId]
     hold: bool
-    lease_ms: int
+    lease_ms: LeaseMs
 
 
 class LookupResult(msgspec.Struct, tag="lookup_result", array_like=True, frozen=True):
@@ -134,10 +172,10 @@ class LookupResult(msgspec.Struct, tag="lookup_result", array_like=True, frozen=
     ``disk_chunks`` came from (or are only on) the disk tier."""
 
     seq: int
-    request_id: str
-    chunk_tokens: int
-    hit_chunks: int
-    disk_chunks: int
+    request_id: RequestId
+    chunk_tokens: Count
+    hit_chunks: Count
+    disk_chunks: Count
     held: bool
 
 
@@ -145,21 +183,21 @@ class Release(msgspec.Struct, tag="release", array_like=True, frozen=True):
     """Drop the chunks a Lookup held for ``request_id``."""
 
     seq: int
-    request_id: str
+    request_id: RequestId
 
 
 class Clear(msgspec.Struct, tag="clear", array_like=True, frozen=True):
     """Empty a tier: ``"memory"``, ``"disk"`` or ``"all"``."""
 
     seq: int
-    tier: str
+    tier: Name
 
 
 class Pin(msgspec.Struct, tag="pin", array_like=True, frozen=True):
     """Pin (or, with ``pin=False``, unpin) the present full chunks of a prompt."""
 
     seq: int
-    token_ids: list[int]
+    token_ids: list[TokenId]
     pin: bool
 
 
@@ -167,7 +205,20 @@ class Done(msgspec.Struct, tag="done", array_like=True, frozen=True):
     """Reply to Release/Clear/Pin: how many chunks (or holds) it touched."""
 
     seq: int
-    count: int
+    count: Count
+
+
+class Stats(msgspec.Struct, tag="stats", array_like=True, frozen=True):
+    """Ask for the receiver's store and server counters (no Hello needed)."""
+
+    seq: int
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True):
+    """Store occupancy by slot state, store/tier/disk/server counters: name -> value."""
+
+    seq: int
+    stats: dict[str, int]
 
 
 Message = (
@@ -186,29 +237,96 @@ Message = (
     | Clear
     | Pin
     | Done
+    | Stats
+    | StatsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+class Codec:
+    """Frames messages for one end of the channel: size limit and optional secret.
+
+    Thread-safe (it holds no per-message state). ``encode`` refuses to build
+    a frame over ``max_bytes``, so an oversized request fails here, not as a
+    silent drop at the receiver.
+    """
+
+    def __init__(
+        self, secret: str | bytes | None = None, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> None:
+        key = secret.encode() if isinstance(secret, str) else secret
+        if key is not None and not key:
+            raise ValueError("an empty secret would sign nothing; use None for no secret")
+        self._key = key
+        self.max_bytes = max_bytes
+
+    @property
+    def signed(self) -> bool:
+        """Whether frames are signed (and unsigned ones refused)."""
+        return self._key is not None
+
+    def encode(self, msg: Message) -> bytes:
+        """Frame ``msg``: header, payload and, with a secret, the tag."""
+        try:
+            payload = _encoder.encode(msg)
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            raise ProtocolError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+        if self._key is None:
+            frame = _HEADER.pack(MAGIC, PROTOCOL_VERSION) + payload
+        else:
+            body = _HEADER.pack(MAGIC, PROTOCOL_VERSION | FLAG_SIGNED) + payload
+            frame = body + hmac.digest(self._key, body, "sha256")
+        if len(frame) > self.max_bytes:
+            raise ProtocolError(
+                f"{type(msg).__name__} of {len(frame)} bytes exceeds limit {self.max_bytes}"
+            )
+        return frame
+
+    def decode(self, frame: bytes) -> Message:
+        """Check size, magic, version and tag, then decode; ProtocolError on any failure."""
+        payload = self._verify(frame)
+        try:
+            return _decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"undecodable message: {exc}") from exc
+
+    def _verify(self, frame: bytes) -> memoryview:
+        """The payload of ``frame`` once every check before decoding passed."""
+        if len(frame) > self.max_bytes:
+            raise ProtocolError(f"message of {len(frame)} bytes exceeds limit {self.max_bytes}")
+        if len(frame) < _HEADER.size:
+            raise ProtocolError(f"message of {len(frame)} bytes is shorter than its header")
+        magic, version = _HEADER.unpack_from(frame)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic!r}")
+        signed, version = bool(version & FLAG_SIGNED), version & ~FLAG_SIGNED
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+        view = memoryview(frame)
+        if self._key is None:
+            if signed:
+                raise SignatureError("frame is signed but this side has no secret")
+            return view[_HEADER.size :]
+        if not signed:
+            raise SignatureError("frame is unsigned but this side requires a secret")
+        if len(frame) < _HEADER.size + TAG_BYTES:
+            raise SignatureError("signed frame is shorter than its tag")
+        body, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
+        if not hmac.compare_digest(hmac.digest(self._key, body, "sha256"), tag):
+            raise SignatureError("frame signature does not match this side's secret")
+        return body[_HEADER.size :]
+
+
+_unsigned = Codec(max_bytes=2**63)
+
+
 def encode(msg: Message) -> bytes:
-    """Frame ``msg`` with magic and version."""
-    return _HEADER.pack(MAGIC, PROTOCOL_VERSION) + _encoder.encode(msg)
+    """Frame ``msg`` unsigned, without a size limit (see :class:`Codec`)."""
+    return _unsigned.encode(msg)
 
 
 def decode(frame: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
-    """Check size, magic and version, then decode; ProtocolError on any failure."""
-    if len(frame) > max_bytes:
-        raise ProtocolError(f"message of {len(frame)} bytes exceeds limit {max_bytes}")
-    if len(frame) < _HEADER.size:
-        raise ProtocolError(f"message of {len(frame)} bytes is shorter than its header")
-    magic, version = _HEADER.unpack_from(frame)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r}")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
-    try:
-        return _decoder.decode(memoryview(frame)[_HEADER.size :])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"undecodable message: {exc}") from exc
+    """Decode an unsigned frame of at most ``max_bytes``; ProtocolError on any failure."""
+    return Codec(max_bytes=max_bytes).decode(frame)

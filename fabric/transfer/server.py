@@ -14,18 +14,26 @@ One loop thread owns the ZMQ ROUTER socket and polls the data plane for
 notifications: every ``poll_interval_ms`` while writes are outstanding,
 every ``idle_poll_interval_ms`` otherwise, never busy-spinning. It also
 expires leases. A verifier thread hashes landed chunks, so the loop keeps
-serving while large chunks are checked. Bad frames are answered with
-``Refused``, counted in ``stats``, and never stop the server.
+serving while large chunks are checked.
+
+Bad frames are answered with ``Refused``, counted in ``stats``, and never
+stop the server: an undecodable, oversized or wrongly typed frame is
+``bad_message``, a missing or wrong HMAC tag ``bad_signature`` (checked
+before the payload is decoded), a Reserve from a peer that has not said
+Hello ``no_hello``. Frames over ``max_message_bytes`` plus a little slack
+never reach Python: ZMQ drops them with their connection (counted in
+``disconnects``). A notification that fails its checks is dropped and
+counted. Replies are signed like requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
@@ -39,6 +47,8 @@ from fabric.errors import (
     SlotStateError,
 )
 from fabric.transfer import protocol as proto
+from fabric.transfer.faults import FaultInjector
+from fabric.transfer.progress import RequestProgress, ServerStats
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
@@ -48,43 +58,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class ServerStats:
-    """Counters of a TransferServer (monotonic)."""
-
-    hellos: int = 0
-    reservations: int = 0
-    refused: int = 0
-    protocol_errors: int = 0
-    chunks_filled: int = 0
-    bytes_filled: int = 0
-    checksum_failures: int = 0
-    late_writes: int = 0
-    cancels: int = 0
-    expired: int = 0
-    lookups: int = 0
-
-
-@dataclass
-class RequestProgress:
-    """What has landed for one reservation."""
-
-    request_id: str
-    expected: frozenset[int]
-    landed: set[int] = field(default_factory=set)  # notified, not yet verified
-    filled: set[int] = field(default_factory=set)  # verified and indexed
-    failed: set[int] = field(default_factory=set)
-    expired: bool = False
-
-    @property
-    def complete(self) -> bool:
-        return self.expected <= self.filled
-
-    @property
-    def finished(self) -> bool:
-        """Nothing more will change: complete, or a chunk failed, or expired."""
-        return self.complete or bool(self.failed) or self.expired
+MAX_REASON_CHARS = 512
+WARN_EVERY_S = 10.0
 
 
 class TransferServer:
@@ -102,9 +77,12 @@ class TransferServer:
         self.store, self.plane, self.config, self.tier = store, plane, config, tier
         self.fingerprint = fingerprint
         self.stats = ServerStats()
+        self.codec = config.codec()
+        self.faults = FaultInjector(config.faults, "receive") if config.faults.enabled else None
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + 1024)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + proto.SOCKET_SLACK_BYTES)
+        self._monitor: zmq.Socket[bytes] = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if config.port:
             self._sock.bind(f"tcp://{config.host}:{config.port}")
             port = config.port
@@ -116,6 +94,7 @@ class TransferServer:
         self._cond = threading.Condition()
         self._verify_q: queue.Queue[proto.WriteDone | None] = queue.Queue()
         self._stop = threading.Event()
+        self._warned: dict[str, float] = {}
         self._loop = threading.Thread(target=self._run, name="fabric-server", daemon=True)
         self._verifier = threading.Thread(target=self._verify, name="fabric-verify", daemon=True)
 
@@ -167,34 +146,59 @@ class TransferServer:
             self._loop.join(timeout=5)
         if self._verifier.is_alive():
             self._verifier.join(timeout=5)
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
     # ------------------------------------------------------------ loop
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_expire = 0.0
         while not self._stop.is_set():
-            if self._wait_control(poller, busy=self._has_outstanding()):
-                self._drain_control()
-            for peer, msg in self.plane.take_notifs():
-                self._on_notif(peer, msg)
-            if (now := time.monotonic()) >= next_expire:
-                self._expire()
-                next_expire = now + self.config.expire_interval_ms / 1000
+            try:
+                next_expire = self._step(poller, next_expire)
+            except Exception:
+                # NOTE: a bug must not take the receiver down with it.
+                self.stats.internal_errors += 1
+                logger.exception("fabric server loop error")
+                time.sleep(self.config.idle_poll_interval_ms / 1000)
 
-    def _wait_control(self, poller: zmq.Poller, *, busy: bool) -> bool:
+    def _step(self, poller: zmq.Poller, next_expire: float) -> float:
+        ready = self._wait(poller, busy=self._has_outstanding())
+        if self._sock in ready:
+            self._drain_control()
+        if self._monitor in ready:
+            self._drain_monitor()
+        for peer, msg in self.plane.take_notifs():
+            self._on_notif(peer, msg)
+        if (now := time.monotonic()) >= next_expire:
+            self._expire()
+            next_expire = now + self.config.expire_interval_ms / 1000
+        return next_expire
+
+    def _wait(self, poller: zmq.Poller, *, busy: bool) -> dict[zmq.Socket[bytes], int]:
         """Wait for a control message at most one polling period.
 
         NOTE: zmq's poll truncates its timeout to whole milliseconds, so the
         sub-millisecond period used while writes are outstanding is a sleep.
         """
         if not busy:
-            return bool(poller.poll(max(1, round(self.config.idle_poll_interval_ms))))
-        if poller.poll(0):
-            return True
+            return dict(poller.poll(max(1, round(self.config.idle_poll_interval_ms))))
+        if ready := poller.poll(0):
+            return dict(ready)
         time.sleep(self.config.poll_interval_ms / 1000)
-        return bool(poller.poll(0))
+        return dict(poller.poll(0))
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.stats.disconnects += 1
 
     def _has_outstanding(self) -> bool:
         with self._cond:
@@ -206,24 +210,54 @@ class TransferServer:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
+            identity = frames[0]
             if len(frames) != 2:
                 self.stats.protocol_errors += 1
-                continue
-            identity, frame = frames
-            reply = self._handle(identity, frame)
-            self._sock.send_multipart([identity, proto.encode(reply)])
+                reason = f"{len(frames) - 1} message parts, expected 1"
+                reply: proto.Message = proto.Refused(-1, "", "bad_message", reason)
+            else:
+                reply = self._handle(identity, frames[1])
+            self._reply(identity, reply)
+
+    def _reply(self, identity: bytes, reply: proto.Message) -> None:
+        try:
+            frame = self.codec.encode(reply)
+        except ProtocolError as exc:
+            self.stats.internal_errors += 1
+            frame = self.codec.encode(proto.Refused(-1, "", "internal_error", str(exc)))
+        try:
+            self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer went away or its queue is full
+            logger.debug("reply to a control peer dropped: %s", exc)
 
     def _handle(self, identity: bytes, frame: bytes) -> proto.Message:
         try:
-            msg = proto.decode(frame, self.config.max_message_bytes)
+            msg = self.codec.decode(frame)
+        except proto.SignatureError as exc:
+            self.stats.bad_signatures += 1
+            self._warn("bad_signature", "refused control frame: %s", exc)
+            return proto.Refused(-1, "", "bad_signature", str(exc))
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
-            logger.warning("refused control frame: %s", exc)
-            return proto.Refused(-1, "", "bad_message", str(exc))
+            if len(frame) > self.codec.max_bytes:
+                self.stats.oversized += 1
+            self._warn("bad_message", "refused control frame: %s", exc)
+            return proto.Refused(-1, "", "bad_message", str(exc)[:MAX_REASON_CHARS])
+        try:
+            return self._dispatch(identity, msg)
+        except Exception as exc:
+            self.stats.internal_errors += 1
+            logger.exception("fabric server failed on %s", type(msg).__name__)
+            reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
+            return proto.Refused(getattr(msg, "seq", -1), "", "internal_error", reason)
+
+    def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message:
         if isinstance(msg, proto.Hello):
             return self._on_hello(identity, msg)
         if isinstance(msg, proto.Lookup | proto.Release | proto.Clear | proto.Pin):
             return self._on_tier(msg)
+        if isinstance(msg, proto.Stats):
+            return proto.StatsReply(msg.seq, self.snapshot())
         if identity not in self._peers:
             self.stats.refused += 1
             return proto.Refused(getattr(msg, "seq", -1), "", "no_hello", "send Hello first")
@@ -270,6 +304,10 @@ class TransferServer:
         if len(msg.keys) != len(msg.nbytes) or not msg.keys:
             self.stats.refused += 1
             return proto.Refused(msg.seq, msg.request_id, "bad_request", "keys/nbytes mismatch")
+        if self.faults is not None and self.faults.roll("refuse"):
+            self.stats.refused += 1
+            self.stats.faults_injected += 1
+            return proto.Refused(msg.seq, msg.request_id, "fault_injected", "refused on purpose")
         try:
             res = self.store.reserve(msg.request_id, msg.keys, msg.nbytes, msg.lease_ms)
         except CapacityError as exc:
@@ -294,6 +332,23 @@ class TransferServer:
             list(res.already_present),
             msg.lease_ms,
         )
+
+    def snapshot(self) -> dict[str, int]:
+        """Store occupancy and every counter, flat (``Stats`` answers with it)."""
+        out: dict[str, int] = {
+            "slot_bytes": self.store.pool.slot_bytes,
+            "num_slots": self.store.pool.num_slots,
+        }
+        out |= {k: int(v) for k, v in dataclasses.asdict(self.store.stats()).items()}
+        out |= {f"server_{k}": int(v) for k, v in dataclasses.asdict(self.stats).items()}
+        tier = self.tier
+        if tier is not None:
+            out["holds"] = tier.held_count()
+            out |= {f"tier_{k}": int(v) for k, v in dataclasses.asdict(tier.counters).items()}
+            if tier.disk is not None:
+                disk = dataclasses.asdict(tier.disk.stats())
+                out |= {f"disk_{k}": int(v) for k, v in disk.items()}
+        return out
 
     def _on_tier(
         self, msg: proto.Lookup | proto.Release | proto.Clear | proto.Pin
@@ -331,10 +386,14 @@ class TransferServer:
 
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:
-            msg = proto.decode(frame, self.config.max_message_bytes)
+            msg = self.codec.decode(frame)
+        except proto.SignatureError as exc:
+            self.stats.bad_signatures += 1
+            self._warn("bad_notif", "dropped notification from %s: %s", peer, exc)
+            return
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
-            logger.warning("refused notification from %s: %s", peer, exc)
+            self._warn("bad_notif", "dropped notification from %s: %s", peer, exc)
             return
         if not isinstance(msg, proto.WriteDone):
             self.stats.protocol_errors += 1
@@ -345,6 +404,16 @@ class TransferServer:
                 prog.landed.update(msg.indices)
                 self._cond.notify_all()
         self._verify_q.put(msg)
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        """A warning about bad input, at most one per ``WARN_EVERY_S`` per kind
+        (a flood of bad frames must not flood the log); DEBUG for the rest."""
+        now = time.monotonic()
+        if now - self._warned.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
+            logger.debug(message, *args)
+            return
+        self._warned[kind] = now
+        logger.warning(message + " (more like it: DEBUG for %.0f s)", *args, WARN_EVERY_S)
 
     def _expire(self) -> None:
         self.stats.expired += self.store.expire()
@@ -374,7 +443,11 @@ class TransferServer:
             for index, checksum, generation in zip(
                 msg.indices, msg.checksums, msg.generations, strict=False
             ):
-                self._fill_one(msg.request_id, index, checksum, generation)
+                try:
+                    self._fill_one(msg.request_id, index, checksum, generation)
+                except Exception:
+                    self.stats.internal_errors += 1
+                    logger.exception("verifying %s chunk %d failed", msg.request_id, index)
 
     def _fill_one(self, request_id: str, index: int, checksum: int, generation: int) -> None:
         ok = False
@@ -386,7 +459,7 @@ class TransferServer:
             logger.warning("request %s chunk %d: %s", request_id, index, exc)
         except (ReservationExpired, SlotStateError) as exc:
             self.stats.late_writes += 1
-            logger.warning("ignored write for %s chunk %d: %s", request_id, index, exc)
+            self._warn("late_write", "ignored write for %s chunk %d: %s", request_id, index, exc)
             return
         res = self.store.reservation(request_id)
         with self._cond:

@@ -6,16 +6,20 @@ into its pool (``recv_into``, no staging) and queues the notification after
 the last byte. One connection per (sender, receiver) pair, written by one
 sender thread, read by one receiver thread. Frame on the wire:
 
-    u32 header_len | header (msgpack TcpWrite) | payload bytes of every segment
+    u32 header_len | header (msgpack TcpWrite) | [tag] | payload of every segment
 
-The receiver checks every segment against its pool bounds before reading
-the payload; a frame that fails the check closes the connection.
+With a shared secret the header is followed by its HMAC-SHA256 tag (32 B),
+checked before the header is decoded, so only a peer holding the secret
+can place bytes in the pool. The receiver checks every segment against its
+pool bounds before reading the payload; a frame that fails a check closes
+the connection.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hmac
 import logging
 import queue
 import socket
@@ -33,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 16 << 20
+_TAG_BYTES = 32
 
 
 class TcpDescriptor(msgspec.Struct, array_like=True, frozen=True):
@@ -105,7 +110,7 @@ class _PeerSender:
         header = msgspec.msgpack.encode(
             TcpWrite(self.plane.name, [(r, n) for _, r, n in segments], notif)
         )
-        sock.sendall(_LEN.pack(len(header)) + header)
+        sock.sendall(_LEN.pack(len(header)) + header + self.plane.tag(header))
         pool = self.plane.pool_view()
         for local, _, nbytes in segments:
             sock.sendall(pool[local : local + nbytes])
@@ -116,8 +121,9 @@ class TcpDataPlane(DataPlane):
 
     kind = "tcp"
 
-    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1", secret: str | None = None) -> None:
         super().__init__(name)
+        self._key = secret.encode() if secret else None
         self._listener = socket.create_server((host, 0))
         self._host, self._port = host, self._listener.getsockname()[1]
         self._notifs: deque[tuple[str, bytes]] = deque()
@@ -131,6 +137,10 @@ class TcpDataPlane(DataPlane):
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
         if device != "cpu":
             raise TransportFailed("the TCP data plane moves host memory only")
+
+    def tag(self, header: bytes) -> bytes:
+        """The header's HMAC tag (empty without a secret)."""
+        return b"" if self._key is None else hmac.digest(self._key, header, "sha256")
 
     def pool_view(self) -> memoryview:
         raw = (ctypes.c_char * self.pool_nbytes).from_address(self.pool_base)
@@ -185,6 +195,8 @@ class TcpDataPlane(DataPlane):
                 logger.warning("tcp data connection dropped: %s", exc)
         finally:
             conn.close()
+            with contextlib.suppress(ValueError):
+                self._conns.remove(conn)
 
     def _receive_frame(self, conn: socket.socket) -> None:
         head = bytearray(_LEN.size)
@@ -192,8 +204,13 @@ class TcpDataPlane(DataPlane):
         (length,) = _LEN.unpack(head)
         if length > _MAX_HEADER:
             raise TransportFailed(f"header of {length} bytes")
-        header = bytearray(length)
+        header = bytearray(length + (_TAG_BYTES if self._key else 0))
         _recv_exact(conn, memoryview(header))
+        if self._key is not None:
+            body, tag = bytes(header[:length]), bytes(header[length:])
+            if not hmac.compare_digest(self.tag(body), tag):
+                raise TransportFailed("data-plane frame with a bad signature")
+            header = bytearray(body)
         msg = msgspec.msgpack.decode(header, type=TcpWrite)
         for remote, nbytes in msg.remote_segments:
             if nbytes <= 0 or remote < 0 or remote + nbytes > self.pool_nbytes:
@@ -201,7 +218,8 @@ class TcpDataPlane(DataPlane):
         pool = self.pool_view()
         for remote, nbytes in msg.remote_segments:
             _recv_exact(conn, pool[remote : remote + nbytes])
-        self._notifs.append((msg.sender, msg.notif))
+        if msg.notif:
+            self._notifs.append((msg.sender, msg.notif))
 
     def close(self) -> None:
         self._closed = True

@@ -114,6 +114,25 @@ def test_decoder_recomputes_when_no_kv_arrives(cluster: Cluster) -> None:
     assert "vLLM recomputes the prompt" in log
 
 
+def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
+    """The proxy drops D's stream when the client goes; vLLM aborts the request."""
+    d_url = cluster.decode.base_url
+    payload = body(prompt_ids(300, seed=3000), stream=True) | {"max_tokens": 3000}
+    with (
+        httpx.Client(timeout=60, trust_env=False) as client,
+        client.stream("POST", cluster.proxy.url("/v1/completions"), json=payload) as response,
+    ):
+        chunks = response.iter_raw()
+        assert next(chunks).startswith(b"data: ")
+        assert metric(d_url, "vllm:num_requests_running") == 1
+        chunks.close()
+    # 3000 tokens would take tens of seconds here; an abort ends it at once
+    deadline = time.monotonic() + 10
+    while metric(d_url, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(d_url, "vllm:num_requests_running") == 0
+
+
 def test_prefiller_killed_the_proxy_falls_back_to_the_decoder(cluster: Cluster) -> None:
     """Runs last in this module: it kills the prefiller."""
     prompt = prompt_ids(900, seed=2000)

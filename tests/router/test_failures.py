@@ -219,3 +219,25 @@ def test_client_leaving_mid_stream_releases_the_decoder(
         time.sleep(0.02)
     assert first.startswith(b"data: ")
     assert decoder.outstanding == 0
+
+
+@pytest.mark.parametrize("http_pool", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_during_the_prefill_cancels_p_and_never_reaches_d(
+    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str, stream: bool
+) -> None:
+    p, d = start_engine("prefill", delay_s=2.0), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+    body = {**COMPLETION, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=0.5)
+    state = proxy.state
+    deadline = time.monotonic() + 3.0
+    while state.counters.client_disconnects == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert state.counters.client_disconnects == 1
+    assert state.in_flight == 0
+    assert all(e.outstanding == 0 for e in state.pool.engines)
+    time.sleep(2.0)  # past P's delay: a flow that went on would now reach D
+    assert d.seen == []
+    assert httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=10).status_code == 200

@@ -38,6 +38,7 @@ class Store:
         self.port = free_port()
         config = TransferConfig(transport="loopback", port=self.port)
         self.node = TransferNode(self.store, config, FINGERPRINT, tier=self.tier)
+        self.closed = False
 
     def hold_chunks(self, tokens: list[int], count: int) -> None:
         for key in self.tier.keys(tokens)[:count]:
@@ -46,8 +47,10 @@ class Store:
             self.store.commit(slot, key, 64)
 
     def close(self) -> None:
-        self.node.close()
-        self.tier.close()
+        if not self.closed:
+            self.closed = True
+            self.node.close()
+            self.tier.close()
 
 
 @pytest.fixture
@@ -189,3 +192,21 @@ def test_a_dead_store_is_reported_within_the_lookup_timeout(
     assert time.monotonic() - started < 5
     by_name = {e["name"]: e for e in answer.json()["engines"]}
     assert by_name["d0"]["error"] and by_name["p0"]["error"] is None
+
+
+def test_status_shows_each_engines_store(
+    start_engine: StartEngine,
+    servers: list[ServerThread],
+    stores: list[Store],
+    client: httpx.Client,
+) -> None:
+    stores[0].hold_chunks(PROMPT, 3)
+    proxy, _ = start(start_engine, servers, stores)
+    engines = {e["name"]: e for e in client.get(proxy.url + "/fabric/status").json()["engines"]}
+    p0 = engines["p0"]["store"]
+    assert (p0["filled"], p0["reserved"], p0["num_slots"], p0["holds"]) == (3, 0, 32, 0)
+    assert engines["d0"]["store"]["filled"] == 0
+    from fabric.launch.status import render_plain
+
+    text = render_plain(client.get(proxy.url + "/fabric/status").json())
+    assert "3/32 chunks, 0 reserved" in text

@@ -26,6 +26,9 @@ def test_status_lists_engines_counters_and_in_flight(
 
     status = client.get(f"{proxy.url}/fabric/status").json()
 
+    stores = [engine.pop("store") for engine in status["engines"]]
+    assert stores[0] is None  # no kv_port: nothing to ask
+    assert all("no answer" in store["error"] for store in stores[1:])  # nobody on the kv_port
     assert status["engines"] == [
         {"name": "prefill-0", "role": "prefill", "url": p.url, "healthy": True,
          "outstanding": 0, "error": None},

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from fabric.transfer import TransferNode
 
 FINGERPRINT = "test-fingerprint-0001"
 
@@ -14,3 +19,18 @@ def chunk_bytes(seed: int, index: int, nbytes: int) -> bytes:
 
 def chunk_key(seed: int, index: int) -> bytes:
     return seed.to_bytes(8, "little") + index.to_bytes(8, "little")
+
+
+def fill_store(
+    node: TransferNode, seed: int, n: int, slot_bytes: int
+) -> tuple[list[bytes], list[int]]:
+    """Commit ``n`` pattern chunks of ``slot_bytes`` into ``node``'s store: (keys, slots)."""
+    keys, slots = [], []
+    for i in range(n):
+        key = chunk_key(seed, i)
+        slot = node.store.allocate(key)
+        node.store.pool.slot_view(slot).numpy()[:] = memoryview(chunk_bytes(seed, i, slot_bytes))
+        node.store.commit(slot, key, slot_bytes)
+        keys.append(key)
+        slots.append(slot)
+    return keys, slots

@@ -12,7 +12,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
 
-from .patterns import FINGERPRINT, chunk_bytes, chunk_key
+from .patterns import FINGERPRINT, chunk_key, fill_store
 
 SLOT = 64 << 10
 _names = itertools.count()
@@ -33,15 +33,7 @@ def pair() -> Iterator[tuple[TransferNode, TransferNode]]:
 
 
 def fill(node: TransferNode, seed: int, n: int) -> tuple[list[bytes], list[int]]:
-    keys, slots = [], []
-    for i in range(n):
-        key = chunk_key(seed, i)
-        slot = node.store.allocate(key)
-        node.store.pool.slot_view(slot).numpy()[:] = memoryview(chunk_bytes(seed, i, SLOT))
-        node.store.commit(slot, key, SLOT)
-        keys.append(key)
-        slots.append(slot)
-    return keys, slots
+    return fill_store(node, seed, n, SLOT)
 
 
 def test_push_lands_verified(pair: tuple[TransferNode, TransferNode]) -> None:

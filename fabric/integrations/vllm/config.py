@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fabric.errors import ConfigError
+from fabric.transfer.faults import FaultConfig
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,15 @@ class ConnectorConfig:
     ``load_timeout_s``: how long a decoder waits for pushed KV before it
     recomputes. ``unknown_transfer_grace_s``: how long it waits for a transfer
     it has not heard of at all. ``pack_threads``: copy threads per pack.
+    ``host``: where the fabric server (control channel and TCP data plane)
+    binds.
+
+    ``secret`` signs the control channel and notifications (HMAC-SHA256);
+    ``secret_env`` names an environment variable to read it from instead, so
+    it stays off command lines. Every engine (and the proxy) of a deployment
+    needs the same secret. ``faults``: fault injection for tests, a dict of
+    :class:`~fabric.transfer.faults.FaultConfig` fields, e.g.
+    ``{"corrupt": 1.0}``; off by default.
     """
 
     kv_port: int = 0
@@ -38,6 +49,9 @@ class ConnectorConfig:
     disk_gib: float = 16.0
     eviction: str = "lru"
     lookup_timeout_ms: int = 2000
+    secret: str | None = field(default=None, repr=False)
+    secret_env: str | None = None
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_port < 65536:
@@ -56,6 +70,24 @@ class ConnectorConfig:
         for name in ("load_timeout_s", "unknown_transfer_grace_s", "push_timeout_s", "disk_gib"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be > 0")
+        self._check_secret()
+
+    def _check_secret(self) -> None:
+        if self.secret is not None and self.secret_env is not None:
+            raise ConfigError("kv_connector_extra_config: give secret or secret_env, not both")
+        if self.secret == "":
+            raise ConfigError("kv_connector_extra_config.secret: must not be empty")
+        if self.secret_env is not None and not os.environ.get(self.secret_env):
+            raise ConfigError(
+                f"kv_connector_extra_config.secret_env: environment variable "
+                f"{self.secret_env!r} is not set (or empty)"
+            )
+
+    def resolved_secret(self) -> str | None:
+        """The shared secret: ``secret``, or the variable ``secret_env`` names."""
+        if self.secret_env is not None:
+            return os.environ.get(self.secret_env) or None
+        return self.secret
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -70,6 +102,9 @@ class ConnectorConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             kind: Any = type(known[name].default)
+            if name == "faults":
+                values[name] = value if isinstance(value, FaultConfig) else _faults(value)
+                continue
             if name in _OPTIONAL_STR:
                 kind = str
             try:
@@ -82,7 +117,14 @@ class ConnectorConfig:
         return cls(**values)
 
 
-_OPTIONAL_STR = ("ucx_net_devices", "disk_path")
+_OPTIONAL_STR = ("ucx_net_devices", "disk_path", "secret", "secret_env")
+
+
+def _faults(value: Any) -> FaultConfig:
+    try:
+        return FaultConfig.from_dict(value)
+    except (TypeError, ConfigError) as exc:
+        raise ConfigError(f"kv_connector_extra_config.{exc}") from exc
 
 
 def _as_bool(value: Any) -> bool:

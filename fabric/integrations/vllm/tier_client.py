@@ -70,7 +70,8 @@ class WorkerTierClient:
                 )
                 return []
             timeout = self.config.lookup_timeout_ms
-            self._clients = [StoreClient(e, timeout_ms=timeout) for e in endpoints]
+            secret = self.config.resolved_secret()
+            self._clients = [StoreClient(e, timeout_ms=timeout, secret=secret) for e in endpoints]
         return self._clients
 
     def _endpoints(self) -> list[str] | None:

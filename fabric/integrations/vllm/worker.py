@@ -186,6 +186,8 @@ class FabricWorker:
             lease_ms=c.lease_ms,
             nixl_progress_thread=c.nixl_progress_thread,
             ucx_net_devices=c.ucx_net_devices or os.environ.get("UCX_NET_DEVICES"),
+            secret=c.resolved_secret(),
+            faults=c.faults,
         )
 
     # ------------------------------------------------------------ per step

@@ -1,0 +1,58 @@
+"""What a receiver tracks: each reservation's progress and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerStats:
+    """Counters of a TransferServer (monotonic).
+
+    ``protocol_errors``: frames and notifications that failed to decode
+    (``oversized`` of them were over ``max_message_bytes``);
+    ``bad_signatures``: ones with a missing, unexpected or wrong HMAC tag;
+    ``refused``: well-formed requests refused (pool full, no Hello...;
+    ``faults_injected`` of them on purpose); ``disconnects``: control
+    connections closed, by the peer or by ZMQ over a frame past its size
+    cap; ``internal_errors``: bugs caught so the server keeps serving (0
+    unless something is wrong).
+    """
+
+    hellos: int = 0
+    reservations: int = 0
+    refused: int = 0
+    protocol_errors: int = 0
+    chunks_filled: int = 0
+    bytes_filled: int = 0
+    checksum_failures: int = 0
+    late_writes: int = 0
+    cancels: int = 0
+    expired: int = 0
+    lookups: int = 0
+    bad_signatures: int = 0
+    oversized: int = 0
+    disconnects: int = 0
+    internal_errors: int = 0
+    faults_injected: int = 0
+
+
+@dataclass
+class RequestProgress:
+    """What has landed for one reservation."""
+
+    request_id: str
+    expected: frozenset[int]
+    landed: set[int] = field(default_factory=set)  # notified, not yet verified
+    filled: set[int] = field(default_factory=set)  # verified and indexed
+    failed: set[int] = field(default_factory=set)
+    expired: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.expected <= self.filled
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more will change: complete, or a chunk failed, or expired."""
+        return self.complete or bool(self.failed) or self.expired

@@ -1,0 +1,340 @@
+"""Control-channel security: HMAC-signed frames, size limits, config plumbing."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import zmq
+
+from fabric.config import parse_topology
+from fabric.errors import ConfigError, ProtocolError, TransferError
+from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.worker import FabricWorker
+from fabric.store import ChunkStore, StoreConfig
+from fabric.store.tier import TieredStore
+from fabric.transfer import TransferConfig, TransferNode
+from fabric.transfer import protocol as proto
+from fabric.transfer.lookup import StoreClient
+from fabric.transfer.tcp_plane import TcpDataPlane, TcpDescriptor, TcpWrite
+
+from .patterns import FINGERPRINT, fill_store
+
+SLOT = 4096
+SECRET = "s3cret-for-tests"
+_names = itertools.count()
+
+# --------------------------------------------------------------- the codec
+
+
+def test_signed_frame_layout_and_round_trip() -> None:
+    codec = proto.Codec(SECRET)
+    msg = proto.Reserve(7, "req", [b"k" * 16], [4096], 1000)
+    frame = codec.encode(msg)
+    magic, version = struct.unpack_from("<2sH", frame)
+    assert magic == proto.MAGIC and version == proto.PROTOCOL_VERSION | proto.FLAG_SIGNED
+    assert frame[4:-32] == proto.encode(msg)[4:]  # same payload, tag appended
+    assert codec.decode(frame) == msg
+
+
+def test_unsigned_frames_keep_the_version_1_layout() -> None:
+    frame = proto.Codec().encode(proto.Cancel(1, "r"))
+    assert frame == proto.encode(proto.Cancel(1, "r"))
+    assert struct.unpack_from("<H", frame, 2)[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("encoder", "decoder", "match"),
+    [
+        (proto.Codec(), proto.Codec(SECRET), "unsigned but this side requires a secret"),
+        (proto.Codec(SECRET), proto.Codec(), "signed but this side has no secret"),
+        (proto.Codec("other"), proto.Codec(SECRET), "does not match"),
+    ],
+    ids=["unsigned-to-signed", "signed-to-unsigned", "wrong-secret"],
+)
+def test_secret_mismatch_is_a_signature_error(
+    encoder: proto.Codec, decoder: proto.Codec, match: str
+) -> None:
+    with pytest.raises(proto.SignatureError, match=match):
+        decoder.decode(encoder.encode(proto.Cancel(1, "r")))
+
+
+def test_tag_is_checked_before_the_payload_is_decoded() -> None:
+    codec = proto.Codec(SECRET)
+    frame = bytearray(codec.encode(proto.Cancel(1, "r")))
+    frame[5] ^= 0x01  # a payload byte: the payload may now be garbage
+    with pytest.raises(proto.SignatureError):
+        codec.decode(bytes(frame))
+    garbage = struct.pack("<2sH", b"FB", 1 | proto.FLAG_SIGNED) + b"\xc1" * 40
+    with pytest.raises(proto.SignatureError):
+        codec.decode(garbage)
+    with pytest.raises(proto.SignatureError, match="shorter than its tag"):
+        codec.decode(garbage[:20])
+
+
+def test_codec_refuses_to_build_an_oversized_frame() -> None:
+    codec = proto.Codec(SECRET, max_bytes=256)
+    with pytest.raises(ProtocolError, match="exceeds limit 256"):
+        codec.encode(proto.Reserve(1, "r", [b"k" * 16] * 20, [1] * 20, 1000))
+
+
+def test_unencodable_values_are_protocol_errors() -> None:
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        proto.Codec().encode(proto.Lookup(1, "r", [2**70], False, 1000))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        ["lookup", 1, "r", [2**31], False, 1000],  # token id outside int32
+        ["reserve", 1, "r", [b"k"], [-1], 1000],  # negative size
+        ["reserve", 1, "r", [b"k"], [1], 0],  # zero lease
+        ["reserve", 1, "r", [b"k"], [1], proto.MAX_LEASE_MS + 1],
+        ["write_done", "r", [-1], [0], [0]],
+        ["write_done", "r", [0], [0], [-5]],
+    ],
+)
+def test_out_of_range_integers_are_refused_at_decode(payload: list[object]) -> None:
+    frame = b"FB\x01\x00" + proto._encoder.encode(payload)
+    with pytest.raises(ProtocolError, match="undecodable"):
+        proto.decode(frame)
+
+
+def test_secret_stays_out_of_repr() -> None:
+    assert SECRET not in repr(TransferConfig(secret=SECRET))
+    assert SECRET not in repr(ConnectorConfig(secret=SECRET))
+
+
+# --------------------------------------------------------------- live servers
+
+
+def make_node(secret: str | None, *, serve: bool, transport: str = "loopback") -> TransferNode:
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=8, quarantine_ms=10))
+    config = TransferConfig(
+        transport=transport,  # type: ignore[arg-type]
+        secret=secret,
+        control_timeout_ms=3000,
+        poll_interval_ms=0.5,
+    )
+    tier = TieredStore(store, chunk_tokens=4, fingerprint=FINGERPRINT) if serve else None
+    return TransferNode(
+        store, config, FINGERPRINT, name=f"sec-{next(_names)}", serve=serve, tier=tier
+    )
+
+
+@pytest.fixture
+def nodes() -> Iterator[Callable[..., TransferNode]]:
+    made: list[TransferNode] = []
+
+    def make(secret: str | None, *, serve: bool, transport: str = "loopback") -> TransferNode:
+        node = make_node(secret, serve=serve, transport=transport)
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        node.close()
+
+
+def fill(node: TransferNode, seed: int, n: int) -> tuple[list[bytes], list[int]]:
+    return fill_store(node, seed, n, SLOT)
+
+
+@pytest.mark.parametrize("transport", ["loopback", "tcp"])
+def test_signed_push_lands(nodes: Callable[..., TransferNode], transport: str) -> None:
+    receiver = nodes(SECRET, serve=True, transport=transport)
+    sender = nodes(SECRET, serve=False, transport=transport)
+    keys, slots = fill(sender, 1, 3)
+    sender.client.connect(receiver.endpoint).push("r1", keys, slots, timeout=5)
+    assert receiver.server is not None
+    prog = receiver.server.wait("r1", 5)
+    assert prog is not None and prog.complete
+    assert receiver.store.lookup(keys) == 3
+    assert receiver.server.stats.bad_signatures == 0
+
+
+@pytest.mark.parametrize(
+    ("receiver_secret", "sender_secret"),
+    [(SECRET, "wrong"), (SECRET, None), (None, SECRET)],
+    ids=["wrong-secret", "sender-unsigned", "receiver-unsigned"],
+)
+def test_secret_mismatch_fails_the_handshake_at_once(
+    nodes: Callable[..., TransferNode], receiver_secret: str | None, sender_secret: str | None
+) -> None:
+    receiver = nodes(receiver_secret, serve=True)
+    sender = nodes(sender_secret, serve=False)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="same transfer secret"):
+        sender.client.connect(receiver.endpoint)
+    assert time.monotonic() - started < 1.0  # an answer, not the 3 s timeout
+    assert receiver.server is not None
+    assert receiver.server.stats.bad_signatures == 1
+    assert receiver.server.stats.hellos == 0
+
+
+def test_badly_signed_notification_is_dropped(nodes: Callable[..., TransferNode]) -> None:
+    receiver = nodes(SECRET, serve=True)
+    sender = nodes(SECRET, serve=False)
+    keys, slots = fill(sender, 2, 1)
+    link = sender.client.connect(receiver.endpoint)
+    res = link.reserve("r2", keys, [SLOT])
+    segment = [(sender.store.pool.slot_offset(slots[0]), res.slots[0] * SLOT, SLOT)]
+    checksum = sender.store.slot_checksum(slots[0])
+    assert checksum is not None
+    done = proto.WriteDone("r2", [0], list(res.generations), [checksum])
+    for codec in (proto.Codec("wrong"), proto.Codec()):
+        sender.plane.post_write(link.peer_agent, segment, codec.encode(done))
+    assert receiver.server is not None
+    stats = receiver.server.stats
+    deadline = time.monotonic() + 5
+    while stats.bad_signatures < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert receiver.store.lookup(keys) == 0  # the bytes landed, but nobody vouched for them
+    prog = receiver.server.progress("r2")
+    assert prog is not None and not prog.landed
+    # the same write with a good signature is accepted
+    sender.plane.post_write(link.peer_agent, segment, sender.client.codec.encode(done))
+    assert receiver.server.wait("r2", 5).complete  # type: ignore[union-attr]
+
+
+def test_store_client_signs_and_checks(nodes: Callable[..., TransferNode]) -> None:
+    receiver = nodes(SECRET, serve=True)
+    with StoreClient(receiver.endpoint, secret=SECRET, timeout_ms=3000) as good:
+        assert good.lookup(list(range(8))).hit_chunks == 0
+        assert good.clear("memory") == 0
+    for secret in ("wrong", None):
+        with StoreClient(receiver.endpoint, secret=secret, timeout_ms=3000) as bad:
+            started = time.monotonic()
+            with pytest.raises(TransferError, match="same transfer secret"):
+                bad.lookup(list(range(8)))
+            assert time.monotonic() - started < 1.0
+    assert receiver.server is not None
+    assert receiver.server.stats.bad_signatures == 2
+
+
+def _raw_socket(endpoint: str) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_oversized_frames_are_counted_and_never_stop_the_server(
+    nodes: Callable[..., TransferNode],
+) -> None:
+    receiver = nodes(None, serve=True)
+    assert receiver.server is not None
+    stats, limit = receiver.server.stats, receiver.config.max_message_bytes
+    sock = _raw_socket(receiver.endpoint)
+    try:
+        # just over the limit: the codec refuses it with an answer
+        sock.send(b"FB\x01\x00" + b"\x00" * limit)
+        assert sock.poll(3000)
+        reply = proto.decode(sock.recv())
+        assert isinstance(reply, proto.Refused) and reply.code == "bad_message"
+        assert stats.oversized == 1
+        # far over it: ZMQ drops the frame unread, with its connection
+        sock.send(b"\x00" * (4 * limit))
+        deadline = time.monotonic() + 5
+        while stats.disconnects < 1:
+            assert time.monotonic() < deadline, "dropped connection not counted"
+            time.sleep(0.01)
+        # the socket reconnects and is served again
+        sock.send(proto.encode(proto.Lookup(1, "x", [1, 2], False, 1000)))
+        assert sock.poll(3000)
+        assert isinstance(proto.decode(sock.recv()), proto.LookupResult)
+    finally:
+        sock.close()
+
+
+def test_multipart_messages_get_an_answer(nodes: Callable[..., TransferNode]) -> None:
+    receiver = nodes(None, serve=True)
+    sock = _raw_socket(receiver.endpoint)
+    try:
+        sock.send_multipart([b"a", b"b"])
+        assert sock.poll(3000)
+        reply = proto.decode(sock.recv())
+        assert isinstance(reply, proto.Refused) and "2 message parts" in reply.reason
+    finally:
+        sock.close()
+
+
+def test_tcp_data_plane_refuses_unsigned_writes() -> None:
+
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=2))
+    plane = TcpDataPlane(f"tcp-sec-{next(_names)}", secret=SECRET)
+    try:
+        plane.register_pool(store.pool.base_address, store.pool.nbytes)
+        info = msgspec.msgpack.decode(plane.descriptor(), type=TcpDescriptor)
+        header = msgspec.msgpack.encode(TcpWrite("intruder", [(0, 16)], b"notif"))
+        for tag in (b"", b"\x00" * 32):
+            with socket.create_connection((info.host, info.port), timeout=5) as sock:
+                sock.sendall(struct.pack("<I", len(header)) + header + tag + b"\xff" * 48)
+                with contextlib.suppress(ConnectionResetError):  # reset: payload unread
+                    assert sock.recv(1) == b""  # closed on us
+        deadline = time.monotonic() + 5
+        while plane.bad_frames < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert bytes(store.pool.memoryview(0, 16)) == bytes(16) and not plane.take_notifs()
+    finally:
+        plane.close()
+
+
+# --------------------------------------------------------------- plumbing
+
+
+def test_connector_config_reads_the_secret_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FABRIC_TEST_SECRET", SECRET)
+    config = ConnectorConfig.from_extra({"secret_env": "FABRIC_TEST_SECRET", "kv_port": 0})
+    assert config.resolved_secret() == SECRET
+    assert ConnectorConfig.from_extra({"secret": "inline"}).resolved_secret() == "inline"
+    assert ConnectorConfig.from_extra({}).resolved_secret() is None
+    worker = SimpleNamespace(config=config, tp_rank=0)
+    transfer = FabricWorker._transfer_config(worker, True)  # type: ignore[arg-type]
+    assert transfer.secret == SECRET and transfer.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"secret_env": "FABRIC_TEST_UNSET_VARIABLE"}, "is not set"),
+        ({"secret": "a", "secret_env": "HOME"}, "not both"),
+        ({"secret": ""}, "must not be empty"),
+    ],
+)
+def test_bad_secret_settings_are_config_errors(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_topology_passes_secret_env_to_engines_and_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = {
+        "prefill": [{"url": "http://127.0.0.1:9001"}],
+        "decode": [{"url": "http://127.0.0.1:9002", "kv_port": 9003}],
+        "connector": {"secret_env": "FABRIC_TEST_SECRET"},
+    }
+    topology = parse_topology(data, source="test")
+    assert topology.connector.extra_config(9003)["secret_env"] == "FABRIC_TEST_SECRET"
+    monkeypatch.delenv("FABRIC_TEST_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="FABRIC_TEST_SECRET"):
+        topology.connector.secret()
+    monkeypatch.setenv("FABRIC_TEST_SECRET", SECRET)
+    assert topology.connector.secret() == SECRET
+    from fabric.router import create_app
+
+    assert create_app(topology).state.proxy.store_secret == SECRET
+    with pytest.raises(ConfigError, match="secret_env"):
+        parse_topology({**data, "connector": {"secret_env": "not a name"}}, source="test")
