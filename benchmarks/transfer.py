@@ -5,7 +5,9 @@ NIXL, fabric's push and fabric's full path (pack + push + unpack).
 
 Prints a table, writes benchmarks/results/transfer-<date>.json and ends with
 one JSON line: {"push_vs_raw": .., "full_vs_raw": .., "full_vs_page": ..}
-(progress thread off, the default). Same as ``fabric bench transfer``.
+(progress thread off, the default). ``raw`` and ``page`` are one WRITE of the
+whole transfer here; ``push`` and ``full`` move ``--chunk-tokens`` chunks. The sweep
+over chunk sizes, batches, geometries and transports is ``fabric bench transfer``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``fabric`` command line: ``fabric bench transfer ...``, ``fabric model tiny DIR``,
+"""``fabric`` command line: ``fabric bench transfer|serve ...``, ``fabric model tiny DIR``,
 ``fabric up CONFIG``, ``fabric proxy CONFIG``, ``fabric status``, ``version``."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fabric", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the fabric version")
-    bench = sub.add_parser("bench", help="benchmarks (fabric bench transfer --help)")
-    bench.add_argument("what", choices=["transfer"])
+    bench = sub.add_parser(
+        "bench", help="benchmarks (fabric bench transfer --help, fabric bench serve --help)"
+    )
+    bench.add_argument("what", choices=["transfer", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     model = sub.add_parser("model", help="build a test model (fabric model tiny DIR)")
     model.add_argument("kind", choices=["tiny"])
@@ -35,9 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(__version__)
     elif ns.command == "bench":
-        from fabric.bench.transfer import main as bench_transfer
-
-        bench_transfer(ns.rest)
+        return _bench(ns.what, ns.rest)
     elif ns.command == "model":
         from fabric.models import make_tiny_model
 
@@ -49,6 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command in ("up", "proxy"):
         return _serve(ns)
     return 0
+
+
+def _bench(what: str, rest: list[str]) -> int:
+    """``fabric bench transfer`` (the transfer sweep) / ``fabric bench serve``."""
+    if what == "serve":
+        from fabric.bench.serve_cli import main as bench_serve
+
+        return bench_serve(rest)
+    from fabric.bench.sweep_cli import main as bench_transfer
+
+    return bench_transfer(rest)
 
 
 def _serve(ns: argparse.Namespace) -> int:

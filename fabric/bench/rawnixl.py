@@ -20,15 +20,17 @@ if TYPE_CHECKING:
 
 
 class RawNixl:
-    """One NIXL agent with DRAM regions registered, driven without a progress thread."""
+    """One NIXL agent with regions of one memory kind registered (``DRAM``, or
+    ``VRAM`` for caches on a GPU), driven by its caller unless ``progress_thread``."""
 
-    def __init__(self, name: str, *, progress_thread: bool = False) -> None:
+    def __init__(self, name: str, *, progress_thread: bool = False, mem_type: str = "DRAM") -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         from nixl._api import nixl_agent, nixl_agent_config
 
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self.agent: Any = nixl_agent(name, config)
         self.name = name
+        self.mem_type = mem_type
         self._regs: list[Any] = []
 
     def register(self, tensor: torch.Tensor) -> None:
@@ -45,8 +47,8 @@ class RawNixl:
         """Post one WRITE of Nx3 (addr, len, dev) descriptor arrays."""
         handle = self.agent.initialize_xfer(
             "WRITE",
-            self.agent.get_xfer_descs(local, "DRAM"),
-            self.agent.get_xfer_descs(remote, "DRAM"),
+            self.agent.get_xfer_descs(local, self.mem_type),
+            self.agent.get_xfer_descs(remote, self.mem_type),
             peer,
             notif,
         )
@@ -56,7 +58,7 @@ class RawNixl:
 
     def prep(self, descs: np.ndarray, peer: str = "") -> Any:
         """Prepare a descriptor list once (local when ``peer`` is empty)."""
-        return self.agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descs, "DRAM")
+        return self.agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descs, self.mem_type)
 
     def prepped_write(
         self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
@@ -86,10 +88,17 @@ class RawNixl:
                 time.sleep(poll_s)
         return got
 
+    def close(self) -> None:
+        """Deregister every region (the agent itself goes with the object)."""
+        for reg in self._regs:
+            self.agent.deregister_memory(reg)
+        self._regs.clear()
 
-def descs(addrs: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
-    """Nx3 uint64 descriptor array (addr, len, device 0)."""
+
+def descs(addrs: np.ndarray, nbytes: int | np.ndarray, device_id: int = 0) -> np.ndarray:
+    """Nx3 uint64 descriptor array (addr, len, device id)."""
     out = np.zeros((len(addrs), 3), dtype=np.uint64)
     out[:, 0] = addrs
     out[:, 1] = nbytes
+    out[:, 2] = device_id
     return out

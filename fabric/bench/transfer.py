@@ -1,40 +1,51 @@
-"""Transfer benchmark: the same KV bytes between two processes, four ways.
+"""Transfer benchmark: the same KV bytes between two processes, several ways.
 
     memcpy   torch copy_ of the same bytes in one process (context)
-    raw      one NIXL WRITE of one contiguous region (the ceiling)
-    page     one NIXL WRITE with one descriptor per 16-token block per layer
+    raw      NIXL WRITEs of contiguous regions (the ceiling): one per batch
+             of chunks, or one for the whole transfer (``raw_whole``)
+    page     NIXL WRITEs with one descriptor per 16-token block per layer
              per K/V region, prepared lists (what vLLM's NixlConnector posts)
     push     fabric: Reserve + WRITE of packed store slots + notify, until the
-             receiver verified every chunk's checksum
+             receiver verified every chunk's checksum (packed beforehand)
     full     fabric: pack each chunk, push it, unpack it on the receiver,
-             pipelined per chunk, until the receiver's cache holds every block
+             pipelined (:mod:`fabric.bench.fullpath`), until the receiver's
+             cache holds every block and every chunk is verified
 
 Every path is timed from the sender's first call until the receiver knows
 the bytes are there (its notification, or its verification/unpack), so the
 receiver's steady-rate polling is part of every number. The sender here is
 this process; the receiver is ``fabric.bench.transfer_side`` in a child.
+:class:`Suite` is one receiver (one geometry, memory kind and progress
+setting); :mod:`fabric.bench.sweep` runs many. ``main`` is the fixed
+single-point benchmark of ``benchmarks/transfer.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fabric.bench.fullpath import FullPathOptions, FullPathSender
 from fabric.bench.rawnixl import descs
 from fabric.bench.transfer_side import BenchSide, SideArgs, side_args_json
+from fabric.errors import TransferError
 from fabric.kv import pack
 from fabric.transfer.client import PendingPush
+
+_suite_ids = itertools.count(1)
 
 
 class Receiver:
@@ -61,6 +72,10 @@ class Receiver:
         self.proc.stdin.write(" ".join(map(str, words)) + "\n")
         self.proc.stdin.flush()
 
+    def ask(self, *words: object) -> dict[str, Any]:
+        self.send(*words)
+        return self.read()
+
     def close(self) -> None:
         try:
             self.send("quit")
@@ -71,97 +86,213 @@ class Receiver:
 
 
 class Suite:
-    """Sender side of one benchmark run (one progress-thread setting)."""
+    """Sender side of one cache (geometry, memory kind, progress setting) and its receiver.
 
-    def __init__(self, args: SideArgs) -> None:
-        self.side = BenchSide(replace(args, seed=1, tag=f"p{int(args.progress_thread)}"))
-        self.rx = Receiver(replace(args, seed=2, tag=f"d{int(args.progress_thread)}"))
-        hello = self.rx.hello
-        self.peer = self.side.raw.add_peer(bytes.fromhex(hello["raw_metadata"]))
-        self.link = self.side.node.client.connect(hello["endpoint"])
-        self.remote_pool = int(hello["pool_base"])
-        remote_ids = np.asarray(hello["block_ids"], dtype=np.int64)
-        s = self.side
-        self.local_pages = s.raw.prep(s.page_descs(s.kv_base))
-        self.remote_pages = s.raw.prep(s.page_descs(int(hello["kv_base"])), self.peer)
-        rows = np.arange(s.layout.num_layers * s.layout.segments, dtype=np.int64)
-        self.local_idx = s.page_indices()
-        self.remote_idx = (rows[:, None] * s.num_blocks + remote_ids[None, :]).reshape(-1)
+    Path timers take ``batch`` (chunks per WRITE) and ``count`` (chunks moved,
+    from chunk 0) and return seconds; ``use_fabric`` picks the chunk size and
+    fabric's transport for the next calls.
+    """
+
+    def __init__(self, args: SideArgs, options: FullPathOptions | None = None) -> None:
+        tag = f"s{next(_suite_ids)}p{int(args.progress_thread)}"
+        self.options = options or FullPathOptions()
+        self.side = BenchSide(replace(args, seed=1, tag=f"{tag}-tx"), serve=False)
+        self.rx: Receiver | None = None
+        self._scratch: Any = None
         self._rid = 0
+        try:
+            self.rx = Receiver(replace(args, seed=2, tag=f"{tag}-rx"))
+            self._connect(self.receiver.hello)
+        except BaseException:
+            self.close()
+            raise
+        self.sender = FullPathSender(self.side, self.options)
+
+    def _connect(self, hello: dict[str, Any]) -> None:
+        """Raw NIXL peer, prepared page lists and fabric link to the receiver."""
+        s = self.side
+        self.peer = s.raw.add_peer(bytes.fromhex(hello["raw_metadata"]))
+        self.remote_kv = int(hello["kv_base"])
+        self.remote_ids = np.asarray(hello["block_ids"], dtype=np.int64)
+        self.local_pages = s.raw.prep(s.page_descs(s.kv_base))
+        self.remote_pages = s.raw.prep(s.page_descs(self.remote_kv), self.peer)
+        self.link = s.end.node.client.connect(hello["endpoint"])
+
+    @property
+    def receiver(self) -> Receiver:
+        assert self.rx is not None
+        return self.rx
+
+    # ------------------------------------------------------------ setup
+    def use_fabric(self, transport: str, chunk_tokens: int) -> None:
+        end = self.side.end
+        if (end.transport, end.chunk_tokens) == (transport, chunk_tokens):
+            return
+        endpoint = self.receiver.ask("fabric", transport, chunk_tokens)["endpoint"]
+        self.side.use_fabric(transport, chunk_tokens)
+        self.link = self.side.end.node.client.connect(endpoint)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.side.end.num_chunks
+
+    def chunk_bytes(self, index: int) -> int:
+        s = self.side
+        return s.layout.chunk_nbytes(len(s.chunk_block_ids(s.end.chunk_blocks, index)))
+
+    def moved_bytes(self, count: int) -> int:
+        return sum(self.chunk_bytes(i) for i in range(count))
 
     def next_rid(self) -> str:
         self._rid += 1
         return f"bench-{self._rid}"
 
-    def keys(self, rid: str) -> list[bytes]:
-        return [f"{rid}:{i}".encode().ljust(16, b".")[:16] for i in range(self.side.num_chunks)]
+    def keys(self, rid: str, count: int) -> list[bytes]:
+        return [f"{rid}:{i}".encode().ljust(16, b".")[:16] for i in range(count)]
 
-    def time_raw(self) -> float:
-        s = self.side
-        local = descs(np.array([s.store.pool.base_address]), s.total_bytes)
-        remote = descs(np.array([self.remote_pool]), s.total_bytes)
-        self.rx.send("raw", 1)
+    def batches(self, batch: int, count: int) -> list[range]:
+        return [range(s, min(s + batch, count)) for s in range(0, count, batch)]
+
+    # ------------------------------------------------------------ paths
+    def time_memcpy(self, batch: int, count: int) -> float:
+        """Copy the same bytes, ``batch`` chunks per copy, within this process.
+
+        NOTE: numpy's single-threaded copy on the CPU: torch's ``copy_`` splits
+        large copies over its thread pool, whose barrier stalls for tens of ms
+        when another process holds the second core.
+        """
+        import torch
+
+        cpu = self.side.device == "cpu"
+        src: Any = self.side.storage.view(-1).view(torch.uint8)
+        dst: Any = self._scratch_buffer()
+        if cpu:
+            src, dst = src.numpy(), dst.numpy()
+        spans = [sum(self.chunk_bytes(i) for i in b) for b in self.batches(batch, count)]
         t0 = time.perf_counter()
-        s.raw.wait(s.raw.write(self.peer, local, remote, b"raw"))
-        self.rx.read()
+        offset = 0
+        for n in spans:
+            if cpu:
+                np.copyto(dst[offset : offset + n], src[offset : offset + n])
+            else:
+                dst[offset : offset + n].copy_(src[offset : offset + n])
+            offset += n
+        if not cpu:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def time_page(self) -> float:
+    def time_raw(self, batch: int, count: int) -> float:
+        """Contiguous WRITEs of ``batch`` chunks' bytes, all posted, then awaited."""
         s = self.side
-        self.rx.send("raw", 1)
+        spans, offset = [], 0
+        for b in self.batches(batch, count):
+            n = sum(self.chunk_bytes(i) for i in b)
+            spans.append((offset, n))
+            offset += n
+        dev = s.device_id
+        self.receiver.send("raw", len(spans))
         t0 = time.perf_counter()
-        handle = s.raw.prepped_write(
-            self.local_pages, self.local_idx, self.remote_pages, self.remote_idx, b"page"
-        )
-        s.raw.wait(handle)
-        self.rx.read()
+        handles = [
+            s.raw.write(
+                self.peer,
+                descs(np.array([s.kv_base + off]), n, dev),
+                descs(np.array([self.remote_kv + off]), n, dev),
+                b"raw",
+            )
+            for off, n in spans
+        ]
+        for handle in handles:
+            s.raw.wait(handle)
+        self.receiver.read()
         return time.perf_counter() - t0
 
-    def time_push(self) -> tuple[float, float]:
+    def time_page(self, batch: int, count: int) -> float:
+        """One WRITE per batch with one descriptor per block per layer per K/V."""
+        s = self.side
+        chunk_blocks = s.end.chunk_blocks
+        plans = []
+        for b in self.batches(batch, count):
+            lo, hi = b.start * chunk_blocks, min(b.stop * chunk_blocks, s.used_blocks)
+            plans.append(
+                (s.page_indices(s.block_ids[lo:hi]), s.page_indices(self.remote_ids[lo:hi]))
+            )
+        self.receiver.send("raw", len(plans))
+        t0 = time.perf_counter()
+        handles = [
+            s.raw.prepped_write(self.local_pages, li, self.remote_pages, ri, b"page")
+            for li, ri in plans
+        ]
+        for handle in handles:
+            s.raw.wait(handle)
+        self.receiver.read()
+        return time.perf_counter() - t0
+
+    def time_push(self, batch: int, count: int) -> tuple[float, float]:
         """Seconds until every chunk landed (notified), and until verified."""
-        s = self.side
+        s, end = self.side, self.side.end
         rid = self.next_rid()
-        keys, slots = self.keys(rid), []
+        keys, slots = self.keys(rid, count), []
         for i, key in enumerate(keys):  # packed ahead, outside the timing
-            slot = s.store.allocate(key)
-            pack(s.views, s.layout, s.chunk_block_ids(i), s.store.pool.slot_view(slot))
-            s.store.commit(slot, key, s.slot_bytes)
+            slot = end.store.allocate(key)
+            n = pack(
+                s.views,
+                s.layout,
+                s.chunk_block_ids(end.chunk_blocks, i),
+                end.store.pool.slot_view(slot),
+            )
+            end.store.commit(slot, key, n)
             slots.append(slot)
-        self.rx.send("fabric", rid)
+        self.receiver.send("fabric-wait", rid)
         t0 = time.monotonic()
-        res = self.link.reserve(rid, keys, [s.slot_bytes] * len(keys))
-        pushes = [self.link.write(res, [i], [slot]) for i, slot in enumerate(slots)]
+        res = self.link.reserve(rid, keys, [self.chunk_bytes(i) for i in range(count)])
+        pushes = [
+            self.link.write(res, b, [slots[i] for i in b]) for b in self.batches(batch, count)
+        ]
         wait_all(pushes)
-        out = self.rx.read()
-        assert out["complete"], out
+        out = self.receiver.read()
+        _check_complete(out, rid)
         return out["landed_at"] - t0, out["verified_at"] - t0
 
-    def time_full(self) -> float:
-        s = self.side
+    def time_full(self, batch: int, count: int) -> float:
+        """Pack, reserve, write, notify, verify and unpack ``count`` chunks."""
         rid = self.next_rid()
-        keys = self.keys(rid)
-        self.rx.send("full", rid, len(keys))
+        keys = self.keys(rid, count)
+        opts = self.options
+        self.receiver.send("full", rid, count, opts.unpack_when, opts.unpack_threads)
         t0 = time.perf_counter()
-        res = self.link.reserve(rid, keys, [s.slot_bytes] * len(keys))
-        pushes: list[PendingPush] = []
-        for i, key in enumerate(keys):
-            slot = s.store.allocate(key)
-            pack(s.views, s.layout, s.chunk_block_ids(i), s.store.pool.slot_view(slot))
-            s.store.commit(slot, key, s.slot_bytes)
-            pushes.append(self.link.write(res, [i], [slot]))
-            pushes = [p for p in pushes if not p.done()]
-        wait_all(pushes)
-        assert self.rx.read()["complete"]
+        self.sender.run(self.link, rid, keys, batch)
+        out = self.receiver.read()
+        _check_complete(out, rid)
         return time.perf_counter() - t0
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU time used so far by this process and by the receiver (all threads)."""
+        return time.process_time(), float(self.receiver.ask("cpu")["cpu"])
+
     def digests_match(self) -> bool:
-        self.rx.send("digest")
-        return bool(self.rx.read()["digest"] == self.side.digest())
+        return bool(self.receiver.ask("digest")["digest"] == self.side.digest())
+
+    def _scratch_buffer(self) -> Any:
+        if self.side.device == "cpu":
+            return self.side.end.store.pool.buffer
+        if self._scratch is None:
+            import torch
+
+            self._scratch = torch.empty(self.side.total_bytes, dtype=torch.uint8, device="cuda")
+        return self._scratch
 
     def close(self) -> None:
-        self.link.close()
-        self.rx.close()
+        if getattr(self, "sender", None) is not None:
+            self.sender.close()
+        if self.rx is not None:
+            self.receiver.close()
+            self.rx = None
         self.side.close()
+
+
+def _check_complete(out: dict[str, Any], rid: str) -> None:
+    if not out.get("complete"):
+        raise TransferError(f"receiver did not get every chunk of {rid}: {out}")
 
 
 def wait_all(pushes: list[PendingPush], timeout: float = 120) -> None:
@@ -169,49 +300,34 @@ def wait_all(pushes: list[PendingPush], timeout: float = 120) -> None:
         push.wait(timeout)
 
 
-def time_memcpy(nbytes: int, reps: int) -> float:
-    import torch
-
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def repeat(fn: Callable[[], Any], reps: int) -> list[Any]:
+    """``fn()`` once to warm up (first touch, connection setup), then ``reps`` times."""
+    fn()
+    return [fn() for _ in range(reps)]
 
 
-def run_suite(args: SideArgs, reps: int) -> dict[str, Any]:
-    """Median seconds per path, GB/s and the correctness checks."""
-    suite = Suite(args)
-    try:
-        timers: dict[str, Any] = {
-            "raw": suite.time_raw,
-            "page": suite.time_page,
-            "push": suite.time_push,
-            "full": suite.time_full,
-        }
-        times: dict[str, list[float]] = {name: [] for name in [*timers, "push_verified"]}
-        checks = {}
-        for name, fn in timers.items():
-            fn()  # warm-up: first touch, connection setup
-            for _ in range(reps):
-                t = fn()
-                if name == "push":
-                    times["push"].append(t[0])
-                    times["push_verified"].append(t[1])
-                else:
-                    times[name].append(t)
-            if name in ("page", "full"):
-                checks[name] = suite.digests_match()
-        nbytes = suite.side.total_bytes
-    finally:
-        suite.close()
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+# ---------------------------------------------------------------- single point
+def run_suite(suite: Suite, reps: int) -> dict[str, Any]:
+    """The fixed benchmark: whole-transfer raw and page WRITEs, chunked push and full."""
+    n = suite.num_chunks
+    times: dict[str, list[float]] = {"raw": repeat(lambda: suite.time_raw(n, n), reps)}
+    suite.receiver.ask("clear")
+    times["page"] = repeat(lambda: suite.time_page(n, n), reps)
+    checks = {"page": suite.digests_match()}
+    push = repeat(lambda: suite.time_push(1, n), reps)
+    times["push"] = [p[0] for p in push]
+    suite.receiver.ask("clear")
+    times["full"] = repeat(lambda: suite.time_full(1, n), reps)
+    checks["full"] = suite.digests_match()
+    times["push_verified"] = [p[1] for p in push]
+    nbytes = suite.side.total_bytes
+    medians = {name: median(ts) for name, ts in times.items()}
     return {
-        "progress_thread": args.progress_thread,
+        "progress_thread": suite.side.args.progress_thread,
         "bytes": nbytes,
         "seconds": medians,
         "gbps": {name: nbytes / t / 1e9 for name, t in medians.items()},
@@ -219,32 +335,54 @@ def run_suite(args: SideArgs, reps: int) -> dict[str, Any]:
     }
 
 
-def run(args: SideArgs, reps: int, progress_modes: list[bool]) -> dict[str, Any]:
+def time_memcpy(nbytes: int, reps: int) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return median(repeat(lambda: _timed_copy(dst, src), reps))
+
+
+def _timed_copy(dst: Any, src: Any) -> float:
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def machine_info() -> dict[str, Any]:
     import platform
 
     import torch
 
-    nbytes = args.tokens * _bytes_per_token(args)
-    memcpy = time_memcpy(nbytes, reps)
-    suites = [run_suite(replace(args, progress_thread=mode), reps) for mode in progress_modes]
     return {
-        "benchmark": "transfer",
-        "args": asdict(args),
-        "reps": reps,
-        "machine": {
-            "cpus": __import__("os").cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
-        "memcpy_gbps": nbytes / memcpy / 1e9,
-        "suites": suites,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg": list(os.getloadavg()),
     }
 
 
-def _bytes_per_token(args: SideArgs) -> int:
+def run(args: SideArgs, reps: int, progress_modes: list[bool]) -> dict[str, Any]:
     from fabric.bench.geometry import preset
 
-    return preset(args.geometry).bytes_per_token
+    nbytes = args.tokens * preset(args.geometry).bytes_per_token
+    memcpy = time_memcpy(nbytes, reps)
+    suites = []
+    for mode in progress_modes:
+        suite = Suite(replace(args, progress_thread=mode))
+        try:
+            suites.append(run_suite(suite, reps))
+        finally:
+            suite.close()
+    return {
+        "benchmark": "transfer",
+        "args": asdict(args),
+        "full_path": asdict(FullPathOptions()),
+        "reps": reps,
+        "machine": machine_info(),
+        "memcpy_gbps": nbytes / memcpy / 1e9,
+        "suites": suites,
+    }
 
 
 def headline(result: dict[str, Any]) -> dict[str, float]:
@@ -267,20 +405,20 @@ def print_report(result: dict[str, Any]) -> None:
         f"{args['chunk_tokens']}-token chunks, {args['block_size']}-token blocks, "
         f"memcpy {result['memcpy_gbps']:.2f} GB/s"
     )
-    print(f"{'progress thread':<16}{'path':<8}{'GB/s':>8}{'ms':>9}{'vs raw':>8}{'bytes ok':>10}")
+    print(f"{'progress thread':<16}{'path':<15}{'GB/s':>8}{'ms':>9}{'vs raw':>8}{'bytes ok':>10}")
     for suite in result["suites"]:
         raw = suite["gbps"]["raw"]
         mode = "on" if suite["progress_thread"] else "off"
         for path, gbps in suite["gbps"].items():
             ok = suite["bytes_match"].get(path, "")
             ms = suite["seconds"][path] * 1e3
-            print(f"{mode:<16}{path:<8}{gbps:>8.2f}{ms:>9.1f}{gbps / raw:>8.2f}{ok!s:>10}")
+            print(f"{mode:<16}{path:<15}{gbps:>8.2f}{ms:>9.1f}{gbps / raw:>8.2f}{ok!s:>10}")
 
 
 def main(argv: list[str] | None = None, results_dir: Path = Path("benchmarks/results")) -> None:
-    """``fabric bench transfer`` / ``python benchmarks/transfer.py``."""
+    """``python benchmarks/transfer.py``: one geometry and chunk size, both progress modes."""
     parser = argparse.ArgumentParser(
-        prog="fabric bench transfer", description="KV transfer bandwidth, fabric vs NIXL"
+        prog="benchmarks/transfer.py", description="KV transfer bandwidth, fabric vs NIXL"
     )
     parser.add_argument("--geometry", default="llama3-8b")
     parser.add_argument("--tokens", type=int, default=2048)

@@ -1,14 +1,24 @@
-"""One side of the transfer benchmark: a paged KV cache, a store, fabric, raw NIXL.
+"""One side of the transfer benchmark: a paged KV cache, raw NIXL and fabric.
 
-Both processes of ``fabric.bench.transfer`` build the same objects; the
-receiver (``python -m fabric.bench.transfer_side ARGS_JSON``) then answers
-one JSON line per command on stdin:
+Both processes of ``fabric.bench.transfer`` build a :class:`BenchSide`: the
+cache and a raw NIXL agent live as long as the process; fabric's store and
+transfer node (:class:`FabricEnd`) are rebuilt per chunk size and transport,
+since a store's slot size is fixed. The receiver (``python -m
+fabric.bench.transfer_side ARGS_JSON``) answers one JSON line per command:
 
-    raw N          wait for N raw-NIXL notifications
-    fabric RID     wait until fabric verified every chunk of RID, release it
-    full RID N     unpack RID's chunks into the paged cache as each lands
-    digest         checksum of the cache blocks the transfer targets
+    fabric TRANSPORT CHUNK_TOKENS   rebuild the store and node; its endpoint
+    raw N                 wait for N raw-NIXL notifications
+    fabric-wait RID       wait until fabric verified every chunk of RID
+    full RID N WHEN T     unpack RID's N chunks into the cache (T threads) as
+                          each lands (WHEN=landed: verified meanwhile by the
+                          server's verifier) or once verified (WHEN=verified)
+    digest                checksum of the cache blocks the transfers target
+    cpu                   this process's CPU seconds so far
+    clear                 zero the cache (before a path whose bytes are checked)
     quit
+
+A chunk covers ``chunk_tokens / block_size`` of the side's scattered
+``block_ids``; chunk ``i`` of a transfer is blocks ``i * chunk_blocks ..``.
 """
 
 from __future__ import annotations
@@ -23,13 +33,19 @@ import numpy as np
 
 from fabric.bench.geometry import paged_cache, preset
 from fabric.bench.rawnixl import RawNixl, descs
+from fabric.errors import ConfigError
 from fabric.kv import KVLayout, pack, unpack
 from fabric.store import ChunkStore, StoreConfig, checksum
 from fabric.transfer import TransferConfig, TransferNode
 
+MEMORY_KINDS = ("dram", "vram")
+DIGEST_BLOCKS = 64
+
 
 @dataclass(frozen=True)
 class SideArgs:
+    """What both sides agree on; ``chunk_tokens``/``transport`` are the first fabric setup."""
+
     geometry: str = "llama3-8b"
     kind: str = "flash"
     tokens: int = 2048
@@ -37,53 +53,111 @@ class SideArgs:
     block_size: int = 16
     progress_thread: bool = False
     transport: str = "nixl"
+    memory: str = "dram"
     seed: int = 0
     tag: str = "p"
+
+    def __post_init__(self) -> None:
+        if self.memory not in MEMORY_KINDS:
+            raise ConfigError(f"memory: {self.memory!r} is not one of {MEMORY_KINDS}")
+        if self.tokens % self.block_size or self.chunk_tokens % self.block_size:
+            raise ConfigError("tokens and chunk_tokens must be multiples of block_size")
+
+
+class FabricEnd:
+    """fabric's chunk store and transfer node for one chunk size and transport."""
+
+    def __init__(
+        self, side: BenchSide, transport: str, chunk_tokens: int, name: str, *, serve: bool
+    ) -> None:
+        if chunk_tokens % side.args.block_size or chunk_tokens <= 0:
+            raise ConfigError(f"chunk_tokens {chunk_tokens} is not a multiple of the block size")
+        self.transport, self.chunk_tokens = transport, chunk_tokens
+        self.chunk_blocks = chunk_tokens // side.args.block_size
+        self.num_chunks = -(-side.used_blocks // self.chunk_blocks)
+        self.slot_bytes = side.layout.chunk_nbytes(self.chunk_blocks)
+        # NOTE: one slot per chunk and two spare; chunks of an earlier rep are
+        # committed/filled and so evictable (LRU) when the next rep allocates.
+        self.store = ChunkStore(
+            StoreConfig(slot_bytes=self.slot_bytes, num_slots=self.num_chunks + 2)
+        )
+        config = TransferConfig(
+            transport=transport,  # type: ignore[arg-type]
+            nixl_progress_thread=side.args.progress_thread,
+            ucx_net_devices="lo",
+        )
+        self.node = TransferNode(
+            self.store, config, side.layout.fingerprint(), name=name, serve=serve
+        )
+
+    def close(self) -> None:
+        self.node.close()
 
 
 class BenchSide:
     """Everything one process needs for every path of the benchmark."""
 
-    def __init__(self, args: SideArgs) -> None:
+    def __init__(self, args: SideArgs, *, serve: bool = True) -> None:
         self.args = args
-        geom = preset(args.geometry)
+        self.serving = serve
+        self.geometry = preset(args.geometry)
+        self.device = "cuda" if args.memory == "vram" else "cpu"
         self.used_blocks = args.tokens // args.block_size
         self.num_blocks = 2 * self.used_blocks
+        kind = self.geometry.layout_kind(args.kind)
         self.storage, self.views = paged_cache(
-            geom, args.kind, self.num_blocks, args.block_size, seed=args.seed
+            self.geometry,
+            kind,
+            self.num_blocks,
+            args.block_size,
+            seed=args.seed,
+            device=self.device,
         )
         rng = np.random.default_rng(args.seed + 100)
         self.block_ids = rng.permutation(self.num_blocks)[: self.used_blocks].astype(np.int64)
         self.layout = KVLayout.from_tensors(self.views, model=args.geometry)
-        self.chunk_blocks = args.chunk_tokens // args.block_size
-        self.num_chunks = -(-self.used_blocks // self.chunk_blocks)
-        self.slot_bytes = self.layout.chunk_nbytes(self.chunk_blocks)
-        self.store = ChunkStore(
-            StoreConfig(slot_bytes=self.slot_bytes, num_slots=2 * self.num_chunks + 2)
+        mem_type = "VRAM" if self.device == "cuda" else "DRAM"
+        self.raw = RawNixl(
+            f"bench-raw-{args.tag}", progress_thread=args.progress_thread, mem_type=mem_type
         )
-        config = TransferConfig(
-            transport=args.transport,  # type: ignore[arg-type]
-            nixl_progress_thread=args.progress_thread,
-            ucx_net_devices="lo",
-        )
-        self.node = TransferNode(
-            self.store, config, self.layout.fingerprint(), name=f"bench-fabric-{args.tag}"
-        )
-        self.raw = RawNixl(f"bench-raw-{args.tag}", progress_thread=args.progress_thread)
-        self.raw.register(self.store.pool.buffer)
         self.raw.register(self.storage)
+        self.fabric: FabricEnd | None = None
+        self._setups = 0
+        self.use_fabric(args.transport, args.chunk_tokens)
+
+    def use_fabric(self, transport: str, chunk_tokens: int) -> FabricEnd:
+        """The fabric end for ``transport`` and ``chunk_tokens``, rebuilt if it differs."""
+        end = self.fabric
+        if end is not None and (end.transport, end.chunk_tokens) == (transport, chunk_tokens):
+            return end
+        if end is not None:
+            end.close()
+            self.fabric = None  # NOTE: drop the old pool before allocating the next
+        self._setups += 1
+        name = f"bench-fabric-{self.args.tag}-{self._setups}"
+        self.fabric = FabricEnd(self, transport, chunk_tokens, name, serve=self.serving)
+        return self.fabric
+
+    @property
+    def end(self) -> FabricEnd:
+        assert self.fabric is not None
+        return self.fabric
 
     @property
     def kv_base(self) -> int:
         return int(self.storage.data_ptr())
 
     @property
+    def device_id(self) -> int:
+        return int(self.storage.device.index or 0)
+
+    @property
     def total_bytes(self) -> int:
         return self.used_blocks * self.layout.block_bytes
 
-    def chunk_block_ids(self, index: int) -> np.ndarray:
-        start = index * self.chunk_blocks
-        return self.block_ids[start : start + self.chunk_blocks]
+    def chunk_block_ids(self, chunk_blocks: int, index: int) -> np.ndarray:
+        start = index * chunk_blocks
+        return self.block_ids[start : start + chunk_blocks]
 
     def page_descs(self, kv_base: int) -> np.ndarray:
         """One descriptor per (layer, K/V, block) of a cache at ``kv_base``."""
@@ -91,27 +165,29 @@ class BenchSide:
         return descs(
             kv_base + np.arange(rows, dtype=np.uint64) * self.layout.segment_bytes,
             self.layout.segment_bytes,
+            self.device_id,
         )
 
-    def page_indices(self) -> np.ndarray:
-        """Indices into ``page_descs`` of this side's used blocks, layer-major."""
+    def page_indices(self, block_ids: np.ndarray) -> np.ndarray:
+        """Indices into ``page_descs`` of ``block_ids`` in every row, layer-major."""
         rows = np.arange(self.layout.num_layers * self.layout.segments, dtype=np.int64)
-        return (rows[:, None] * self.num_blocks + self.block_ids[None, :]).reshape(-1)
+        return (rows[:, None] * self.num_blocks + block_ids[None, :]).reshape(-1)
 
     def digest(self) -> int:
-        """Checksum of the used blocks, packed in chunk order."""
-        buf = self.store.pool.slot_view(self.store.pool.num_slots - 1)
+        """Checksum of the used blocks, packed in order into a host buffer."""
+        import torch
+
+        buf = torch.empty(self.layout.chunk_nbytes(DIGEST_BLOCKS), dtype=torch.uint8)
         total = 0
-        for i in range(self.num_chunks):
-            n = pack(self.views, self.layout, self.chunk_block_ids(i), buf)
+        for start in range(0, self.used_blocks, DIGEST_BLOCKS):
+            n = pack(self.views, self.layout, self.block_ids[start : start + DIGEST_BLOCKS], buf)
             total = (total * 1_000_003 + checksum(buf[:n])) % (1 << 64)
         return total
 
     def hello(self) -> dict[str, Any]:
         return {
-            "endpoint": self.node.endpoint,
+            "endpoint": self.end.node.endpoint,
             "raw_metadata": self.raw.metadata().hex(),
-            "pool_base": self.store.pool.base_address,
             "kv_base": self.kv_base,
             "block_ids": self.block_ids.tolist(),
         }
@@ -120,7 +196,7 @@ class BenchSide:
     def wait_fabric(self, rid: str) -> dict[str, Any]:
         """Times (monotonic, shared by both processes) when every chunk of
         ``rid`` had landed (notified) and when every chunk was verified."""
-        server = self.node.server
+        server = self.end.node.server
         assert server is not None
         landed = server.wait_until(rid, lambda p: p.expected <= p.landed, 120)
         landed_at = time.monotonic()
@@ -133,30 +209,64 @@ class BenchSide:
             "verified_at": verified_at,
         }
 
-    def unpack_as_landed(self, rid: str, count: int) -> dict[str, Any]:
-        """Unpack each chunk of ``rid`` into the paged cache once verified."""
-        server = self.node.server
+    def unpack_as_landed(self, rid: str, count: int, when: str, threads: int) -> dict[str, Any]:
+        """Unpack chunks ``0 .. count - 1`` of ``rid`` into the paged cache.
+
+        ``when="landed"``: unpack a chunk as soon as its notification arrived,
+        while the server's verifier hashes it (both read the slot at about the
+        same time); the request is complete once every chunk is unpacked *and*
+        verified, so nothing unverified is ever reported usable.
+        ``when="verified"``: unpack only verified chunks.
+        """
+        end = self.end
+        server = end.node.server
         assert server is not None
+
+        def ready(p: Any) -> set[int]:
+            return set(p.landed if when == "landed" else p.filled)
+
         done: set[int] = set()
         deadline = time.monotonic() + 120
         while len(done) < count and time.monotonic() < deadline:
-            prog = server.wait_until(rid, lambda p: bool(p.filled - done), 1.0)
-            res = self.store.reservation(rid)
+            prog = server.wait_until(rid, lambda p: bool(ready(p) - done), 1.0)
+            res = end.store.reservation(rid)
             if prog is None or res is None:
                 time.sleep(1e-3)  # the Reserve has not reached the server yet
                 continue
             if prog.failed:
                 break
-            for i in sorted(prog.filled - done):
-                unpack(
-                    self.store.pool.slot_view(res.slots[i]),
-                    self.views,
-                    self.layout,
-                    self.chunk_block_ids(i),
-                )
+            for i in sorted(ready(prog) - done):
+                ids = self.chunk_block_ids(end.chunk_blocks, i)
+                src = end.store.pool.slot_view(res.slots[i])
+                unpack(src, self.views, self.layout, ids, num_threads=threads)
                 done.add(i)
+        if self.device != "cpu":
+            import torch
+
+            torch.cuda.synchronize()  # NOTE: the unpack kernels run on a side stream
+        final = server.wait(rid, max(0.0, deadline - time.monotonic()))
         server.release(rid)
-        return {"complete": len(done) == count}
+        return {"complete": len(done) == count and bool(final and final.complete)}
+
+    def handle(self, cmd: str, rest: list[str]) -> dict[str, Any]:
+        """Answer one receiver command (see the module docstring)."""
+        if cmd == "fabric":
+            self.use_fabric(rest[0], int(rest[1]))
+            return {"endpoint": self.end.node.endpoint}
+        if cmd == "raw":
+            return {"got": self.raw.wait_notifs(int(rest[0]), 120)}
+        if cmd == "fabric-wait":
+            return self.wait_fabric(rest[0])
+        if cmd == "full":
+            return self.unpack_as_landed(rest[0], int(rest[1]), rest[2], int(rest[3]))
+        if cmd == "digest":
+            return {"digest": self.digest()}
+        if cmd == "cpu":
+            return {"cpu": time.process_time()}
+        if cmd == "clear":
+            self.storage.zero_()
+            return {"ok": True}
+        return {"error": f"unknown command {cmd!r}"}
 
     def serve(self) -> None:
         print(json.dumps(self.hello()), flush=True)
@@ -164,20 +274,12 @@ class BenchSide:
             cmd, *rest = line.split()
             if cmd == "quit":
                 break
-            if cmd == "raw":
-                out: dict[str, Any] = {"got": self.raw.wait_notifs(int(rest[0]), 120)}
-            elif cmd == "fabric":
-                out = self.wait_fabric(rest[0])
-            elif cmd == "full":
-                out = self.unpack_as_landed(rest[0], int(rest[1]))
-            elif cmd == "digest":
-                out = {"digest": self.digest()}
-            else:
-                out = {"error": cmd}
-            print(json.dumps(out), flush=True)
+            print(json.dumps(self.handle(cmd, rest)), flush=True)
 
     def close(self) -> None:
-        self.node.close()
+        if self.fabric is not None:
+            self.fabric.close()
+        self.raw.close()
 
 
 def side_args_json(args: SideArgs) -> str:
