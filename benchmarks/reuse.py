@@ -90,6 +90,7 @@ class Engine:
             kv_transfer_config=kv_config,
             extra_args=extra_args,
             served_model_name="tiny",
+            max_model_len=8192,  # a 4096-token prompt plus its answer
         )
         env = engine_env(workdir, cpu_cores=cores, kv_cache_gib=3)
         started = time.monotonic()
@@ -165,6 +166,7 @@ def wait_files(directory: Path, count: int, timeout: float = 300) -> None:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    load_start = os.getloadavg()[0]
     model_dir = make_tiny_model(workdir / "model", kv_heavy=True)
     rng = random.Random(7)
     prompts = [[rng.randrange(5, 500) for _ in range(args.tokens)] for _ in range(args.prompts)]
@@ -239,6 +241,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "benchmark": "reuse",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
+            "loadavg_start_end": [load_start, os.getloadavg()[0]],
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": sys.version.split()[0],
