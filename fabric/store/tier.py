@@ -191,11 +191,13 @@ class TieredStore:
         """Empty ``"memory"`` (chunks nobody holds), ``"disk"`` or ``"all"``."""
         if tier not in TIERS:
             raise ConfigError(f"tier: {tier!r} is not one of {TIERS}")
+        # NOTE: the disk writer holds a ref on the slot it copies; let it
+        # finish first so every unused chunk is dropped.
+        self.flush()
         count = 0
         if tier in ("memory", "all"):
             count += self.store.drop_unused()
         if tier in ("disk", "all") and self.disk is not None:
-            self.flush()
             count += self.disk.clear()
         return count
 
