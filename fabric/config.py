@@ -140,7 +140,9 @@ class ProxyConfig(_Frozen):
 
     ``port`` None picks a free port. Timeouts bound every wait: connecting to
     an engine, the prefill answer, each read from the decoder (for a stream:
-    the gap between two chunks), and health probes. ``health_interval_s``:
+    the gap between two chunks), and health probes; ``request_deadline_s``
+    bounds a whole request end to end (a 504, or an error event that ends
+    the stream). ``health_interval_s``:
     period of the background health check (0 = off; failures seen on requests
     still mark engines down). ``max_connections``: pool size of the shared
     HTTP client, per engine. ``http_pool``: the connection pool under that
@@ -161,6 +163,7 @@ class ProxyConfig(_Frozen):
     host: str = LOCAL_HOST
     port: Port | None = 8000
     connect_timeout_s: Seconds = 5.0
+    request_deadline_s: Seconds = 3600.0
     prefill_timeout_s: Seconds = 600.0
     decode_timeout_s: Seconds = 600.0
     health_timeout_s: Seconds = 2.0

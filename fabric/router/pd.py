@@ -22,6 +22,11 @@ A prompt shorter than ``disaggregate_min_prompt_tokens`` skips P: D gets the
 body without params and computes it (counted as a local decode). P and D get
 the transfer id as ``X-Request-Id``.
 
+Every request has an end-to-end deadline (``proxy.request_deadline_s``):
+past it, the flow is cancelled like a disconnect and the client gets a 504
+JSON error, or, once a stream is being relayed, an error event that ends
+it (counted as ``deadline_exceeded``).
+
 A client that disconnects before its answer starts cancels the whole flow:
 the requests to P and D are dropped (vLLM aborts a request whose connection
 closes), nothing more is sent, and it is counted (``client_disconnects``).
@@ -43,7 +48,7 @@ from starlette.responses import Response
 from fabric.router.engines import Engine, describe
 from fabric.router.errors import ProxyError
 from fabric.router.prefix import lookup_all, prompt_token_ids
-from fabric.router.relay import decode_failure, relay_stream
+from fabric.router.relay import deadline_exceeded, decode_failure, relay_stream
 from fabric.router.requests import (
     Endpoint,
     decode_body,
@@ -70,11 +75,19 @@ async def serve_generation(state: ProxyState, request: Request, endpoint: Endpoi
     state.counters.requests += 1
     client_id = request.headers.get("x-request-id")
     transfer_id = new_transfer_id(client_id)
+    deadline = asyncio.get_running_loop().time() + state.config.request_deadline_s
     try:
         raw = await request.body()
-        response = await _unless_disconnected(
-            state, request, _serve(state, request, raw, endpoint, transfer_id), transfer_id
-        )
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await _unless_disconnected(
+                    state,
+                    request,
+                    _serve(state, request, raw, endpoint, transfer_id, deadline),
+                    transfer_id,
+                )
+        except TimeoutError:
+            raise deadline_exceeded(state) from None
     except ProxyError as exc:
         exc.request_id = client_id or transfer_id
         raise
@@ -133,7 +146,12 @@ async def _cancel_on_disconnect(
 
 
 async def _serve(
-    state: ProxyState, request: Request, raw: bytes, endpoint: Endpoint, transfer_id: str
+    state: ProxyState,
+    request: Request,
+    raw: bytes,
+    endpoint: Endpoint,
+    transfer_id: str,
+    deadline: float,
 ) -> Response:
     try:
         body = parse_body(raw, endpoint)
@@ -164,7 +182,9 @@ async def _serve(
         state.policy.on_finish(prefill, decode, False)
         raise
     try:
-        return await _send_decode(state, prefill, decode, endpoint, body, content, headers)
+        return await _send_decode(
+            state, prefill, decode, endpoint, body, content, headers, deadline
+        )
     except ProxyError as exc:
         retry = _other_decoder(state, decode) if exc.retryable else None
         if retry is None:
@@ -178,7 +198,7 @@ async def _serve(
     )  # fmt: skip
     retry.outstanding += 1
     content = dump_json(decode_body(body, None))
-    return await _send_decode(state, None, retry, endpoint, body, content, headers)
+    return await _send_decode(state, None, retry, endpoint, body, content, headers, deadline)
 
 
 async def _send_decode(
@@ -189,11 +209,12 @@ async def _send_decode(
     body: dict[str, Any],
     content: bytes,
     headers: dict[str, str],
+    deadline: float,
 ) -> Response:
     """D's answer: relayed as a stream (see :mod:`fabric.router.relay`) or whole."""
     if is_stream(body):
         request = state.engine_request(decode, endpoint.path, content, headers)
-        return await relay_stream(state, prefill, decode, request)
+        return await relay_stream(state, prefill, decode, request, deadline)
     return await _decode(state, prefill, decode, endpoint, content, headers)
 
 

@@ -10,6 +10,7 @@ request), or the stream never started.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import anyio
@@ -39,23 +40,38 @@ def decode_failure(state: ProxyState, decode: Engine, exc: httpx.HTTPError) -> P
     return ProxyError(502, f"{what} failed: {describe(exc)}", UPSTREAM_ERROR)
 
 
+def deadline_exceeded(state: ProxyState) -> ProxyError:
+    """The client-facing error for a request past ``proxy.request_deadline_s``."""
+    state.counters.deadline_exceeded += 1
+    seconds = state.config.request_deadline_s
+    return ProxyError(
+        504,
+        f"request exceeded its end-to-end deadline of {seconds:g} s (proxy.request_deadline_s)",
+        UPSTREAM_TIMEOUT,
+    )
+
+
 async def relay_stream(
     state: ProxyState,
     prefill: Engine | None,
     decode: Engine,
     request: httpx.Request,
+    deadline: float,
 ) -> Response:
     """Send ``request`` to D; relay its stream, or pass on its error answer whole.
 
-    D's outstanding count, taken when D was picked, is released here.
+    D's outstanding count, taken when D was picked, is released here. The
+    stream ends with an error event once ``deadline`` (loop time) passes.
     """
     try:
         response = await state.send(request, stream=True)
-    except httpx.HTTPError as exc:
+    except BaseException as exc:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)
-        raise decode_failure(state, decode, exc) from exc
-    relay = _Relay(state, prefill, decode, response)
+        if isinstance(exc, httpx.HTTPError):
+            raise decode_failure(state, decode, exc) from exc
+        raise
+    relay = _Relay(state, prefill, decode, response, deadline)
     media_type = response.headers.get("content-type", EVENT_STREAM)
     if not response.is_success:
         try:
@@ -72,19 +88,31 @@ class _Relay:
     """One open D response: its chunks, and the bookkeeping done once at the end."""
 
     def __init__(
-        self, state: ProxyState, prefill: Engine | None, decode: Engine, response: httpx.Response
+        self,
+        state: ProxyState,
+        prefill: Engine | None,
+        decode: Engine,
+        response: httpx.Response,
+        deadline: float,
     ) -> None:
         self.state = state
         self.prefill = prefill
         self.decode = decode
         self.response = response
+        self.deadline = deadline
         self.ok = False
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """D's bytes as they arrive; an error event if D fails mid-stream."""
+        """D's bytes as they arrive; an error event if D fails mid-stream or
+        the deadline passes (a stalled D is bounded by the per-read timeout)."""
+        loop = asyncio.get_running_loop()
         try:
             async for chunk in self.response.aiter_raw():
+                if loop.time() > self.deadline:
+                    error = deadline_exceeded(self.state)
+                    yield sse_error(error.status, error.message, error.type)
+                    return
                 yield chunk
             self.ok = True
         except httpx.HTTPError as exc:

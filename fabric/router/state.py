@@ -31,7 +31,8 @@ class Counters:
     ``disaggregate_min_prompt_tokens``); not fallbacks. ``prefix_hits``:
     requests for which a cache-aware lookup found a prefix in some store.
     ``client_disconnects``: clients gone before their answer started (the
-    work on P and D was cancelled).
+    work on P and D was cancelled). ``deadline_exceeded``: requests past
+    ``proxy.request_deadline_s`` (504, or an error event ending the stream).
     """
 
     requests: int = 0
@@ -42,6 +43,7 @@ class Counters:
     decode_errors: int = 0
     prefix_hits: int = 0
     client_disconnects: int = 0
+    deadline_exceeded: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""

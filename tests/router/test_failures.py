@@ -241,3 +241,35 @@ def test_client_leaving_during_the_prefill_cancels_p_and_never_reaches_d(
     time.sleep(2.0)  # past P's delay: a flow that went on would now reach D
     assert d.seen == []
     assert httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+
+
+def test_request_past_its_deadline_is_a_504_and_frees_everything(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    p, d = start_engine("prefill", delay_s=3.0), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url], request_deadline_s=0.5)
+    started = time.monotonic()
+    response = httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=10)
+    assert time.monotonic() - started < 2.5
+    assert response.status_code == 504
+    assert "deadline" in response.json()["error"]["message"]
+    state = proxy.state
+    assert state.counters.deadline_exceeded == 1
+    assert state.in_flight == 0 and all(e.outstanding == 0 for e in state.pool.engines)
+
+
+def test_stream_past_its_deadline_ends_with_an_error_event(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode", token_delay_s=0.1)
+    proxy = start_proxy([p.url], [d.url], request_deadline_s=1.0)
+    body = {**COMPLETION, "stream": True, "max_tokens": 100}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=20) as r:
+        events = sse_events(b"".join(r.iter_raw()).decode())
+    assert time.monotonic() - started < 5  # 100 tokens would take 10 s
+    assert "deadline" in str(events[-1])
+    deadline = time.monotonic() + 3
+    while proxy.state.pool.decoders[0].outstanding and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proxy.state.pool.decoders[0].outstanding == 0
