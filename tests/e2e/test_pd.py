@@ -115,8 +115,13 @@ def test_decoder_recomputes_when_no_kv_arrives(cluster: Cluster) -> None:
 
 
 def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
-    """The proxy drops D's stream when the client goes; vLLM aborts the request."""
+    """The proxy drops D's stream when the client goes; vLLM aborts the request.
+
+    Signal: D's generated-token counter stops well short of the 3,000 tokens
+    the request asked for (vLLM's running gauge lags too much to test).
+    """
     d_url = cluster.decode.base_url
+    before = metric(d_url, "vllm:generation_tokens_total")
     payload = body(prompt_ids(300, seed=3000), stream=True) | {"max_tokens": 3000}
     with (
         httpx.Client(timeout=60, trust_env=False) as client,
@@ -124,13 +129,16 @@ def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
     ):
         chunks = response.iter_raw()
         assert next(chunks).startswith(b"data: ")
-        assert metric(d_url, "vllm:num_requests_running") == 1
         chunks.close()
-    # 3000 tokens would take tens of seconds here; an abort ends it at once
-    deadline = time.monotonic() + 10
-    while metric(d_url, "vllm:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert metric(d_url, "vllm:num_requests_running") == 0
+    last, stable_since = -1.0, time.monotonic()
+    deadline = time.monotonic() + 30
+    while time.monotonic() - stable_since < 3:
+        assert time.monotonic() < deadline, "D kept generating after the client left"
+        now = metric(d_url, "vllm:generation_tokens_total")
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        time.sleep(0.2)
+    assert last - before < 1500  # aborted, not run to its 3,000 tokens
 
 
 def test_prefiller_killed_the_proxy_falls_back_to_the_decoder(cluster: Cluster) -> None:
