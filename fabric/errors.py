@@ -19,7 +19,8 @@ boundary with ``raise X(...) from exc``.
      |    +-- ReservationExpired a lease ran out before the write completed
      |    +-- TransportFailed   the data plane reported an error
      +-- ProtocolError          a wire message that cannot be accepted
-     |                          (wrong version, garbage, too large)
+     |    |                     (wrong version, garbage, too large)
+     |    +-- SignatureError    its HMAC tag is wrong, missing or unexpected
      +-- LaunchError            a process fabric started did not come up
           +-- ProcessExited     it exited while we waited (message: log tail)
           +-- StartTimeout      it was not healthy in time (also a TimeoutError)
@@ -90,6 +91,11 @@ class TransportFailed(TransferError):
 
 class ProtocolError(FabricError):
     """A control message was refused: wrong version, garbage, or too large."""
+
+
+class SignatureError(ProtocolError):
+    """A frame's HMAC tag is wrong, missing (a secret is set here) or
+    unexpected (none is set here): the two sides do not share a secret."""
 
 
 class LaunchError(FabricError):

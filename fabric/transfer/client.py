@@ -19,6 +19,7 @@ with another secret (or none) fails the call at once with a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -33,6 +34,7 @@ from fabric.errors import (
     PeerUnreachable,
     ProtocolError,
     ReservationRefused,
+    SignatureError,
     TransferError,
     TransferTimeout,
     TransportFailed,
@@ -146,6 +148,20 @@ class PeerLink:
             raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
         return reply
 
+    def _call_known(self, msg: proto.Message) -> proto.Message:
+        """``_call`` for messages that need a Hello first: a receiver that
+        forgot this link (idle past its ``peer_idle_s``, or restarted on the
+        same endpoint) answers ``no_hello``; say Hello again and resend once."""
+        reply = self._call(msg)
+        if isinstance(reply, proto.Refused) and reply.code == "no_hello":
+            ack = self._handshake()
+            # NOTE: a receiver restarted on the same endpoint has a new agent;
+            # one that only forgot us has the same one, already loaded here.
+            with contextlib.suppress(TransportFailed):
+                self.peer_agent = self.client.plane.add_peer(ack.data_descriptor)
+            reply = self._call(msg)
+        return reply
+
     def _call(self, msg: proto.Message) -> proto.Message:
         timeout_ms = self.client.config.control_timeout_ms
         seq = msg.seq  # type: ignore[union-attr]
@@ -175,7 +191,7 @@ class PeerLink:
     ) -> RemoteReservation:
         """Reserve one remote slot per key; raises ReservationRefused."""
         lease = lease_ms or self.client.config.lease_ms
-        reply = self._call(
+        reply = self._call_known(
             proto.Reserve(next(self._seq), request_id, list(keys), list(nbytes), lease)
         )
         if isinstance(reply, proto.Refused):
@@ -285,12 +301,12 @@ class PeerLink:
         return res
 
     def cancel(self, request_id: str) -> bool:
-        reply = self._call(proto.Cancel(next(self._seq), request_id))
+        reply = self._call_known(proto.Cancel(next(self._seq), request_id))
         return isinstance(reply, proto.Ack) and reply.ok
 
     def heartbeat(self, request_id: str, lease_ms: int | None = None) -> bool:
         lease = lease_ms or self.client.config.lease_ms
-        reply = self._call(proto.Heartbeat(next(self._seq), request_id, lease))
+        reply = self._call_known(proto.Heartbeat(next(self._seq), request_id, lease))
         return isinstance(reply, proto.Ack) and reply.ok
 
     def close(self) -> None:
@@ -337,7 +353,7 @@ def decode_reply(codec: proto.Codec, frame: bytes, endpoint: str) -> proto.Messa
     """A control reply; a signature problem becomes a TransferError naming the cause."""
     try:
         return codec.decode(frame)
-    except proto.SignatureError as exc:
+    except SignatureError as exc:
         mine = "a secret" if codec.signed else "no secret"
         raise TransferError(
             f"{endpoint}: reply rejected ({exc}); this side has {mine}: "

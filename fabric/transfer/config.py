@@ -23,7 +23,10 @@ class TransferConfig:
     ``host``/``port``: where the receiver's control channel binds (port 0 =
     a free port chosen by the OS). ``poll_interval_ms``: how often the
     receiver checks for notifications while writes are outstanding;
-    ``idle_poll_interval_ms`` when none are. ``nixl_progress_thread``: NIXL's
+    ``idle_poll_interval_ms`` when none are. ``peer_idle_s``: a receiver
+    forgets a sender (and unloads its data-plane metadata) after this long
+    without a control message from it; a sender that comes back is asked
+    to say Hello again, which its link does by itself. ``nixl_progress_thread``: NIXL's
     busy-polling progress thread (off: see ``benchmarks/transfer.py``).
     ``ucx_net_devices``: sets ``UCX_NET_DEVICES`` before NIXL starts (``lo``
     for single-host tests; None leaves UCX's choice).
@@ -46,6 +49,7 @@ class TransferConfig:
     poll_interval_ms: float = 0.2
     idle_poll_interval_ms: float = 5.0
     expire_interval_ms: float = 50.0
+    peer_idle_s: float = 900.0
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
     secret: str | None = field(default=None, repr=False)
@@ -59,7 +63,12 @@ class TransferConfig:
         for name in ("max_message_bytes", "control_timeout_ms", "lease_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"transfer.{name}: must be positive")
-        for name in ("poll_interval_ms", "idle_poll_interval_ms", "expire_interval_ms"):
+        for name in (
+            "poll_interval_ms",
+            "idle_poll_interval_ms",
+            "expire_interval_ms",
+            "peer_idle_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"transfer.{name}: must be positive")
         if self.lease_ms > MAX_LEASE_MS:

@@ -15,7 +15,8 @@ class ServerStats:
     ``refused``: well-formed requests refused (pool full, no Hello...;
     ``faults_injected`` of them on purpose); ``disconnects``: control
     connections closed, by the peer or by ZMQ over a frame past its size
-    cap; ``internal_errors``: bugs caught so the server keeps serving (0
+    cap; ``peers_pruned``: peers forgotten after ``peer_idle_s`` without a
+    message (they say Hello again); ``internal_errors``: bugs caught so the server keeps serving (0
     unless something is wrong).
     """
 
@@ -33,6 +34,7 @@ class ServerStats:
     bad_signatures: int = 0
     oversized: int = 0
     disconnects: int = 0
+    peers_pruned: int = 0
     internal_errors: int = 0
     faults_injected: int = 0
 

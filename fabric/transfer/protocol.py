@@ -38,7 +38,7 @@ from typing import Annotated
 
 import msgspec
 
-from fabric.errors import ProtocolError
+from fabric.errors import ProtocolError, SignatureError
 
 PROTOCOL_VERSION = 1
 MAGIC = b"FB"
@@ -60,11 +60,6 @@ TokenId = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
 Key = Annotated[bytes, msgspec.Meta(max_length=64)]
 RequestId = Annotated[str, msgspec.Meta(max_length=1024)]
 Name = Annotated[str, msgspec.Meta(max_length=1024)]
-
-
-class SignatureError(ProtocolError):
-    """A frame's HMAC tag is wrong, missing (a secret is set here) or
-    unexpected (none is set here): the two sides do not share a secret."""
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):

@@ -44,6 +44,7 @@ from fabric.errors import (
     FabricError,
     ProtocolError,
     ReservationExpired,
+    SignatureError,
     SlotStateError,
 )
 from fabric.transfer import protocol as proto
@@ -89,7 +90,9 @@ class TransferServer:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{config.host}")
         self.endpoint = f"tcp://{config.host}:{port}"
-        self._peers: dict[bytes, str] = {}
+        self._peers: dict[bytes, str] = {}  # control identity -> data-plane agent
+        self._peer_seen: dict[bytes, float] = {}
+        self._next_prune = 0.0
         self._progress: dict[str, RequestProgress] = {}
         self._cond = threading.Condition()
         self._verify_q: queue.Queue[proto.WriteDone | None] = queue.Queue()
@@ -233,7 +236,7 @@ class TransferServer:
     def _handle(self, identity: bytes, frame: bytes) -> proto.Message:
         try:
             msg = self.codec.decode(frame)
-        except proto.SignatureError as exc:
+        except SignatureError as exc:
             self.stats.bad_signatures += 1
             self._warn("bad_signature", "refused control frame: %s", exc)
             return proto.Refused(-1, "", "bad_signature", str(exc))
@@ -261,6 +264,7 @@ class TransferServer:
         if identity not in self._peers:
             self.stats.refused += 1
             return proto.Refused(getattr(msg, "seq", -1), "", "no_hello", "send Hello first")
+        self._peer_seen[identity] = time.monotonic()
         if isinstance(msg, proto.Reserve):
             return self._on_reserve(msg)
         if isinstance(msg, proto.Cancel):
@@ -288,6 +292,7 @@ class TransferServer:
             self.stats.refused += 1
             return proto.Refused(msg.seq, "", "bad_descriptor", str(exc))
         self._peers[identity] = msg.agent_name
+        self._peer_seen[identity] = time.monotonic()
         self.stats.hellos += 1
         pool = self.store.pool
         return proto.HelloAck(
@@ -387,7 +392,7 @@ class TransferServer:
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:
             msg = self.codec.decode(frame)
-        except proto.SignatureError as exc:
+        except SignatureError as exc:
             self.stats.bad_signatures += 1
             self._warn("bad_notif", "dropped notification from %s: %s", peer, exc)
             return
@@ -415,7 +420,28 @@ class TransferServer:
         self._warned[kind] = now
         logger.warning(message + " (more like it: DEBUG for %.0f s)", *args, WARN_EVERY_S)
 
+    def _prune_peers(self, now: float) -> None:
+        """Forget senders silent for ``peer_idle_s``.
+
+        ZMQ does not say which identity went away, so a sender that
+        restarted (new identity, new agent) would otherwise stay in the
+        table and in the data plane forever. A pushing sender heartbeats,
+        so an idle one has nothing in flight; if it comes back its link
+        gets ``no_hello`` and says Hello again.
+        """
+        limit = now - self.config.peer_idle_s
+        for identity in [i for i, seen in self._peer_seen.items() if seen < limit]:
+            del self._peer_seen[identity]
+            agent = self._peers.pop(identity, None)
+            self.stats.peers_pruned += 1
+            if agent is not None and agent not in self._peers.values():
+                self.plane.remove_peer(agent)
+
     def _expire(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_prune:
+            self._prune_peers(now)
+            self._next_prune = now + min(1.0, self.config.peer_idle_s / 4)
         self.stats.expired += self.store.expire()
         if self.tier is not None:
             self.tier.expire_holds()

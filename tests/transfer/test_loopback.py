@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -115,3 +116,35 @@ def test_write_timeout_is_explicit() -> None:
 
     with pytest.raises(TransferTimeout):
         PendingPush(Stuck(), 10).wait(0.05)
+
+
+def test_idle_peer_is_forgotten_and_says_hello_again() -> None:
+    """A receiver prunes a sender silent past ``peer_idle_s`` (its peer table
+    would otherwise grow with every sender restart); the sender's link says
+    Hello again by itself on its next reservation."""
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=8, quarantine_ms=10))
+    config = TransferConfig(transport="loopback", poll_interval_ms=0.5, peer_idle_s=0.2)
+    receiver = TransferNode(store, config, FINGERPRINT, name=f"lb-{next(_names)}", serve=True)
+    sender = make_node(16, serve=False)
+    try:
+        assert receiver.server is not None
+        keys, slots = fill(sender, 5, 2)
+        link = sender.client.connect(receiver.endpoint)
+        link.push("idle-1", keys[:1], slots[:1], timeout=5)
+        assert receiver.server.wait("idle-1", 5) is not None
+        receiver.server.release("idle-1")
+        assert receiver.server.stats.hellos == 1
+        deadline = time.monotonic() + 5
+        while receiver.server.stats.peers_pruned == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.server.stats.peers_pruned == 1
+        assert receiver.server.snapshot()["server_peers_pruned"] == 1
+        link.push("idle-2", keys[1:], slots[1:], timeout=5)
+        prog = receiver.server.wait("idle-2", 5)
+        assert prog is not None and prog.complete
+        assert receiver.server.stats.hellos == 2
+        receiver.server.release("idle-2")
+        assert store.lookup(keys) == 2
+    finally:
+        sender.close()
+        receiver.close()

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from fabric.config import parse_topology
-from fabric.errors import ConfigError, ProtocolError, TransferError
+from fabric.errors import ConfigError, ProtocolError, SignatureError, TransferError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.store import ChunkStore, StoreConfig
@@ -62,7 +62,7 @@ def test_unsigned_frames_keep_the_version_1_layout() -> None:
 def test_secret_mismatch_is_a_signature_error(
     encoder: proto.Codec, decoder: proto.Codec, match: str
 ) -> None:
-    with pytest.raises(proto.SignatureError, match=match):
+    with pytest.raises(SignatureError, match=match):
         decoder.decode(encoder.encode(proto.Cancel(1, "r")))
 
 
@@ -70,12 +70,12 @@ def test_tag_is_checked_before_the_payload_is_decoded() -> None:
     codec = proto.Codec(SECRET)
     frame = bytearray(codec.encode(proto.Cancel(1, "r")))
     frame[5] ^= 0x01  # a payload byte: the payload may now be garbage
-    with pytest.raises(proto.SignatureError):
+    with pytest.raises(SignatureError):
         codec.decode(bytes(frame))
     garbage = struct.pack("<2sH", b"FB", 1 | proto.FLAG_SIGNED) + b"\xc1" * 40
-    with pytest.raises(proto.SignatureError):
+    with pytest.raises(SignatureError):
         codec.decode(garbage)
-    with pytest.raises(proto.SignatureError, match="shorter than its tag"):
+    with pytest.raises(SignatureError, match="shorter than its tag"):
         codec.decode(garbage[:20])
 
 
