@@ -23,6 +23,7 @@ from tests.e2e._engines import Engine, EngineFactory
 from tests.e2e._pd import (
     Proxy,
     assert_same,
+    assert_same_up_to_near_tie,
     body,
     chat_body,
     complete,
@@ -96,19 +97,22 @@ def run_concurrently(proxy: Proxy, requests: list[tuple[str, dict[str, Any]]]) -
         return [f.result(timeout=600) for f in futures]
 
 
-def test_40_concurrent_mixed_requests_succeed_spread_over_both_p_and_d(xpyd: XPyD) -> None:
-    """40 concurrent completions and chats, streamed and not.
+def test_40_concurrent_mixed_requests_correct_and_spread_over_both_p_and_d(xpyd: XPyD) -> None:
+    """40 concurrent completions and chats, streamed and not, against the
+    same requests served one at a time by a colocated engine.
 
-    NOTE: not compared token by token with a sequential colocated run: vLLM's
-    numerics depend on batch composition, and near-tie argmaxes flip under
-    40-way batching (seen: token 6 of one request, logprobs 0.05 apart). The
-    sequential tests compare exactly; this one checks success and spread.
+    vLLM's numerics depend on batch composition, so under 40-way batching a
+    near-tie argmax can flip (seen: token 6 of one request, logprobs 0.05
+    apart): every output must equal the colocated one up to such a near tie
+    (``assert_same_up_to_near_tie``), and most must be exactly equal.
     """
     requests = workload(seed=1)
+    want = reference(xpyd.prefill[0], requests)
     loads_before = [metric(d.base_url, "vllm:fabric_loads_ok_total") for d in xpyd.decode]
     sent_before = [metric(p.base_url, "vllm:fabric_chunks_sent_total") for p in xpyd.prefill]
     got = run_concurrently(xpyd.proxy, requests)
-    assert all(len(ids) == len(lps) > 0 for ids, lps in got)
+    exact = [assert_same_up_to_near_tie(g, w) for g, w in zip(got, want, strict=True)]
+    assert sum(exact) >= NUM_REQUESTS * 3 // 4, f"{exact.count(False)} outputs flipped"
     loads = [
         metric(d.base_url, "vllm:fabric_loads_ok_total") - b
         for d, b in zip(xpyd.decode, loads_before, strict=True)
