@@ -11,6 +11,7 @@ connector settings every engine shares::
       - {name: decode-0, cpu_cores: "1", port: 8200, kv_port: 8201}
     proxy: {port: 8000}
     connector: {chunk_tokens: 256, store_mib: 512}
+    store: {mem_gib: 2}         # optional: a shared store every engine attaches to
 
 An engine either runs already (``url``, and for a decoder the ``kv_port`` of
 its connector) or is started by ``fabric up`` (``model``, or a ``command``
@@ -145,9 +146,14 @@ class ProxyConfig(_Frozen):
     the stream). ``health_interval_s``:
     period of the background health check (0 = off; failures seen on requests
     still mark engines down). ``max_connections``: pool size of the shared
-    HTTP client, per engine. ``http_pool``: the connection pool under that
-    client: ``aiohttp`` (default; httpx's own when aiohttp is not installed)
-    or ``httpx`` (see :mod:`fabric.router.transport`).
+    HTTP client, per engine. ``http_pool``: the connection pool of the
+    prefill and decode calls: ``httptools`` (default; a small keep-alive pool
+    on httptools' parser, :mod:`fabric.router.pool`), ``aiohttp`` or
+    ``httpx`` (see :mod:`fabric.router.transport`); each falls back to the
+    next when its package is not installed. ``max_body_bytes``:
+    the largest request body the proxy accepts; a larger one gets a 413
+    JSON error as soon as its ``Content-Length`` (or the bytes received so
+    far) pass the bound, without being buffered.
 
     ``policy`` picks prefillers and decoders (:mod:`fabric.router.policy`);
     ``prefill_policy`` / ``decode_policy`` override it for one role.
@@ -173,7 +179,8 @@ class ProxyConfig(_Frozen):
     decode_policy: PolicyName | None = None
     disaggregate_min_prompt_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     max_connections: PositiveInt = 1024
-    http_pool: Literal["aiohttp", "httpx"] = "aiohttp"
+    http_pool: Literal["httptools", "aiohttp", "httpx"] = "httptools"
+    max_body_bytes: PositiveInt = 32 * 1024 * 1024
     lookup_timeout_ms: PositiveInt = 500
     cache_aware_max_imbalance: Annotated[int, Field(strict=True, ge=0)] = 4
 
@@ -199,6 +206,10 @@ class ConnectorConfig(_Frozen):
     secret that signs every engine's control channel (the engines and the
     proxy read it; the secret itself never appears in the YAML or on a
     command line). Unset: no signing.
+
+    ``shared_store``: a shared store already running on this host
+    (``host:port`` or its endpoint file), passed to every engine that keeps
+    a reuse tier; a top-level ``store:`` section starts one and fills it in.
     """
 
     chunk_tokens: PositiveInt = 256
@@ -211,6 +222,7 @@ class ConnectorConfig(_Frozen):
     disk_gib: Annotated[float, Field(gt=0)] | None = None
     eviction: Literal["lru"] = "lru"
     secret_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    shared_store: str | None = Field(default=None, min_length=1)
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -253,7 +265,27 @@ class ConnectorConfig(_Frozen):
         out.update({k: v for k, v in optional.items() if v is not None})
         if reuse and self.disk_path is not None:
             out["disk_path"] = str(Path(self.disk_path, name).resolve())
+        if reuse and self.shared_store is not None:
+            out["shared_store"] = self.shared_store
         return {**out, **self.extra}
+
+
+class SharedStoreConfig(_Frozen):
+    """The host's shared store that ``fabric up`` starts before the engines.
+
+    ``fabric store serve`` with ``mem_gib`` of memory, an optional disk tier
+    (``disk_path``, ``disk_gib``; it survives restarts) and its control
+    channel on ``port`` (0: a free one). Its log is ``WORKDIR/logs/store.log``;
+    every engine that keeps a reuse tier gets its endpoint as
+    ``shared_store``, and it is stopped (by pid) after the engines.
+    ``startup_timeout_s`` bounds the wait for its endpoint.
+    """
+
+    port: Annotated[int, Field(strict=True, ge=0, le=65535)] = 0
+    mem_gib: Annotated[float, Field(gt=0)] = 2.0
+    disk_path: str | None = None
+    disk_gib: Annotated[float, Field(gt=0)] = 16.0
+    startup_timeout_s: Seconds = 60.0
 
 
 class TopologyConfig(_Frozen):
@@ -262,6 +294,8 @@ class TopologyConfig(_Frozen):
     Engine entries may omit ``role`` (taken from the list they are in),
     ``name`` (``prefill-0``, ``decode-1``...) and ``model`` (``model`` here).
     ``startup_timeout_s`` bounds ``fabric up``'s wait for healthy engines.
+    ``store``: a shared store ``fabric up`` starts first (see
+    :class:`SharedStoreConfig`).
     """
 
     model: str | None = None
@@ -270,6 +304,7 @@ class TopologyConfig(_Frozen):
     decode: list[EngineConfig]
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
+    store: SharedStoreConfig | None = None
     startup_timeout_s: Seconds = 600.0
 
     @model_validator(mode="before")
@@ -298,6 +333,7 @@ class TopologyConfig(_Frozen):
                 raise ValueError(f"{path}.role: {engine.role!r} engine in the {listed} list")
         _check_unique_names(self)
         _check_unique_ports(self)
+        _check_store(self)
         return self
 
     @property
@@ -387,6 +423,8 @@ def _check_unique_ports(topology: TopologyConfig) -> None:
             (f"{path}.port", engine.host, engine.port),
             (f"{path}.kv_port", engine.host, engine.kv_port),
         ]
+    if topology.store is not None and topology.store.port:
+        used.append(("store.port", LOCAL_HOST, topology.store.port))
     for where, host, port in used:
         if port is None:
             continue
@@ -394,6 +432,18 @@ def _check_unique_ports(topology: TopologyConfig) -> None:
         if key in seen:
             raise ValueError(f"{where}: port {port} is already used by {seen[key]}")
         seen[key] = where
+
+
+def _check_store(topology: TopologyConfig) -> None:
+    if topology.store is None:
+        return
+    if topology.connector.shared_store is not None:
+        raise ValueError(
+            "store: fabric up starts a shared store, and connector.shared_store names "
+            "another; give one of them"
+        )
+    if topology.connector.reuse == "none":
+        raise ValueError("store: a shared store needs engines with a reuse tier (connector.reuse)")
 
 
 def _host_key(host: str) -> str:

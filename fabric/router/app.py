@@ -10,9 +10,11 @@ answer their ``/health``, else 503 with per-engine details) and
 :mod:`fabric.router.controller`).
 
 NOTE: per-request overhead is what limits a Python proxy (see
-``notes/peers.md``): routes are plain Starlette routes (no body models, no
-dependency injection), there is no middleware, one ``httpx.AsyncClient``
-is shared, and the server runs without an access log.
+``notes/peers.md``): the two generation routes are plain ASGI calls that
+:class:`ProxyApp` dispatches before FastAPI's machinery (see
+:mod:`fabric.router.asgi`); the other routes are plain Starlette routes (no
+body models, no dependency injection); there is no middleware, one engine
+connection pool is shared, and the server runs without an access log.
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from fabric.config import TopologyConfig
 from fabric.errors import FabricError
 from fabric.router import controller, pd
+from fabric.router.asgi import error_answer
 from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
-from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_response
+from fabric.router.errors import INTERNAL, INVALID_REQUEST, UNAVAILABLE, ProxyError, error_response
 from fabric.router.policy import Routing
 from fabric.router.prefix import call_store
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
@@ -40,6 +45,27 @@ from fabric.router.state import ProxyState
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+Generation = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class ProxyApp(FastAPI):
+    """FastAPI, with the generation routes served as plain ASGI calls ahead of it."""
+
+    def __init__(self, state: ProxyState, **options: Any) -> None:
+        super().__init__(**options)
+        self.state.proxy = state
+        self.generation: dict[str, Generation] = {
+            endpoint.path: _generation(state, endpoint)
+            for endpoint in (COMPLETIONS, CHAT_COMPLETIONS)
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            route = self.generation.get(scope["path"])
+            if route is not None:
+                await route(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(topology: TopologyConfig) -> FastAPI:
@@ -56,16 +82,14 @@ def create_app(topology: TopologyConfig) -> FastAPI:
         Routing.from_config(topology.proxy),
         store_secret=topology.connector.secret(),
     )
-    app = FastAPI(
+    app = ProxyApp(
+        state,
         title="fabric PD proxy",
         lifespan=_lifespan(state),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
     )
-    app.state.proxy = state
-    app.add_route(COMPLETIONS.path, _generation(state, COMPLETIONS), methods=["POST"])
-    app.add_route(CHAT_COMPLETIONS.path, _generation(state, CHAT_COMPLETIONS), methods=["POST"])
     app.add_route("/v1/models", _guarded(lambda request: _models(state)), methods=["GET"])
     app.add_route("/health", _guarded(lambda request: _health(state)), methods=["GET"])
     app.add_route("/metrics", _guarded(lambda request: _metrics(state)), methods=["GET"])
@@ -103,8 +127,18 @@ def _lifespan(
     return lifespan
 
 
-def _generation(state: ProxyState, endpoint: Endpoint) -> Handler:
-    return _guarded(lambda request: pd.serve_generation(state, request, endpoint))
+def _generation(state: ProxyState, endpoint: Endpoint) -> Generation:
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] == "POST":
+            await pd.serve_generation(state, endpoint, scope, receive, send)
+            return
+        error = ProxyError(405, f"{endpoint.path} accepts POST only", INVALID_REQUEST)
+        answer = error_answer(error)
+        headers = [(b"content-type", answer.content_type), (b"allow", b"POST")]
+        await send({"type": "http.response.start", "status": 405, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.body})
+
+    return route
 
 
 def _admin(

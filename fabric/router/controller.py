@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fabric.errors import FabricError
+from fabric.router.asgi import RequestHead, read_body
 from fabric.router.engines import Engine
 from fabric.router.errors import INVALID_REQUEST, UNAVAILABLE, ProxyError, bad_request
 from fabric.router.prefix import call_store, lookup_all, prompt_token_ids
@@ -44,7 +45,7 @@ TIERS = ("memory", "disk", "all")
 
 
 async def lookup(state: ProxyState, request: Request) -> Response:
-    body = await _json(request, ("prompt", "messages", "model", "engine"))
+    body = await _json(state, request, ("prompt", "messages", "model", "engine"))
     engines = _engines(state, body)
     token_ids = await _token_ids(state, body, engines)
     hits = await lookup_all(state, engines, token_ids)
@@ -54,7 +55,7 @@ async def lookup(state: ProxyState, request: Request) -> Response:
 
 
 async def clear(state: ProxyState, request: Request) -> Response:
-    body = await _json(request, ("tier", "engine"))
+    body = await _json(state, request, ("tier", "engine"))
     tier = body.get("tier", "all")
     if tier not in TIERS:
         raise bad_request(f"tier must be one of {list(TIERS)}, not {tier!r}", "tier")
@@ -64,7 +65,7 @@ async def clear(state: ProxyState, request: Request) -> Response:
 
 
 async def pin(state: ProxyState, request: Request) -> Response:
-    body = await _json(request, ("prompt", "messages", "model", "engine", "pin"))
+    body = await _json(state, request, ("prompt", "messages", "model", "engine", "pin"))
     do_pin = body.get("pin", True)
     if not isinstance(do_pin, bool):
         raise bad_request("pin must be a boolean", "pin")
@@ -87,8 +88,10 @@ async def _each(
     return {e.name: answer for e, answer in zip(engines, answers, strict=True)}
 
 
-async def _json(request: Request, known: tuple[str, ...]) -> dict[str, Any]:
-    body = load_json_object(await request.body() or b"{}")
+async def _json(state: ProxyState, request: Request, known: tuple[str, ...]) -> dict[str, Any]:
+    head = RequestHead.from_scope(request.scope)
+    raw = await read_body(request.receive, head, state.config.max_body_bytes)
+    body = load_json_object(raw or b"{}")
     check_known_fields(body, known)
     return body
 

@@ -40,14 +40,6 @@ class Engine:
     outstanding: int = 0
     last_error: str | None = field(default=None, repr=False)
     slow_probes: int = field(default=0, repr=False)
-    _urls: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
-
-    def url_for(self, path: str) -> httpx.URL:
-        """The parsed URL of ``path`` on this engine (parsed once: it costs per request)."""
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = httpx.URL(self.url + path)
-        return url
 
     def mark_down(self, reason: str) -> None:
         """Record a failure; logged once per transition."""

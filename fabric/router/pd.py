@@ -30,8 +30,10 @@ it (counted as ``deadline_exceeded``).
 A client that disconnects before its answer starts cancels the whole flow:
 the requests to P and D are dropped (vLLM aborts a request whose connection
 closes), nothing more is sent, and it is counted (``client_disconnects``).
-Once a stream is being relayed, Starlette notices the disconnect and the
-relay closes D's response (see :mod:`fabric.router.relay`).
+Once a stream is being relayed, the same watch ends it and the relay closes
+D's response (see :mod:`fabric.router.relay`). The request is served as a
+plain ASGI call (see :mod:`fabric.router.asgi` for why, and for how the
+disconnect is noticed).
 """
 
 from __future__ import annotations
@@ -42,19 +44,29 @@ from typing import Any
 from uuid import uuid4
 
 import httpx
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
+from fabric.router.asgi import (
+    Answer,
+    ClientGone,
+    DisconnectWatch,
+    RequestHead,
+    error_answer,
+    read_body,
+    send_answer,
+    send_stream,
+)
 from fabric.router.engines import Engine, describe
-from fabric.router.errors import ProxyError
+from fabric.router.errors import INTERNAL, ProxyError, error_body
 from fabric.router.prefix import lookup_all, prompt_token_ids
-from fabric.router.relay import deadline_exceeded, decode_failure, relay_stream
+from fabric.router.relay import Relay, deadline_exceeded, decode_failure, relay_stream
 from fabric.router.requests import (
     Endpoint,
-    decode_body,
+    decode_content,
     dump_json,
     estimate_prompt_tokens,
     is_stream,
+    load_json,
     parse_body,
     prefill_body,
 )
@@ -62,37 +74,45 @@ from fabric.router.state import ProxyState
 
 logger = logging.getLogger(__name__)
 
-JSON = "application/json"
+JSON = b"application/json"
 MAX_CLIENT_ID = 128
 
 
-async def serve_generation(state: ProxyState, request: Request, endpoint: Endpoint) -> Response:
-    """Answer one completion/chat request through a prefiller and a decoder.
+async def serve_generation(
+    state: ProxyState, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Answer one completion/chat request (an ASGI call) through a prefiller and a decoder.
 
     The answer (errors too) carries ``X-Request-Id``: the client's, or the
     transfer id when the client sent none.
     """
     state.counters.requests += 1
-    client_id = request.headers.get("x-request-id")
-    transfer_id = new_transfer_id(client_id)
-    deadline = asyncio.get_running_loop().time() + state.config.request_deadline_s
+    head = RequestHead.from_scope(scope)
+    transfer_id = new_transfer_id(head.request_id)
+    request_id = head.request_id or transfer_id
     try:
-        raw = await request.body()
-        try:
-            async with asyncio.timeout_at(deadline):
-                response = await _unless_disconnected(
-                    state,
-                    request,
-                    _serve(state, request, raw, endpoint, transfer_id, deadline),
-                    transfer_id,
-                )
-        except TimeoutError:
-            raise deadline_exceeded(state) from None
+        raw = await read_body(receive, head, state.config.max_body_bytes)
     except ProxyError as exc:
-        exc.request_id = client_id or transfer_id
-        raise
-    response.headers["x-request-id"] = client_id or transfer_id
-    return response
+        state.counters.client_errors += 1
+        await send_answer(send, error_answer(exc), request_id)
+        return
+    except ClientGone:
+        state.counters.client_disconnects += 1
+        return
+    with DisconnectWatch(receive) as watch:
+        try:
+            result = await _flow(state, endpoint, head, raw, transfer_id)
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+            state.counters.client_disconnects += 1
+            logger.info("%s: the client disconnected; prefill/decode requests dropped", transfer_id)
+            return
+        try:
+            await _send_result(send, result, request_id, watch)
+        except asyncio.CancelledError:
+            if not watch.absorb():  # else: the client left mid-answer; D's response is closed
+                raise
 
 
 def new_transfer_id(client_id: str | None) -> str:
@@ -105,54 +125,47 @@ def new_transfer_id(client_id: str | None) -> str:
     return f"{client_id[:MAX_CLIENT_ID]}-{uuid4().hex[:8]}"
 
 
-async def _unless_disconnected(
-    state: ProxyState, request: Request, work: Any, transfer_id: str
-) -> Response:
-    """Await ``work`` (the flow), cancelled if the client goes away first.
-
-    NOTE: one watcher task per request cancels this task on a disconnect
-    (cheaper than running the flow in a task of its own and waiting on both).
-    """
-    task = asyncio.current_task()
-    assert task is not None
-    gone = asyncio.Event()
-    watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, task, gone))
-    response: Response | None = None
+async def _flow(
+    state: ProxyState, endpoint: Endpoint, head: RequestHead, raw: bytes, transfer_id: str
+) -> Answer | Relay:
+    """The PD flow within the request's deadline; failures as OpenAI-style answers."""
+    deadline = asyncio.get_running_loop().time() + state.config.request_deadline_s
     try:
-        response = await work
-    except asyncio.CancelledError:
-        if not gone.is_set():
-            raise
-    finally:
-        watch.cancel()
-        if gone.is_set() and task.cancelling():
-            task.uncancel()  # our own cancel, not the server's
-    if response is not None:
-        return response
-    state.counters.client_disconnects += 1
-    logger.info("%s: the client disconnected; prefill/decode requests dropped", transfer_id)
-    # nobody reads this; 499 is the conventional "client closed request"
-    return Response(status_code=499)
+        async with asyncio.timeout_at(deadline):
+            return await _serve(state, endpoint, head, raw, transfer_id, deadline)
+    except TimeoutError:
+        return error_answer(deadline_exceeded(state))
+    except ProxyError as exc:
+        return error_answer(exc)
+    except Exception as exc:
+        logger.exception("proxy error on POST %s", endpoint.path)
+        return Answer(500, error_body(500, f"proxy error: {describe(exc)}", INTERNAL))
 
 
-async def _cancel_on_disconnect(
-    request: Request, task: asyncio.Task[Any], gone: asyncio.Event
+async def _send_result(
+    send: Send, result: Answer | Relay, request_id: str, watch: DisconnectWatch
 ) -> None:
-    """Cancel ``task`` when the client disconnects (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-    task.cancel()
+    """Send an answer whole, or relay a stream (closing it however that ends)."""
+    if isinstance(result, Answer):
+        watch.stop()  # NOTE: the answer's end would read as a disconnect
+        await send_answer(send, result, request_id)
+        return
+    try:
+        await send_stream(
+            send, result.status, result.content_type, request_id, result.chunks(), watch.stop
+        )
+    finally:
+        await result.close()
 
 
 async def _serve(
     state: ProxyState,
-    request: Request,
-    raw: bytes,
     endpoint: Endpoint,
+    head: RequestHead,
+    raw: bytes,
     transfer_id: str,
     deadline: float,
-) -> Response:
+) -> Answer | Relay:
     try:
         body = parse_body(raw, endpoint)
     except ProxyError:
@@ -163,7 +176,7 @@ async def _serve(
     decoders = state.pool.candidate_decoders()
     hints = await _prefix_hints(state, body, endpoint, [*prefillers, *decoders])
     prefill, decode = state.policy.pick(prefillers, decoders, body, hints)
-    headers = _forward_headers(request, transfer_id)
+    headers = _forward_headers(head, transfer_id)
     # NOTE: D counts the request from its pick (its prefill included), so
     # load-aware policies see requests that are still prefilling; _decode
     # and relay_stream take the count over and release it.
@@ -176,7 +189,7 @@ async def _serve(
             params = await _prefill_or_none(
                 state, prefill, decode, endpoint, body, transfer_id, headers
             )
-        content = dump_json(decode_body(body, params))
+        content = decode_content(raw, body, params)
     except BaseException:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)
@@ -197,7 +210,7 @@ async def _serve(
         transfer_id, decode.name, retry.name,
     )  # fmt: skip
     retry.outstanding += 1
-    content = dump_json(decode_body(body, None))
+    content = decode_content(raw, body, None)
     return await _send_decode(state, None, retry, endpoint, body, content, headers, deadline)
 
 
@@ -210,12 +223,12 @@ async def _send_decode(
     content: bytes,
     headers: dict[str, str],
     deadline: float,
-) -> Response:
-    """D's answer: relayed as a stream (see :mod:`fabric.router.relay`) or whole."""
+) -> Answer | Relay:
+    """D's answer: a stream to relay (see :mod:`fabric.router.relay`) or whole."""
+    url = decode.url + endpoint.path
     if is_stream(body):
-        request = state.engine_request(decode, endpoint.path, content, headers)
-        return await relay_stream(state, prefill, decode, request, deadline)
-    return await _decode(state, prefill, decode, endpoint, content, headers)
+        return await relay_stream(state, prefill, decode, url, content, headers, deadline)
+    return await _decode(state, prefill, decode, url, content, headers)
 
 
 def _other_decoder(state: ProxyState, failed: Engine) -> Engine | None:
@@ -277,8 +290,10 @@ async def _call_prefill(
     """POST the prefill; ``(params, "")`` or ``(None, why not)``."""
     prefill.outstanding += 1
     try:
-        request = state.engine_request(prefill, endpoint.path, content, headers, prefill=True)
-        response = await state.send(request)
+        url = prefill.url + endpoint.path
+        response, payload = await state.engines.post_read(
+            url, content, headers, state.prefill_timeouts
+        )
     except httpx.HTTPError as exc:
         state.counters.prefill_errors += 1
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
@@ -286,17 +301,17 @@ async def _call_prefill(
         return None, describe(exc)
     finally:
         prefill.outstanding -= 1
-    return _prefill_params(state, response)
+    return _prefill_params(state, response.status, payload)
 
 
 def _prefill_params(
-    state: ProxyState, response: httpx.Response
+    state: ProxyState, status: int, payload: bytes
 ) -> tuple[dict[str, Any] | None, str]:
-    if not response.is_success:
+    if not 200 <= status < 300:
         state.counters.prefill_errors += 1
-        return None, f"HTTP {response.status_code}: {response.text[:200]}"
+        return None, f"HTTP {status}: {payload[:200].decode(errors='replace')}"
     try:
-        params = response.json().get("kv_transfer_params")
+        params = load_json(payload).get("kv_transfer_params")
     except (ValueError, AttributeError):
         state.counters.prefill_errors += 1
         return None, "answer is not a JSON object"
@@ -309,32 +324,38 @@ async def _decode(
     state: ProxyState,
     prefill: Engine | None,
     decode: Engine,
-    endpoint: Endpoint,
+    url: str,
     content: bytes,
     headers: dict[str, str],
-) -> Response:
+) -> Answer:
     """POST to D and return its answer as is (status, body, content type)."""
     ok = False
     try:
-        request = state.engine_request(decode, endpoint.path, content, headers)
-        response = await state.send(request)
+        response, payload = await state.engines.post_read(
+            url, content, headers, state.decode_timeouts
+        )
         ok = response.is_success
     except httpx.HTTPError as exc:
         raise decode_failure(state, decode, exc) from exc
     finally:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, ok)
-    media_type = response.headers.get("content-type", JSON)
-    return Response(response.content, response.status_code, media_type=media_type)
+    content_type = response.content_type
+    return Answer(
+        response.status, payload, content_type.encode("latin-1") if content_type else JSON
+    )
 
 
-def _forward_headers(request: Request, transfer_id: str) -> dict[str, str]:
+def _forward_headers(head: RequestHead, transfer_id: str) -> dict[str, str]:
     """Headers sent to engines: JSON, the client's credentials, one request id.
 
     ``accept-encoding: identity``: streams are relayed byte for byte.
     """
-    headers = {"content-type": JSON, "x-request-id": transfer_id, "accept-encoding": "identity"}
-    authorization = request.headers.get("authorization")
-    if authorization is not None:
-        headers["authorization"] = authorization
+    headers = {
+        "content-type": "application/json",
+        "x-request-id": transfer_id,
+        "accept-encoding": "identity",
+    }
+    if head.authorization is not None:
+        headers["authorization"] = head.authorization
     return headers

@@ -3,9 +3,9 @@
 A stream is relayed chunk by chunk as D sends it (no re-framing). Its
 bookkeeping (D's outstanding count, the policy's ``on_finish``, closing D's
 response) runs exactly once, however the stream ends: D finished, D failed
-(the client gets an error event), the client left (Starlette cancels the
-stream; closing D's response drops the connection and vLLM aborts the
-request), or the stream never started.
+(the client gets an error event), the client left (the disconnect watch
+cancels the request's task; closing D's response drops the connection and
+vLLM aborts the request), or the stream never started.
 """
 
 from __future__ import annotations
@@ -13,16 +13,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import anyio
 import httpx
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
+from fabric.router.asgi import Answer
 from fabric.router.engines import Engine, describe
 from fabric.router.errors import UPSTREAM_ERROR, UPSTREAM_TIMEOUT, ProxyError, sse_error
 from fabric.router.state import ProxyState
+from fabric.router.transport import EngineResponse
 
-EVENT_STREAM = "text/event-stream"
+EVENT_STREAM = b"text/event-stream"
 
 
 def decode_failure(state: ProxyState, decode: Engine, exc: httpx.HTTPError) -> ProxyError:
@@ -55,36 +54,38 @@ async def relay_stream(
     state: ProxyState,
     prefill: Engine | None,
     decode: Engine,
-    request: httpx.Request,
+    url: str,
+    content: bytes,
+    headers: dict[str, str],
     deadline: float,
-) -> Response:
-    """Send ``request`` to D; relay its stream, or pass on its error answer whole.
+) -> Relay | Answer:
+    """POST to D; a :class:`Relay` of its stream, or its error answer whole.
 
-    D's outstanding count, taken when D was picked, is released here. The
-    stream ends with an error event once ``deadline`` (loop time) passes.
+    D's outstanding count, taken when D was picked, is released here or by
+    the relay's :meth:`Relay.close`. The stream ends with an error event
+    once ``deadline`` (loop time) passes.
     """
     try:
-        response = await state.send(request, stream=True)
+        response = await state.engines.post(url, content, headers, state.decode_timeouts)
     except BaseException as exc:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)
         if isinstance(exc, httpx.HTTPError):
             raise decode_failure(state, decode, exc) from exc
         raise
-    relay = _Relay(state, prefill, decode, response, deadline)
-    media_type = response.headers.get("content-type", EVENT_STREAM)
-    if not response.is_success:
-        try:
-            body = await response.aread()
-        except httpx.HTTPError as exc:
-            raise decode_failure(state, decode, exc) from exc
-        finally:
-            await relay.close()
-        return Response(body, response.status_code, media_type=media_type)
-    return RelayResponse(relay, response.status_code, media_type)
+    relay = Relay(state, prefill, decode, response, deadline)
+    if response.is_success:
+        return relay
+    try:
+        body = await response.read()
+    except httpx.HTTPError as exc:
+        raise decode_failure(state, decode, exc) from exc
+    finally:
+        await relay.close()
+    return Answer(response.status, body, relay.content_type)
 
 
-class _Relay:
+class Relay:
     """One open D response: its chunks, and the bookkeeping done once at the end."""
 
     def __init__(
@@ -92,7 +93,7 @@ class _Relay:
         state: ProxyState,
         prefill: Engine | None,
         decode: Engine,
-        response: httpx.Response,
+        response: EngineResponse,
         deadline: float,
     ) -> None:
         self.state = state
@@ -100,6 +101,9 @@ class _Relay:
         self.decode = decode
         self.response = response
         self.deadline = deadline
+        self.status = response.status
+        content_type = response.content_type
+        self.content_type = content_type.encode("latin-1") if content_type else EVENT_STREAM
         self.ok = False
         self._closed = False
 
@@ -108,7 +112,7 @@ class _Relay:
         the deadline passes (a stalled D is bounded by the per-read timeout)."""
         loop = asyncio.get_running_loop()
         try:
-            async for chunk in self.response.aiter_raw():
+            async for chunk in self.response.chunks():
                 if loop.time() > self.deadline:
                     error = deadline_exceeded(self.state)
                     yield sse_error(error.status, error.message, error.type)
@@ -120,28 +124,15 @@ class _Relay:
             yield sse_error(error.status, error.message, error.type)
 
     async def close(self) -> None:
-        """Count the request finished and close D's response (idempotent)."""
+        """Count the request finished and close D's response (idempotent).
+
+        NOTE: also runs in a ``finally`` block after the disconnect watch
+        cancelled the task: asyncio delivers a cancel once, so this await
+        completes.
+        """
         if self._closed:
             return
         self._closed = True
         self.decode.outstanding -= 1
         self.state.policy.on_finish(self.prefill, self.decode, self.ok)
-        # NOTE: shielded: after a client disconnect this runs inside a
-        # cancelled scope, where an unshielded await would be cancelled too.
-        with anyio.CancelScope(shield=True):
-            await self.response.aclose()
-
-
-class RelayResponse(StreamingResponse):
-    """A streaming response that closes its relay however the stream ends."""
-
-    def __init__(self, relay: _Relay, status_code: int, media_type: str) -> None:
-        super().__init__(relay.chunks(), status_code, media_type=media_type)
-        self._relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Stream, then close the relay (also on disconnect or error)."""
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._relay.close()
+        await self.response.close()

@@ -3,7 +3,8 @@
 Used by ``fabric proxy`` and ``fabric up``. The listening socket is bound
 before anything else starts (a taken port fails fast, port 0 picks a free
 one), and uvicorn runs without an access log (~14% of the per-request cost
-at one client, ``notes/peers.md``).
+at one client, ``notes/peers.md``), on uvloop and httptools when installed
+(uvicorn's ``auto`` choices).
 
 Signals: uvicorn traps SIGINT/SIGTERM while it serves, shuts down, then
 re-raises the signal with the previous handlers restored. Under
@@ -88,7 +89,16 @@ def socket_url(sock: socket.socket) -> str:
 
 async def serve_app(app: FastAPI, sock: socket.socket, on_started: Callable[[str], None]) -> None:
     """Serve ``app`` on ``sock`` until a signal; call ``on_started(url)`` once it accepts."""
-    config = uvicorn.Config(app, access_log=False, log_config=None, lifespan="on")
+    # NOTE: no X-Forwarded-* rewriting (the proxy never reads the client's
+    # address) and no Server header: per-request work nobody uses.
+    config = uvicorn.Config(
+        app,
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        proxy_headers=False,
+        server_header=False,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

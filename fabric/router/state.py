@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 import httpx
 
 from fabric.config import ProxyConfig
-from fabric.router.engines import Engine, EnginePool
+from fabric.router.engines import EnginePool
 from fabric.router.policy import Routing
-from fabric.router.transport import open_transport
+from fabric.router.transport import EngineHTTP, Timeouts, open_engines
 from fabric.transfer.lookup import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class Counters:
 
 
 class ProxyState:
-    """State of one proxy app; the HTTP client exists while the app runs."""
+    """State of one proxy app; the HTTP clients exist while the app runs."""
 
     def __init__(
         self,
@@ -68,12 +68,10 @@ class ProxyState:
         self.store_clients: dict[str, StoreClient] = {}  # kv endpoint -> client
         self.store_secret = store_secret  # signs the store clients' frames (connector.secret_env)
         connect = config.connect_timeout_s
-        self.prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=connect)
-        self.decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=connect)
-        self._prefill_extensions = {"timeout": self.prefill_timeout.as_dict()}
-        self._decode_extensions = {"timeout": self.decode_timeout.as_dict()}
+        self.prefill_timeouts = Timeouts(connect, config.prefill_timeout_s)
+        self.decode_timeouts = Timeouts(connect, config.decode_timeout_s)
         self._client: httpx.AsyncClient | None = None
-        self._transport: httpx.AsyncBaseTransport | None = None
+        self._engines: EngineHTTP | None = None
 
     @property
     def in_flight(self) -> int:
@@ -82,70 +80,41 @@ class ProxyState:
 
     @property
     def client(self) -> httpx.AsyncClient:
-        """The shared client; only between app startup and shutdown."""
+        """The shared httpx client (probes, admin routes); only while the app runs."""
         if self._client is None:
             raise RuntimeError("the proxy's HTTP client is not open (app not started)")
         return self._client
 
+    @property
+    def engines(self) -> EngineHTTP:
+        """The engine client of the PD flow (same pool as :attr:`client`)."""
+        if self._engines is None:
+            raise RuntimeError("the proxy's HTTP client is not open (app not started)")
+        return self._engines
+
     def open_client(self) -> httpx.AsyncClient:
-        """Create the shared client, sized for ``max_connections`` per engine."""
+        """Open the clients, sized for ``max_connections`` per engine."""
         size = self.config.max_connections * max(1, len(self.pool.engines))
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        # NOTE: trust_env=False: engine traffic must never go through an
-        # HTTP(S)_PROXY from the environment, and no .netrc lookups per request.
-        transport = open_transport(size) if self.config.http_pool == "aiohttp" else None
-        if transport is None and self.config.http_pool == "aiohttp":
-            logger.warning("aiohttp is not installed: using httpx's pool (more CPU per request)")
-        if transport is None:
-            transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-        self._transport = transport
-        self._client = httpx.AsyncClient(
-            limits=limits, trust_env=False, timeout=self.decode_timeout, transport=transport
+        timeout = httpx.Timeout(self.config.decode_timeout_s, connect=self.config.connect_timeout_s)
+        self._engines, self._client = open_engines(
+            self.config.http_pool, self.config.max_connections, size, timeout
         )
+        if self._engines.pool_name != self.config.http_pool:
+            logger.warning(
+                "proxy.http_pool %s is not installed: using %s's (more CPU per request)",
+                self.config.http_pool,
+                self._engines.pool_name,
+            )
         return self._client
 
-    async def send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
-        """Send an :meth:`engine_request`; the body is read unless ``stream``.
-
-        NOTE: straight to the client's transport: ``AsyncClient.send`` adds
-        auth, redirect, cookie-jar and event-hook handling that engine
-        requests never use, and it cost ~40% of the proxy's CPU per request
-        (cProfile, fake engines). Transports raise httpx's exceptions.
-        """
-        if self._transport is None:
-            raise RuntimeError("the proxy's HTTP client is not open (app not started)")
-        response = await self._transport.handle_async_request(request)
-        response.request = request
-        if not stream:
-            try:
-                await response.aread()
-            finally:
-                await response.aclose()
-        return response
-
-    def engine_request(
-        self,
-        engine: Engine,
-        path: str,
-        content: bytes,
-        headers: dict[str, str],
-        prefill: bool = False,
-    ) -> httpx.Request:
-        """A POST of ``content`` to ``engine``, with the prefill or decode timeouts.
-
-        NOTE: built directly rather than by ``client.post``: the client's URL,
-        header and cookie merging cost per request and add nothing here.
-        """
-        extensions = self._prefill_extensions if prefill else self._decode_extensions
-        url = engine.url_for(path)
-        return httpx.Request("POST", url, content=content, headers=headers, extensions=extensions)
-
     async def close_client(self) -> None:
-        """Close the shared client and the store clients."""
+        """Close the clients and the store clients."""
         for store in self.store_clients.values():
             store.close()
         self.store_clients.clear()
+        if self._engines is not None:
+            await self._engines.aclose()
+            self._engines = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-            self._transport = None

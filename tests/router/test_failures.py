@@ -195,7 +195,7 @@ def test_chat_without_messages_is_a_400(
     assert response.json()["error"]["param"] == "messages"
 
 
-@pytest.mark.parametrize("http_pool", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("http_pool", ["httptools", "aiohttp", "httpx"])
 def test_client_leaving_mid_stream_releases_the_decoder(
     start_engine: StartEngine, start_proxy: StartProxy, http_pool: str
 ) -> None:
@@ -221,7 +221,7 @@ def test_client_leaving_mid_stream_releases_the_decoder(
     assert decoder.outstanding == 0
 
 
-@pytest.mark.parametrize("http_pool", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("http_pool", ["httptools", "aiohttp", "httpx"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_leaving_during_the_prefill_cancels_p_and_never_reaches_d(
     start_engine: StartEngine, start_proxy: StartProxy, http_pool: str, stream: bool

@@ -142,6 +142,7 @@ RAW_BAD: list[bytes] = [
     b'{"model": "fake", "prompt": "\xff\xfe"}',
     b'{"model": "fake", "prompt": "x", "max_tokens": NaN}',
     b'{"model": "fake", "prompt": "x", "max_tokens": Infinity}',
+    b'{"model": "fake", "prompt": "x", "temperature": 1e400}',
     b'{"model": "fake", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
     b'{"model": "fake", "prompt": [' + b"[" * 5000 + b"1" + b"]" * 5000 + b"]}",
     b'{"model": "fake", "prompt": "x"' + b"\x00" * 100,

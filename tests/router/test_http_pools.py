@@ -1,7 +1,7 @@
-"""The proxy behaves the same over both connection pools (aiohttp, httpx's own).
+"""The proxy behaves the same over each engine pool (httptools, aiohttp, httpx's own).
 
-The other tests run on the default pool (aiohttp); this one checks that the
-httpx pool gives the same answers and the same errors.
+The other tests run on the default pool (httptools); this one checks that
+every pool gives the same answers and the same errors.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .servers import dead_url
 from .test_pd_flow import COMPLETION, expected_text, sse_events
 
 
-@pytest.mark.parametrize("http_pool", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("http_pool", ["httptools", "aiohttp", "httpx"])
 def test_flows_and_failures_on_each_pool(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, http_pool: str
 ) -> None:
