@@ -1,5 +1,6 @@
 """``fabric`` command line: ``fabric bench transfer|serve ...``, ``fabric model tiny DIR``,
-``fabric up CONFIG``, ``fabric proxy CONFIG``, ``fabric status``, ``version``."""
+``fabric up CONFIG``, ``fabric proxy CONFIG``, ``fabric status``, ``fabric store serve``,
+``version``."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy.add_argument("config", help="topology YAML whose engines have url (or port)")
     proxy.add_argument("--host", help="listen address (default: proxy.host)")
     proxy.add_argument("--port", type=int, help="listen port (default: proxy.port)")
+    _store_parser(sub)
     status = sub.add_parser("status", help="a running proxy's engines and counters")
     status.add_argument("--url", help="proxy URL (default: WORKDIR/run/up.json, else :8000)")
     status.add_argument("--workdir", default="work", help="fabric up's workdir (default: work)")
@@ -48,7 +50,62 @@ def main(argv: list[str] | None = None) -> int:
         return status_main(ns.url, ns.workdir)
     elif ns.command in ("up", "proxy"):
         return _serve(ns)
+    elif ns.command == "store":
+        return _store(ns)
     return 0
+
+
+def _store_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    store = sub.add_parser("store", help="the shared chunk store (fabric store serve --help)")
+    what = store.add_subparsers(dest="what", required=True)
+    serve = what.add_parser(
+        "serve", help="a host's shared store: engines attach to it and it outlives them"
+    )
+    serve.add_argument("--mem-gib", type=float, default=2.0, help="memory tier (default 2)")
+    serve.add_argument("--disk-path", help="disk tier directory (default: none)")
+    serve.add_argument("--disk-gib", type=float, default=16.0, help="disk budget (default 16)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=0, help="control port (default 0: free)")
+    serve.add_argument("--endpoint-file", help="write the control endpoint here")
+    serve.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
+    serve.add_argument("--secret-env", help="environment variable holding the shared secret")
+    serve.add_argument(
+        "--push-timeout-s", type=float, default=30.0, help="bound of a push to an engine"
+    )
+
+
+def _store(ns: argparse.Namespace) -> int:
+    """``fabric store serve``: a config error is one message, exit status 2."""
+    import logging
+    import os
+
+    from fabric.errors import ConfigError
+    from fabric.store.service import ServiceConfig, serve
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        secret = None
+        if ns.secret_env is not None:
+            secret = os.environ.get(ns.secret_env)
+            if not secret:
+                raise ConfigError(f"--secret-env: environment variable {ns.secret_env!r} is unset")
+        config = ServiceConfig(
+            mem_bytes=int(ns.mem_gib * 2**30),
+            host=ns.host,
+            port=ns.port,
+            transport=ns.transport,
+            disk_path=ns.disk_path,
+            disk_gib=ns.disk_gib,
+            endpoint_file=ns.endpoint_file,
+            secret=secret,
+            push_timeout_s=ns.push_timeout_s,
+        )
+        return serve(config, lambda line: print(line, flush=True))
+    except ConfigError as exc:
+        print(f"fabric store: {exc}", file=sys.stderr)
+        return 2
 
 
 def _bench(what: str, rest: list[str]) -> int:

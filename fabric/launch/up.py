@@ -3,13 +3,17 @@
 ::
 
     load YAML -> bind the proxy socket (a taken port fails before anything starts)
+              -> with a ``store:`` section: start the shared store
+                 (``fabric store serve``, log WORKDIR/logs/store.log), wait for
+                 its endpoint, hand it to every engine as ``shared_store``
               -> choose free ports, build the tiny model if named
               -> start every engine (all at once), logs in WORKDIR/logs/NAME.log
               -> wait until every /health answers (bounded; on failure print
                  that engine's log tail and stop everything)
               -> serve the proxy in this process, print its URL,
                  write WORKDIR/run/up.json (pids, URLs)
-    SIGINT/SIGTERM -> stop the proxy, then every engine by pid (process group)
+    SIGINT/SIGTERM -> stop the proxy, then every engine by pid (process group),
+                      then the shared store
 
 The proxy runs in this process rather than as a child: its lifetime is the
 launcher's, one signal handler stops everything in order, and there is no
@@ -36,7 +40,13 @@ from typing import Any
 
 import httpx
 
-from fabric.config import ConnectorConfig, EngineConfig, TopologyConfig, load_topology
+from fabric.config import (
+    ConnectorConfig,
+    EngineConfig,
+    SharedStoreConfig,
+    TopologyConfig,
+    load_topology,
+)
 from fabric.errors import ConfigError, LaunchError, ProcessExited, StartTimeout
 from fabric.launch.process import (
     ManagedProcess,
@@ -213,15 +223,72 @@ def stop_engines(runs: Sequence[EngineRun]) -> None:
         thread.join()
 
 
+def store_command(store: SharedStoreConfig, topology: TopologyConfig) -> list[str]:
+    """``fabric store serve ...`` for the topology's shared store."""
+    endpoint_file = topology.workdir_path / "run" / "store.endpoint"
+    command = [sys.executable, "-m", "fabric.cli", "store", "serve"]
+    command += ["--mem-gib", str(store.mem_gib), "--port", str(store.port)]
+    command += ["--endpoint-file", str(endpoint_file)]
+    command += ["--transport", topology.connector.transport]
+    if store.disk_path is not None:
+        disk = Path(store.disk_path).expanduser().resolve()
+        command += ["--disk-path", str(disk), "--disk-gib", str(store.disk_gib)]
+    if topology.connector.secret_env is not None:
+        command += ["--secret-env", topology.connector.secret_env]
+    return command
+
+
+def start_store(topology: TopologyConfig, announce: Announce) -> tuple[ManagedProcess, str]:
+    """Start the shared store and wait (bounded) for its endpoint file."""
+    store = topology.store
+    assert store is not None
+    endpoint_file = topology.workdir_path / "run" / "store.endpoint"
+    endpoint_file.unlink(missing_ok=True)
+    command = store_command(store, topology)
+    log_path = topology.workdir_path / "logs" / "store.log"
+    process = ManagedProcess(command, log_path=log_path, name="store")
+    logger.info("started store (pid %d): %s", process.pid, " ".join(command))
+    deadline = time.monotonic() + store.startup_timeout_s
+    try:
+        while not endpoint_file.exists():
+            if not process.alive():
+                raise ProcessExited(
+                    f"store (pid {process.pid}) exited with {process.returncode}; "
+                    f"log {log_path}:\n{process.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise StartTimeout(
+                    f"store: no endpoint within {store.startup_timeout_s:.0f} s; "
+                    f"log {log_path}:\n{process.log_tail()}"
+                )
+            time.sleep(0.1)
+    except BaseException:
+        process.stop(STOP_TIMEOUT_S)
+        raise
+    endpoint = endpoint_file.read_text().strip()
+    announce(f"fabric up: shared store serving on {endpoint}")
+    return process, endpoint
+
+
+def with_shared_store(topology: TopologyConfig, endpoint: str) -> TopologyConfig:
+    """A copy whose engines get ``endpoint`` as their connector's ``shared_store``."""
+    connector = topology.connector.model_copy(update={"shared_store": endpoint})
+    return topology.model_copy(update={"connector": connector})
+
+
 def up(topology: TopologyConfig, announce: Announce = say) -> int:
     """Run ``topology`` until SIGINT/SIGTERM; 0 then, 1 if an engine failed to start."""
     from fabric.router.serve import Shutdown, shutdown_on_signals, signals_ignored
 
     runs: list[EngineRun] = []
+    store: ManagedProcess | None = None
     state_path = topology.workdir_path / "run" / "up.json"
     try:
         with _proxy_socket(topology) as sock, shutdown_on_signals():
             resolved = resolve_ports(topology)
+            if resolved.store is not None:
+                store, endpoint = start_store(resolved, announce)
+                resolved = with_shared_store(resolved, endpoint)
             start_engines(resolved, runs)
             logs = resolved.workdir_path / "logs"
             announce(f"fabric up: waiting for {len(runs)} engines (logs in {logs})")
@@ -236,6 +303,8 @@ def up(topology: TopologyConfig, announce: Announce = say) -> int:
         with signals_ignored():
             announce("fabric up: stopping")
             stop_engines(runs)
+            if store is not None:
+                store.stop(STOP_TIMEOUT_S)
             state_path.unlink(missing_ok=True)
     return 0
 

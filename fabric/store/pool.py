@@ -60,6 +60,28 @@ class ChunkPool:
         # handed out, so building a memoryview costs a slice and no copy.
         self._array: Any = self._buffer.numpy()
 
+    @classmethod
+    def carve(cls, region: ChunkPool, slot_bytes: int) -> ChunkPool:
+        """A pool of ``slot_bytes`` slots over ``region``'s memory (as many as fit).
+
+        NOTE: for a process that registers its memory with the transport
+        before it knows the slot size (the shared store learns it from the
+        first engine that attaches): same base address, same registration.
+        ``region`` must not be used for chunks once carved.
+        """
+        _check_positive("slot_bytes", slot_bytes)
+        num_slots = region.nbytes // slot_bytes
+        if num_slots < 1:
+            raise ConfigError(
+                f"slot_bytes: {slot_bytes} is larger than the whole region ({region.nbytes} bytes)"
+            )
+        pool = cls.__new__(cls)
+        pool._num_slots, pool._slot_bytes, pool._device = num_slots, slot_bytes, region.device
+        pool._raw = region._raw
+        pool._buffer = region._buffer.narrow(0, 0, num_slots * slot_bytes)
+        pool._array = region._array
+        return pool
+
     @property
     def num_slots(self) -> int:
         """Number of slots in the pool."""

@@ -11,6 +11,10 @@ endpoint, one request at a time, every call bounded by ``timeout_ms``::
     client.lookup(token_ids, hold="req-1")        # and keep them for req-1
     client.release("req-1"); client.clear("memory"); client.pin(token_ids)
 
+A shared store (:mod:`fabric.store.service`) answers the same calls plus
+``attach`` (an engine states its chunk geometry) and ``fetch`` (push a
+prompt's held chunks into the engine's store).
+
 A call that gets no answer in time raises :class:`PeerUnreachable`; the
 socket is then rebuilt, so a reply that arrives late is never taken for the
 answer to a later call. A ``Refused`` reply raises :class:`TransferError`.
@@ -28,7 +32,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from fabric.errors import PeerUnreachable, ProtocolError, TransferError
+from fabric.errors import LayoutMismatch, PeerUnreachable, ProtocolError, TransferError
 from fabric.transfer import protocol as proto
 from fabric.transfer.client import decode_reply
 
@@ -82,6 +86,34 @@ class StoreClient:
             raise ProtocolError(f"expected StatsReply, got {type(reply).__name__}")
         return dict(reply.stats)
 
+    def attach(
+        self, fingerprint: str, chunk_tokens: int, chunk_bytes: int, endpoint: str
+    ) -> proto.Attached:
+        """Tell a shared store this engine's geometry; TransferError if refused."""
+        msg = proto.Attach(next(self._seq), fingerprint, chunk_tokens, chunk_bytes, endpoint)
+        reply = self._call(msg)
+        if not isinstance(reply, proto.Attached):
+            raise ProtocolError(f"expected Attached, got {type(reply).__name__}")
+        return reply
+
+    def fetch(
+        self,
+        transfer_id: str,
+        token_ids: Sequence[int],
+        endpoint: str,
+        *,
+        min_chunks: int = 0,
+        lease_ms: int = 30_000,
+    ) -> proto.Fetching:
+        """Ask a shared store to push a prompt's held chunks to ``endpoint``."""
+        msg = proto.Fetch(
+            next(self._seq), transfer_id, list(token_ids), endpoint, min_chunks, lease_ms
+        )
+        reply = self._call(msg)
+        if not isinstance(reply, proto.Fetching):
+            raise ProtocolError(f"expected Fetching, got {type(reply).__name__}")
+        return reply
+
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
@@ -106,6 +138,8 @@ class StoreClient:
                     break
                 reply = decode_reply(self.codec, sock.recv(), self.endpoint)
                 if isinstance(reply, proto.Refused) and reply.seq in (seq, -1):
+                    if reply.code == "layout_mismatch":
+                        raise LayoutMismatch(f"{self.endpoint}: {reply.reason}")
                     raise TransferError(f"{self.endpoint} refused: {reply.code}: {reply.reason}")
                 if getattr(reply, "seq", None) != seq:
                     continue  # a stale reply

@@ -216,6 +216,57 @@ class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True
     stats: dict[str, int]
 
 
+class Attach(msgspec.Struct, tag="attach", array_like=True, frozen=True):
+    """Engine -> shared store: my chunk geometry, and where my store serves.
+
+    Needs no Hello. The first accepted Attach fixes a shared store's layout
+    (``fingerprint``, ``chunk_tokens``, ``chunk_bytes``: its slot size); an
+    engine that differs in any is refused with ``layout_mismatch``. Only
+    engines that attached (by ``endpoint``) are sent chunks by ``Fetch``.
+    """
+
+    seq: int
+    fingerprint: Name
+    chunk_tokens: Count
+    chunk_bytes: Count
+    endpoint: Name
+
+
+class Attached(msgspec.Struct, tag="attached", array_like=True, frozen=True):
+    """Reply to Attach: the shared store's slot size and slot count."""
+
+    seq: int
+    slot_bytes: Count
+    num_slots: Count
+
+
+class Fetch(msgspec.Struct, tag="fetch", array_like=True, frozen=True):
+    """Engine -> shared store: push me the leading full chunks of ``token_ids``.
+
+    When the store holds more than ``min_chunks`` of them it reserves them on
+    the attached engine at ``endpoint`` as ``transfer_id``, WRITEs them and
+    notifies, as a prefiller pushes to a decoder; otherwise it sends nothing.
+    """
+
+    seq: int
+    transfer_id: RequestId
+    token_ids: list[TokenId]
+    endpoint: Name
+    min_chunks: Count
+    lease_ms: LeaseMs
+
+
+class Fetching(msgspec.Struct, tag="fetching", array_like=True, frozen=True):
+    """Reply to Fetch: ``hit_chunks`` leading chunks held; ``pushing`` when
+    they are on their way (``hit_chunks > min_chunks``)."""
+
+    seq: int
+    transfer_id: RequestId
+    chunk_tokens: Count
+    hit_chunks: Count
+    pushing: bool
+
+
 Message = (
     Hello
     | HelloAck
@@ -234,6 +285,10 @@ Message = (
     | Done
     | Stats
     | StatsReply
+    | Attach
+    | Attached
+    | Fetch
+    | Fetching
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
-from fabric.integrations.vllm.worker import FabricWorker
+from fabric.integrations.vllm.worker import FabricWorker, rank_endpoint
 
 BS, CT, LAYERS, BLOCKS = 16, 64, 3, 40
 
@@ -136,3 +137,15 @@ def test_prefiller_reuses_a_chunk_it_already_packed(
     assert p.store.stats().filled == filled_before  # same key: no second pack
     for layer in d.kv_caches:
         assert torch.equal(layer[[10, 11, 12, 13]], layer[[14, 15, 16, 17]])
+
+
+def test_rank_endpoint_offsets_the_decoders_port_per_tp_rank() -> None:
+    """Rank r of a prefiller pushes its shard to rank r of the decoder, which
+    binds kv_port + r; the proxy only knows the rank-0 endpoint."""
+    assert rank_endpoint("tcp://127.0.0.1:9100", 0) == "tcp://127.0.0.1:9100"
+    assert rank_endpoint("tcp://127.0.0.1:9100", 3) == "tcp://127.0.0.1:9103"
+    assert rank_endpoint("tcp://[::1]:9100", 1) == "tcp://[::1]:9101"
+    with pytest.raises(ConfigError, match="no port"):
+        rank_endpoint("tcp://host-without-port", 1)
+    with pytest.raises(ConfigError):
+        rank_endpoint("tcp://127.0.0.1:65535", 1)

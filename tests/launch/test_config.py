@@ -210,3 +210,44 @@ def test_parse_topology_takes_a_dict() -> None:
     assert [e.name for e in topology.engines] == ["prefill-0", "decode-0"]
     assert topology.prefill[0].kv_role == "kv_producer"
     assert topology.decode[0].kv_role == "kv_consumer"
+
+
+def test_store_section_validates_and_reaches_every_reuse_engine(tmp_path: Path) -> None:
+    text = GOOD + "store: {port: 0, mem_gib: 0.5, disk_path: kv-shared, disk_gib: 2}\n"
+    topology = load_topology(write(tmp_path, text))
+    assert topology.store is not None
+    assert (topology.store.mem_gib, topology.store.disk_gib) == (0.5, 2.0)
+    assert load_topology(write(tmp_path, GOOD)).store is None
+    from fabric.launch.up import store_command, with_shared_store
+
+    command = store_command(topology.store, topology)
+    assert command[2:5] == ["fabric.cli", "store", "serve"]
+    assert command[command.index("--disk-path") + 1] == str((Path("kv-shared")).resolve())
+    shared = with_shared_store(topology, "tcp://127.0.0.1:7000")
+    extra = shared.connector.extra_config(8101, role="prefill", name="p")
+    assert extra["shared_store"] == "tcp://127.0.0.1:7000"
+    no_reuse = shared.model_copy(
+        update={"connector": shared.connector.model_copy(update={"reuse": "decode"})}
+    )
+    assert "shared_store" not in no_reuse.connector.extra_config(8101, role="prefill")
+
+
+@pytest.mark.parametrize(
+    ("store", "message"),
+    [
+        ("store: {mem_gib: 0}", "store.mem_gib: Input should be greater than 0"),
+        ("store: {memory: 2}", "store.memory: Extra inputs are not permitted"),
+        ("store: {port: 70000}", "store.port: Input should be less than or equal to 65535"),
+        ("store: {disk_gib: -1}", "store.disk_gib: Input should be greater than 0"),
+        (
+            "store: {}\nconnector: {reuse: none}",
+            "store: a shared store needs engines with a reuse tier",
+        ),
+    ],
+)
+def test_bad_store_section_names_the_field(tmp_path: Path, store: str, message: str) -> None:
+    text = "model: tiny\nprefill: [{}]\ndecode: [{}]\n" + store + "\n"
+    with pytest.raises(ConfigError) as info:
+        load_topology(write(tmp_path, text))
+    assert message in str(info.value)
+    assert str(tmp_path / "topology.yaml") in str(info.value)

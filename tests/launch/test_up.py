@@ -306,3 +306,27 @@ def test_sigint_while_waiting_for_engines_stops_them(tmp_path: Path, runs: list[
     assert status == 0
     assert len(run.engine_pids()) == 2
     assert not any(is_running(pid) for pid in run.engine_pids())
+
+
+def test_up_starts_the_shared_store_first_and_stops_it_last(
+    tmp_path: Path, runs: list[UpRun]
+) -> None:
+    run = UpRun(tmp_path, FAKE, FAKE, store={"mem_gib": 0.01})
+    runs.append(run)
+
+    endpoint = run.wait_line(r"shared store serving on (tcp://\S+)").group(1)
+    run.wait_line(r"proxy ready at")
+    from fabric.transfer.lookup import StoreClient
+
+    with StoreClient(endpoint) as client:
+        stats = client.stats()
+    status = run.stop(signal.SIGTERM)
+
+    assert stats["num_slots"] == 1  # up, no engine attached (the fake engines do not)
+    assert status == 0
+    stderr = "".join(run.stderr)
+    assert stderr.index("started store") < stderr.index("started prefill-0")
+    pids = run.engine_pids()  # the store's pid is logged the same way
+    assert len(pids) == 3 and not any(is_running(pid) for pid in pids)
+    assert (run.workdir / "logs" / "store.log").exists()
+    assert not (run.workdir / "run" / "store.endpoint").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from fabric.errors import ConfigError
@@ -49,6 +50,7 @@ class ConnectorConfig:
     disk_gib: float = 16.0
     eviction: str = "lru"
     lookup_timeout_ms: int = 2000
+    shared_store: str | None = None
     secret: str | None = field(default=None, repr=False)
     secret_env: str | None = None
     faults: FaultConfig = field(default_factory=FaultConfig)
@@ -71,6 +73,29 @@ class ConnectorConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be > 0")
         self._check_secret()
+        if self.shared_store is not None:
+            if not self.shared_store.strip():
+                raise ConfigError("kv_connector_extra_config.shared_store: must not be empty")
+            if not self.reuse:
+                raise ConfigError(
+                    "kv_connector_extra_config.shared_store: needs reuse (the shared "
+                    "store is loaded through this engine's own store)"
+                )
+
+    def shared_store_endpoint(self) -> str | None:
+        """The shared store's control endpoint: ``shared_store`` as a URL, or
+        read from the endpoint file it names (None while that file is missing)."""
+        value = (self.shared_store or "").strip()
+        if not value or value.startswith("tcp://"):
+            return value or None
+        host, _, port = value.rpartition(":")
+        if host and port.isdigit() and "/" not in value:
+            return f"tcp://{value}"
+        try:
+            text = Path(value).read_text().strip()
+        except OSError:
+            return None
+        return text if text.startswith("tcp://") else f"tcp://{text}" if text else None
 
     def _check_secret(self) -> None:
         if self.secret is not None and self.secret_env is not None:
@@ -117,7 +142,7 @@ class ConnectorConfig:
         return cls(**values)
 
 
-_OPTIONAL_STR = ("ucx_net_devices", "disk_path", "secret", "secret_env")
+_OPTIONAL_STR = ("ucx_net_devices", "disk_path", "shared_store", "secret", "secret_env")
 
 
 def _faults(value: Any) -> FaultConfig:

@@ -31,7 +31,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.stats import FabricPromMetrics, FabricStats
-from fabric.integrations.vllm.tier_client import WorkerTierClient
+from fabric.integrations.vllm.tier_client import SharedTierClient, WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class FabricConnector(KVConnectorBase_V1):
         self._worker: FabricWorker | None = None
         parallel = vllm_config.parallel_config
         self._tier_client: WorkerTierClient | None = None
+        self._shared_client: SharedTierClient | None = None
         if role == KVConnectorRole.SCHEDULER:
             if config.reuse:
                 self._tier_client = WorkerTierClient(
@@ -90,6 +91,11 @@ class FabricConnector(KVConnectorBase_V1):
             self._scheduler = FabricScheduler(
                 config, block_size, produce=produce, consume=consume, tier=self._tier_client
             )
+            if self._tier_client is not None and config.shared_store is not None:
+                self._shared_client = SharedTierClient(
+                    config, self._tier_client, self._scheduler.counters
+                )
+                self._scheduler.shared = self._shared_client
         else:
             self._worker = FabricWorker(
                 config,
@@ -140,7 +146,9 @@ class FabricConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> FabricStats | None:
         if self._worker is None:
-            return None
+            # NOTE: vLLM also asks the scheduler side (shared-store fetch failures).
+            counts = self._scheduler.counters.take() if self._scheduler is not None else {}
+            return FabricStats(data=dict(counts)) if counts else None
         self._worker.sync_tier_counters()
         counts = self._worker.counters.take()
         return FabricStats(data=dict(counts)) if counts else None
@@ -150,6 +158,8 @@ class FabricConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._tier_client is not None:
             self._tier_client.close()
+        if self._shared_client is not None:
+            self._shared_client.close()
 
     def _fabric_meta(self) -> FabricMetadata:
         meta = self._get_connector_metadata()

@@ -23,6 +23,11 @@ COUNTERS = {
     "disk_writes": "chunks written to the disk tier",
     "disk_write_failures": "chunk writes to the disk tier that failed",
     "disk_evictions": "chunk files evicted from the disk tier by its byte budget",
+    "shared_store_saved_chunks": "computed chunks written to the shared store (it lacked them)",
+    "shared_store_saved_bytes": "bytes written to the shared store",
+    "shared_store_loaded_chunks": "chunks fetched from the shared store and loaded",
+    "shared_store_loaded_tokens": "prompt tokens loaded through a shared-store fetch",
+    "shared_store_failures": "shared store unreachable or refusing; a push to it or load failed",
 }
 
 

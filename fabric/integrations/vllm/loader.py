@@ -8,6 +8,10 @@ transfer never heard of fails after ``unknown_transfer_grace_s``, a known
 one after ``load_timeout_s``; a checksum failure or an expired lease fails
 at once. A failed load is logged, counted, and reported to vLLM, which
 recomputes the prompt (``kv_load_failure_policy: recompute``).
+
+A fetch from the host's shared store (``LoadPlan.shared``) is the same kind
+of transfer, pushed by the shared store instead of a prefiller; it is
+counted as ``shared_store_*`` rather than as a PD load.
 """
 
 from __future__ import annotations
@@ -141,7 +145,7 @@ class Loader:
             return
         ready = [i for i in load.chunks if i not in load.done and self._available(i, prog, res)]
         for index in ready:
-            self._unpack(load, index, res.slots[index])
+            self._unpack(load, index, res.slots[index], fetched=not res.already_present[index])
         if len(load.done) == len(load.chunks):
             self._finish(load, ok=True)
         elif elapsed > self.load_timeout_s:
@@ -156,7 +160,7 @@ class Loader:
     def _available(index: int, prog: object, res: object) -> bool:
         return index in prog.filled or res.already_present[index]  # type: ignore[attr-defined]
 
-    def _unpack(self, load: _Load, index: int, slot: int) -> None:
+    def _unpack(self, load: _Load, index: int, slot: int, *, fetched: bool) -> None:
         first, count, targets = load.chunks[index]
         counts = chunk_block_counts(load.plan.num_tokens, self.chunk_tokens, self.block_size)
         unpack(
@@ -170,16 +174,23 @@ class Loader:
         )
         load.done.add(index)
         self.counters.add(chunks_loaded=1, bytes_loaded=self.layout.chunk_nbytes(count))
+        if load.plan.shared and fetched:
+            self.counters.add(shared_store_loaded_chunks=1)
 
     def _finish(self, load: _Load, *, ok: bool, why: str = "") -> None:
         rid, tid = load.plan.req_id, load.plan.transfer_id
         self._active.pop(rid, None)
         self.server.release(tid)
+        shared = load.plan.shared
         if ok:
-            self.counters.add(loads_ok=1, tokens_loaded=load.plan.num_tokens)
+            tokens = load.plan.num_tokens - load.plan.first_block * self.block_size
+            if shared:
+                self.counters.add(shared_store_loaded_tokens=tokens)
+            else:
+                self.counters.add(loads_ok=1, tokens_loaded=load.plan.num_tokens)
             self.counters.observe("load_seconds", time.monotonic() - load.started)
         else:
-            self.counters.add(load_failures=1)
+            self.counters.add(**{"shared_store_failures" if shared else "load_failures": 1})
             logger.warning(
                 "fabric load for request %s failed: %s; vLLM recomputes the prompt", rid, why
             )

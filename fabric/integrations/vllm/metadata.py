@@ -58,6 +58,7 @@ class LoadPlan:
     first_block: int
     block_ids: list[int]
     num_tokens: int
+    shared: bool = False  # fetched from the shared store (counted apart from PD loads)
 
 
 @dataclass

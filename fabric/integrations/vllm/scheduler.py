@@ -26,17 +26,33 @@ prompt with the same prefix finds them.
     prompt:   | chunk 0 | chunk 1 | chunk 2 |c3|
     store:    [ held    ][ held   ]             -> LocalLoad chunks 0, 1
     vLLM:                          [ computes      ] -> save chunk 2
+
+Shared store (``shared_store``): when the engine's own store holds less than
+the usable prefix, the scheduler asks the host's shared store to fetch the
+prompt (``SharedTier.fetch``, one bounded call). If the shared store holds
+more chunks, it pushes them into this engine's store as a transfer, exactly
+as a prefiller pushes to a decoder, and the request loads asynchronously
+(``(n, True)``, a ``LoadPlan`` the worker's Loader completes; chunks the own
+store already had are reserved as present and not sent). One fetch per
+request; a failed load makes vLLM recompute.
+
+    prompt:   | chunk 0 | chunk 1 | chunk 2 | chunk 3 |c4|
+    store:    [ held    ]                               -> released
+    shared:   [ held    ][ held   ][ held   ]           -> Fetch: chunks 1, 2 pushed
+    vLLM:     (waits for the load)                  [ computes ] -> save chunk 3
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.metadata import (
     FabricMetadata,
     LoadPlan,
@@ -60,6 +76,16 @@ class TierClient(Protocol):
     def lookup(self, request_id: str, token_ids: list[int]) -> int:
         """Leading full chunks of ``token_ids`` held, now held for the request
         (0 when the worker cannot be asked)."""
+        ...
+
+
+class SharedTier(Protocol):
+    """The scheduler's line to the host's shared store."""
+
+    def fetch(self, transfer_id: str, token_ids: list[int], min_chunks: int) -> int:
+        """Leading full chunks of ``token_ids`` the shared store now pushes into
+        this engine as ``transfer_id``; 0 when it pushes nothing (it holds at
+        most ``min_chunks``, or it cannot be asked)."""
         ...
 
 
@@ -89,6 +115,7 @@ class _Receiving:
     transfer_id: str
     num_tokens: int
     num_local_tokens: int
+    shared: bool = False  # a fetch from the shared store, not a PD transfer
 
 
 @dataclass
@@ -108,6 +135,7 @@ class FabricScheduler:
         produce: bool,
         consume: bool,
         tier: TierClient | None = None,
+        shared: SharedTier | None = None,
         clock: Any = time.monotonic,
     ) -> None:
         if config.chunk_tokens % block_size:
@@ -123,7 +151,8 @@ class FabricScheduler:
         # NOTE: a failed load makes vLLM reschedule the request from scratch,
         # asking again; one load attempt per request, then it computes.
         self._attempted: set[str] = set()
-        self.tier, self._clock = tier, clock
+        self.tier, self.shared, self._clock = tier, shared, clock
+        self.counters = FabricCounters()
         self._hits: dict[str, _Hit] = {}
         self._local_loads: list[LocalLoad] = []
         self._releases: list[str] = []
@@ -142,14 +171,41 @@ class FabricScheduler:
         if self.tier is None or usable <= num_computed_tokens:
             self._drop_hit(rid)
             return 0, False
+        fetching = self._receiving.get(rid)
+        if fetching is not None:  # asked again while it waits for blocks
+            if fetching.num_tokens > num_computed_tokens:
+                fetching.num_local_tokens = num_computed_tokens
+                return fetching.num_tokens - num_computed_tokens, True
+            del self._receiving[rid]
         hit = self._hits.get(rid)
         now = self._clock()
         if hit is None or now - hit.at > self._hit_refresh_s:
             chunks = self.tier.lookup(rid, tokens[:usable])
             hit = self._hits[rid] = _Hit(min(chunks * chunk_tokens, usable), now)
+        have = max(hit.tokens, num_computed_tokens)
+        if have < usable and (fetched := self._fetch_shared(rid, tokens[:usable], have)):
+            self._receiving[rid] = _Receiving(
+                fetched.transfer_id, fetched.num_tokens, num_computed_tokens, shared=True
+            )
+            return fetched.num_tokens - num_computed_tokens, True
         if hit.tokens <= num_computed_tokens:
             return 0, False
         return hit.tokens - num_computed_tokens, False
+
+    def _fetch_shared(self, rid: str, tokens: list[int], have: int) -> _Receiving | None:
+        """Ask the shared store for more than the ``have`` tokens held here
+        (once per request); on a longer hit, drop the own store's hold."""
+        if self.shared is None or rid in self._attempted:
+            return None
+        chunk_tokens = self.config.chunk_tokens
+        transfer_id = f"shared-{rid}-{uuid.uuid4().hex[:8]}"
+        chunks = self.shared.fetch(transfer_id, tokens, have // chunk_tokens)
+        num_tokens = min(chunks * chunk_tokens, len(tokens))
+        if num_tokens <= have:
+            return None
+        self._attempted.add(rid)
+        self._drop_hit(rid)  # NOTE: chunks the store still has are reserved as present
+        return _Receiving(transfer_id, num_tokens, 0, shared=True)
 
     def _drop_hit(self, rid: str) -> None:
         hit = self._hits.pop(rid, None)
@@ -208,7 +264,14 @@ class FabricScheduler:
             first = recv.num_local_tokens // self.block_size
             last = -(-(recv.num_local_tokens + num_external_tokens) // self.block_size)
             self._loads.append(
-                LoadPlan(rid, recv.transfer_id, first, list(block_ids[first:last]), recv.num_tokens)
+                LoadPlan(
+                    rid,
+                    recv.transfer_id,
+                    first,
+                    list(block_ids[first:last]),
+                    recv.num_tokens,
+                    shared=recv.shared,
+                )
             )
         params = request.kv_transfer_params or {}
         if rid in self._sending:

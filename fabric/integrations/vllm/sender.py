@@ -5,6 +5,11 @@ that computed it and hands (request, chunk index, slot) over; this thread
 owns every network call, so a slow or dead decoder never blocks a model
 step. Failures are logged and counted; the decoder then times out (or is
 told by a Cancel) and recomputes.
+
+A second instance pushes the same chunks into the host's shared store
+(:class:`SenderCounters` names its counters, ``prepare`` attaches before the
+first Reserve, ``backoff_s`` skips a dead store for a while): on its own
+thread, so a slow shared store never delays a push to a decoder.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fabric.errors import FabricError
+from fabric.errors import FabricError, ReservationRefused
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.counters import FabricCounters
@@ -24,6 +30,28 @@ if TYPE_CHECKING:
     from fabric.transfer import PeerLink, PendingPush, RemoteReservation, TransferClient
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SenderCounters:
+    """Which counters a sender adds to. ``count_present``: a chunk the
+    receiver already had counts as sent (a decoder push) or not (the shared
+    store, where only the chunks it lacked are news)."""
+
+    sent: str = "chunks_sent"
+    bytes: str = "bytes_sent"
+    failures: str = "push_failures"
+    count_present: bool = True
+    write_seconds: str | None = "chunk_write_seconds"
+
+
+SHARED_STORE_COUNTERS = SenderCounters(
+    sent="shared_store_saved_chunks",
+    bytes="shared_store_saved_bytes",
+    failures="shared_store_failures",
+    count_present=False,
+    write_seconds=None,
+)
 
 
 @dataclass
@@ -57,13 +85,19 @@ class PushSender:
         *,
         lease_ms: int,
         push_timeout_s: float,
+        names: SenderCounters = SenderCounters(),
+        prepare: Callable[[str], None] | None = None,
+        backoff_s: float = 0.0,
+        name: str = "fabric-push",
     ) -> None:
         self.client, self.store, self.counters = client, store, counters
         self.lease_ms, self.push_timeout_s = lease_ms, push_timeout_s
+        self.names, self.prepare, self.backoff_s = names, prepare, backoff_s
+        self._skip_until = 0.0
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._jobs: dict[str, PushJob] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fabric-push", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------- model thread
@@ -118,11 +152,22 @@ class PushSender:
                 self._maybe_drop(job)
 
     def _reserve(self, job: PushJob) -> None:
+        if time.monotonic() < self._skip_until:
+            job.failed = True  # the receiver failed recently: skip, quietly
+            self._maybe_drop(job)
+            return
         try:
+            if self.prepare is not None:
+                self.prepare(job.endpoint)
             job.link = self.client.connect(job.endpoint)
             job.res = job.link.reserve(job.transfer_id, job.keys, job.nbytes, self.lease_ms)
             job.last_heartbeat = time.monotonic()
         except FabricError as exc:
+            self._skip_until = time.monotonic() + self.backoff_s
+            if self.backoff_s and not isinstance(exc, ReservationRefused):
+                # NOTE: a shared store may come back (restarted) with a new
+                # data plane: handshake again next time.
+                self.client.disconnect(job.endpoint)
             self._fail(job, f"reserve on {job.endpoint} failed: {exc}")
 
     def _write(self, req_id: str, index: int, slot: int) -> None:
@@ -152,8 +197,7 @@ class PushSender:
                     continue
                 if done:
                     self.store.release_slots([slot])
-                    self.counters.add(chunks_sent=1, bytes_sent=push.nbytes)
-                    self.counters.observe("chunk_write_seconds", now - started)
+                    self._count_sent(push.nbytes, now - started)
                 elif now - started > self.push_timeout_s:
                     self.store.release_slots([slot])
                     self._fail(job, f"write not done in {self.push_timeout_s} s")
@@ -162,6 +206,13 @@ class PushSender:
             job.inflight = still
             self._heartbeat(job, now)
             self._maybe_drop(job)
+
+    def _count_sent(self, nbytes: int, seconds: float) -> None:
+        names = self.names
+        if nbytes or names.count_present:
+            self.counters.add(**{names.sent: 1, names.bytes: nbytes})
+        if names.write_seconds is not None:
+            self.counters.observe(names.write_seconds, seconds)
 
     def _heartbeat(self, job: PushJob, now: float) -> None:
         # NOTE: a long prefill (tens of seconds on a CPU) must not let the
@@ -188,7 +239,7 @@ class PushSender:
         if job.failed:
             return
         job.failed = True
-        self.counters.add(push_failures=1)
+        self.counters.add(**{self.names.failures: 1})
         logger.warning("fabric push %s (request %s): %s", job.transfer_id, job.req_id, why)
         if job.link is not None and job.res is not None:
             try:

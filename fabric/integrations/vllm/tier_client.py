@@ -7,6 +7,9 @@ full chunks of a prompt it holds, holding them for the request. A rank that
 does not answer within ``lookup_timeout_ms`` counts as a miss: vLLM computes
 the prompt, nothing waits longer than that, and the tier is skipped for
 ``BACKOFF_S`` so a dead worker costs one timeout, not one per request.
+
+:class:`SharedTierClient` asks the host's shared store, on the same terms,
+to fetch a prompt into this engine's store (rank 0's endpoint).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-from fabric.errors import FabricError
+from fabric.errors import FabricError, TransferError
 from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.counters import FabricCounters
 from fabric.transfer.lookup import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -57,6 +61,11 @@ class WorkerTierClient:
         for client in self._clients or []:
             client.close()
 
+    def endpoint(self) -> str | None:
+        """Rank 0's control endpoint (where a shared store pushes fetched chunks)."""
+        endpoints = self._endpoints()
+        return endpoints[0] if endpoints else None
+
     def _connect(self) -> list[StoreClient]:
         if self._clients is None:
             endpoints = self._endpoints()
@@ -89,3 +98,55 @@ class WorkerTierClient:
             except OSError:
                 return None
         return endpoints
+
+
+class SharedTierClient:
+    """``SharedTier`` over the shared store's control channel.
+
+    Each fetch is one call bounded by ``lookup_timeout_ms``; a failure (no
+    answer, a refusal, no endpoint yet) is counted and the shared store
+    skipped for ``BACKOFF_S``.
+    """
+
+    def __init__(
+        self, config: ConnectorConfig, worker: WorkerTierClient, counters: FabricCounters
+    ) -> None:
+        self.config, self.worker, self.counters = config, worker, counters
+        self._client: StoreClient | None = None
+        self._skip_until = 0.0
+
+    def fetch(self, transfer_id: str, token_ids: list[int], min_chunks: int) -> int:
+        if time.monotonic() < self._skip_until:
+            return 0
+        try:
+            client, own = self._connect()
+            reply = client.fetch(
+                transfer_id, token_ids, own, min_chunks=min_chunks, lease_ms=self.config.lease_ms
+            )
+        except FabricError as exc:
+            self._skip_until = time.monotonic() + BACKOFF_S
+            self.counters.add(shared_store_failures=1)
+            logger.warning(
+                "fabric: shared store fetch failed (%s); not asking it for %.0f s", exc, BACKOFF_S
+            )
+            return 0
+        return reply.hit_chunks if reply.pushing else 0
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def _connect(self) -> tuple[StoreClient, str]:
+        own = self.worker.endpoint()
+        endpoint = self.config.shared_store_endpoint()
+        if own is None or endpoint is None:
+            missing = "this engine's worker endpoint" if own is None else "its endpoint file"
+            raise TransferError(f"shared store {self.config.shared_store}: {missing} not known yet")
+        if self._client is None or self._client.endpoint != endpoint:
+            self.close()
+            self._client = StoreClient(
+                endpoint,
+                timeout_ms=self.config.lookup_timeout_ms,
+                secret=self.config.resolved_secret(),
+            )
+        return self._client, own

@@ -3,7 +3,10 @@
 ``register_kv_caches`` detects the layout and builds the chunk store, the
 reuse tier (optionally with its disk tier), the transfer node (a server on
 ``kv_port`` when this engine receives or keeps a reuse tier), the push
-thread (prefiller) and the load thread (decoder). Per step:
+thread (prefiller) and the load thread (decoder, or any engine with a
+``shared_store``: chunks fetched from it load like a decoder's). With a
+``shared_store`` every full chunk packed into the store is also handed to
+the :class:`SharedSaver`'s push thread. Per step:
 
 - ``start_load_kv``: unpack the store hits the scheduler held for new
   requests (LocalLoads, synchronous, before the forward pass); hand new
@@ -26,6 +29,7 @@ from fabric.errors import CapacityError, ConfigError
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.loader import Loader
 from fabric.integrations.vllm.sender import PushJob, PushSender
+from fabric.integrations.vllm.shared import SharedSaver
 from fabric.kv import KVLayout, chunk_keys, pack, unpack
 from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
@@ -39,6 +43,21 @@ if TYPE_CHECKING:
     from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChunk, SendPlan
 
 logger = logging.getLogger(__name__)
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The control endpoint of TP rank ``rank`` of the decoder at ``endpoint``.
+
+    The proxy names a decoder by its rank-0 endpoint (``tcp://host:kv_port``);
+    rank r of a tensor-parallel decoder binds ``kv_port + r`` and holds the
+    r-th shard, which rank r of the prefiller produces.
+    """
+    if rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) + rank < 65536:
+        raise ConfigError(f"decode_kv_endpoint {endpoint!r}: no port to offset for TP rank {rank}")
+    return f"{head}:{int(port) + rank}"
 
 
 def endpoint_file(engine_id: str, rank: int) -> Path:
@@ -72,11 +91,18 @@ class FabricWorker:
         self.sender: PushSender | None = None
         self.loader: Loader | None = None
         self.tier: TieredStore | None = None
+        self.shared: SharedSaver | None = None
         self.engine_id = engine_id
+        if config.shared_store is not None and tp_size > 1:
+            raise ConfigError(
+                "kv_connector_extra_config.shared_store: supported with tensor parallel size 1 "
+                f"only (this engine has {tp_size})"
+            )
         self._keys: dict[str, list[bytes]] = {}
         self._save_only: set[str] = set()
         self._load_errors: set[int] = set()
         self._tier_seen: dict[str, int] = {}
+        self._shared_chunks: dict[str, int] = {}  # request -> full chunks it shares
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -131,7 +157,17 @@ class FabricWorker:
                 lease_ms=self.config.lease_ms,
                 push_timeout_s=self.config.push_timeout_s,
             )
-        if self.consume:
+        if self.config.shared_store is not None:
+            self.shared = SharedSaver(
+                self.config,
+                self.node.client,
+                store,
+                self.counters,
+                fingerprint=layout.fingerprint(),
+                chunk_bytes=slot_bytes,
+                own_endpoint=self.node.endpoint,
+            )
+        if self.consume or self.shared is not None:
             assert self.node.server is not None
             self.loader = Loader(
                 self.node.server,
@@ -278,13 +314,24 @@ class FabricWorker:
         assert self.layout is not None
         keys = chunk_keys(plan.token_ids, self.config.chunk_tokens, self.layout.fingerprint())
         self._keys[plan.req_id] = keys
+        if self.shared is not None:
+            full = len(plan.token_ids) // self.config.chunk_tokens
+            self._shared_chunks[plan.req_id] = full
+            self.shared.begin(plan.req_id, keys[:full])
         if plan.endpoint is None or plan.transfer_id is None:
             self._save_only.add(plan.req_id)
             return
         if self.sender is None:
             raise ConfigError("a push reached a worker that does not produce KV")
         nbytes = [self.layout.chunk_nbytes(n) for n in plan.chunk_blocks]
-        self.sender.begin(PushJob(plan.req_id, plan.transfer_id, plan.endpoint, keys, nbytes))
+        try:
+            endpoint = rank_endpoint(plan.endpoint, self.tp_rank)
+        except ConfigError as exc:
+            logger.warning("fabric push %s: %s; the decoder recomputes", plan.req_id, exc)
+            self.counters.add(push_failures=1)
+            self._save_only.add(plan.req_id)  # still kept for reuse here
+            return
+        self.sender.begin(PushJob(plan.req_id, plan.transfer_id, endpoint, keys, nbytes))
 
     def _save_chunk(self, chunk: SaveChunk) -> None:
         assert self.layout is not None
@@ -317,9 +364,18 @@ class FabricWorker:
             self.store.commit(slot, key, nbytes)
             slots = self.store.acquire([key])
         if slots:
+            self._share(chunk.req_id, chunk.index, key)
             self.sender.chunk(chunk.req_id, chunk.index, slots[0])
         if chunk.index == len(keys) - 1:
             self._keys.pop(chunk.req_id, None)
+
+    def _share(self, req_id: str, index: int, key: bytes) -> None:
+        """Hand a full chunk present in the store to the shared store's push thread."""
+        if self.shared is None or index >= self._shared_chunks.get(req_id, 0):
+            return
+        slots = self.store.acquire([key])  # a ref of its own; the push thread releases it
+        if slots:
+            self.shared.chunk(req_id, index, slots[0])
 
     def _save_local(self, chunk: SaveChunk, keys: list[bytes]) -> None:
         """Reuse tier: pack a computed chunk into the store unless it is there."""
@@ -329,6 +385,7 @@ class FabricWorker:
             self._keys.pop(chunk.req_id, None)
             self._save_only.discard(chunk.req_id)
         if self.store.contains(key):
+            self._share(chunk.req_id, chunk.index, key)
             return
         try:
             slot = self.store.allocate(key)
@@ -348,14 +405,18 @@ class FabricWorker:
             raise
         self.store.commit(slot, key, nbytes)
         self.counters.add(chunks_saved=1, bytes_saved=nbytes)
+        self._share(chunk.req_id, chunk.index, key)
 
     def get_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last step."""
         if self.sender is not None and finished_req_ids:
             self.sender.finished(finished_req_ids)
+        if self.shared is not None and finished_req_ids:
+            self.shared.finished(finished_req_ids)
         for rid in finished_req_ids:
             self._keys.pop(rid, None)
             self._save_only.discard(rid)
+            self._shared_chunks.pop(rid, None)
         if self.loader is None:
             return set(), set()
         return self.loader.take_results()
@@ -365,6 +426,8 @@ class FabricWorker:
             self.loader.close()
         if self.sender is not None:
             self.sender.close()
+        if self.shared is not None:
+            self.shared.close()
         if self.node is not None:
             self.node.close()
         if self.tier is not None:

@@ -1,0 +1,385 @@
+"""The shared store: one long-lived chunk store per host that engines attach to.
+
+An engine's own store lives and dies with the engine. The shared store is a
+process of its own (``fabric store serve``): engines push every full chunk
+they compute into it, and a fresh engine -- another engine id, an empty
+store -- fetches the prefixes it holds, so the tier outlives any one engine::
+
+    engine A (worker)                 shared store                engine B (worker)
+    -----------------                 ------------                -----------------
+    Attach(fingerprint, chunk   ----> first one fixes the layout,
+      tokens/bytes, endpoint)         others must match it
+    Reserve / WRITE / notify    ====> slots filled, verified
+                                      (disk write-behind)
+                                      <---- Attach ------------------------
+                                      <---- Fetch(tid, tokens, endpoint) --  (scheduler)
+                                      Reserve / WRITE / notify ==========>  slots filled;
+                                                                            the Loader
+                                                                            unpacks tid
+
+Geometry: the slot size is the chunk size of the first engine that
+attaches (``Attach.chunk_bytes``), so an operator never has to compute KV
+bytes per chunk. The memory (``mem_bytes``) is allocated and registered with
+the data plane at start, as one region; at the first Attach it is carved
+into slots of that size (:meth:`ChunkPool.carve`, same registration). Until
+then Hellos and Fetches are refused. An engine whose fingerprint, chunk
+tokens or chunk bytes differ is refused with ``layout_mismatch`` naming the
+field; chunks are only ever pushed to engines that attached, so a Fetch can
+never write a foreign layout into an engine.
+
+Fetches are served off the control loop: the loop looks the prompt up and
+holds the hit chunks (reading disk hits back in), and a fetch thread
+reserves, writes and waits on the engine, bounded by ``push_timeout_s``.
+A failure is logged and counted; the engine's Loader then times out and
+vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from fabric.errors import ConfigError, FabricError
+from fabric.store.disk import DiskTier
+from fabric.store.index import ChunkStore
+from fabric.store.pool import ChunkPool
+from fabric.store.records import StoreConfig
+from fabric.store.tier import TieredStore
+from fabric.transfer import protocol as proto
+from fabric.transfer.client import TransferClient
+from fabric.transfer.config import TransferConfig, Transport, open_data_plane
+from fabric.transfer.dataplane import DataPlane
+from fabric.transfer.node import default_agent_name
+from fabric.transfer.server import TransferServer
+
+logger = logging.getLogger(__name__)
+
+UNBOUND = "unbound"  # the fingerprint of a store no engine has attached to yet
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """What ``fabric store serve`` takes.
+
+    ``mem_bytes``: the memory tier (all of it registered with the data plane
+    at start). ``disk_path``/``disk_gib``: the optional disk tier, which
+    survives restarts of the store. ``host``/``port``: the control channel
+    (port 0 = a free one; ``endpoint_file`` receives it). ``secret``: signs
+    the control channel like the engines' (they need the same one).
+    """
+
+    mem_bytes: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    transport: Transport = "auto"
+    disk_path: str | None = None
+    disk_gib: float = 16.0
+    endpoint_file: str | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    lease_ms: int = 30_000
+    push_timeout_s: float = 30.0
+    ucx_net_devices: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mem_bytes < 1:
+            raise ConfigError(f"mem_bytes: must be >= 1, got {self.mem_bytes}")
+        if self.disk_gib <= 0:
+            raise ConfigError(f"disk_gib: must be > 0, got {self.disk_gib}")
+        if self.push_timeout_s <= 0:
+            raise ConfigError(f"push_timeout_s: must be > 0, got {self.push_timeout_s}")
+
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig(
+            transport=self.transport,
+            host=self.host,
+            port=self.port,
+            lease_ms=self.lease_ms,
+            ucx_net_devices=self.ucx_net_devices or os.environ.get("UCX_NET_DEVICES"),
+            secret=self.secret,
+        )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The chunk layout the store serves, fixed by the first Attach."""
+
+    fingerprint: str
+    chunk_tokens: int
+    chunk_bytes: int
+
+    def mismatch(self, msg: proto.Attach) -> str | None:
+        """Why an engine's Attach does not fit, or None."""
+        for name in ("fingerprint", "chunk_tokens", "chunk_bytes"):
+            mine, theirs = getattr(self, name), getattr(msg, name)
+            if mine != theirs:
+                return (
+                    f"{name}: engine has {theirs!r}, the shared store serves {mine!r} "
+                    "(set by the first engine that attached)"
+                )
+        return None
+
+
+@dataclass
+class ServiceCounters:
+    """Monotonic counters of the shared store (in ``Stats`` as ``service_*``)."""
+
+    attaches: int = 0
+    attach_refused: int = 0
+    fetches: int = 0
+    fetch_pushes: int = 0
+    fetched_chunks: int = 0
+    fetch_failures: int = 0
+
+
+@dataclass(frozen=True)
+class _FetchJob:
+    transfer_id: str
+    endpoint: str
+    keys: list[bytes]
+    lease_ms: int
+
+
+class SharedStore:
+    """The shared store process's state: memory, disk, control channel, fetches."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.geometry: Geometry | None = None
+        self.counters = ServiceCounters()
+        self.tier: TieredStore | None = None
+        self._attached: set[str] = set()
+        # One slot spanning all the memory until the first Attach carves it.
+        self._region = ChunkPool(1, config.mem_bytes)
+        self.store = ChunkStore(StoreConfig(config.mem_bytes, 1), self._region)
+        self.disk = (
+            DiskTier(config.disk_path, int(config.disk_gib * 2**30)) if config.disk_path else None
+        )
+        transfer = config.transfer_config()
+        self.plane = open_data_plane(transfer, default_agent_name("fabric-store"))
+        self._jobs: queue.Queue[_FetchJob | None] = queue.Queue()
+        try:
+            self.plane.register_pool(self._region.base_address, self._region.nbytes, "cpu")
+            self.client = TransferClient(self.store, self.plane, transfer, UNBOUND)
+            self.server = _SharedServer(self, self.store, self.plane, transfer, UNBOUND)
+        except BaseException:
+            self.plane.close()
+            raise
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="fabric-fetch", daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def start(self) -> SharedStore:
+        self.server.start()
+        self._fetcher.start()
+        if self.config.endpoint_file:
+            write_endpoint(Path(self.config.endpoint_file), self.endpoint)
+        return self
+
+    def close(self) -> None:
+        """Stop serving, finish the disk writes queued, release the data plane."""
+        self.server.close()
+        self._jobs.put(None)
+        if self._fetcher.is_alive():
+            self._fetcher.join(timeout=self.config.push_timeout_s + 5)
+        self.client.close()
+        if self.tier is not None:
+            self.tier.close()  # NOTE: its writer drains what is queued first
+        self.plane.close()
+        if self.config.endpoint_file:
+            Path(self.config.endpoint_file).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ control loop
+    def on_attach(self, msg: proto.Attach) -> proto.Message:
+        """Fix the geometry on the first Attach; refuse engines that differ."""
+        if self.geometry is None:
+            try:
+                self._bind(Geometry(msg.fingerprint, msg.chunk_tokens, msg.chunk_bytes))
+            except ConfigError as exc:
+                self.counters.attach_refused += 1
+                return proto.Refused(msg.seq, "", "layout_mismatch", str(exc))
+        assert self.geometry is not None
+        why = self.geometry.mismatch(msg)
+        if why is not None:
+            self.counters.attach_refused += 1
+            logger.warning("refused engine at %s: %s", msg.endpoint, why)
+            return proto.Refused(msg.seq, "", "layout_mismatch", why)
+        self.counters.attaches += 1
+        # NOTE: a restarted engine may come back on the same endpoint with a
+        # new data plane; drop any link to its predecessor.
+        self.client.disconnect(msg.endpoint)
+        self._attached.add(msg.endpoint)
+        logger.info("engine at %s attached", msg.endpoint)
+        pool = self.store.pool
+        return proto.Attached(msg.seq, pool.slot_bytes, pool.num_slots)
+
+    def _bind(self, geometry: Geometry) -> None:
+        if geometry.chunk_tokens < 1 or geometry.chunk_bytes < 1:
+            raise ConfigError(f"chunk_tokens/chunk_bytes: must be >= 1 ({geometry})")
+        pool = ChunkPool.carve(self._region, geometry.chunk_bytes)
+        store = ChunkStore(StoreConfig(pool.slot_bytes, pool.num_slots), pool)
+        tier = TieredStore(
+            store,
+            chunk_tokens=geometry.chunk_tokens,
+            fingerprint=geometry.fingerprint,
+            disk=self.disk,
+        )
+        # NOTE: runs on the server's loop thread before any Hello was accepted,
+        # so no reservation, write or verification can see the old store.
+        self.store, self.tier, self.geometry = store, tier, geometry
+        self.server.store, self.server.tier = store, tier
+        self.server.fingerprint = self.client.fingerprint = geometry.fingerprint
+        self.client.store = store
+        logger.info(
+            "shared store bound: %d-token chunks of %.2f MiB, %d slots, layout %s",
+            geometry.chunk_tokens,
+            geometry.chunk_bytes / 2**20,
+            pool.num_slots,
+            geometry.fingerprint[:16],
+        )
+
+    def on_fetch(self, msg: proto.Fetch) -> proto.Message:
+        """Hold the prompt's leading chunks; queue their push if there are enough."""
+        self.counters.fetches += 1
+        tier = self.tier
+        if tier is None:
+            return proto.Refused(msg.seq, msg.transfer_id, "unbound", "no engine attached yet")
+        if msg.endpoint not in self._attached:
+            return proto.Refused(
+                msg.seq, msg.transfer_id, "not_attached", f"{msg.endpoint} has not attached"
+            )
+        hit = tier.lookup(msg.token_ids, hold=msg.transfer_id, lease_ms=msg.lease_ms)
+        pushing = hit.chunks > msg.min_chunks
+        if pushing:
+            keys = tier.keys(msg.token_ids)[: hit.chunks]
+            self._jobs.put(_FetchJob(msg.transfer_id, msg.endpoint, keys, msg.lease_ms))
+        else:
+            tier.release_hold(msg.transfer_id)
+        return proto.Fetching(msg.seq, msg.transfer_id, tier.chunk_tokens, hit.chunks, pushing)
+
+    # ------------------------------------------------------------ fetch thread
+    def _fetch_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._push(job)
+            except Exception:
+                self.counters.fetch_failures += 1
+                logger.exception("fetch %s failed", job.transfer_id)
+
+    def _push(self, job: _FetchJob) -> None:
+        assert self.tier is not None
+        slots = self.tier.take_hold(job.transfer_id)
+        if slots is None or len(slots) < len(job.keys):
+            self.counters.fetch_failures += 1
+            logger.warning("fetch %s: its chunks were let go before the push", job.transfer_id)
+            if slots:
+                self.store.release_slots(slots)
+            return
+        link = None
+        try:
+            link = self.client.connect(job.endpoint)
+            res = link.push(
+                job.transfer_id,
+                job.keys,
+                slots,
+                timeout=self.config.push_timeout_s,
+                lease_ms=job.lease_ms,
+            )
+        except FabricError as exc:
+            self.counters.fetch_failures += 1
+            logger.warning("fetch %s to %s failed: %s", job.transfer_id, job.endpoint, exc)
+            # NOTE: the engine may have restarted; handshake again next time.
+            self.client.disconnect(job.endpoint)
+            return
+        finally:
+            self.store.release_slots(slots)
+        self.counters.fetch_pushes += 1
+        self.counters.fetched_chunks += len(res.missing)
+
+
+class _SharedServer(TransferServer):
+    """A TransferServer that also answers Attach and Fetch, and refuses
+    Hellos until the store has a layout."""
+
+    def __init__(
+        self,
+        service: SharedStore,
+        store: ChunkStore,
+        plane: DataPlane,
+        config: TransferConfig,
+        fingerprint: str,
+    ) -> None:
+        super().__init__(store, plane, config, fingerprint)
+        self.service = service
+
+    def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message:
+        if isinstance(msg, proto.Attach):
+            return self.service.on_attach(msg)
+        if isinstance(msg, proto.Fetch):
+            return self.service.on_fetch(msg)
+        if isinstance(msg, proto.Hello) and self.service.geometry is None:
+            self.stats.refused += 1
+            reason = "the shared store has no layout yet: an engine must Attach first"
+            return proto.Refused(msg.seq, "", "layout_mismatch", reason)
+        return super()._dispatch(identity, msg)
+
+    def _step(self, poller: zmq.Poller, next_expire: float) -> float:
+        next_expire = super()._step(poller, next_expire)
+        self._release_finished()
+        return next_expire
+
+    def _release_finished(self) -> None:
+        """Nobody reads a push into the shared store: once it is finished
+        (verified, failed or expired) its reservation is let go, the verified
+        chunks staying in the store."""
+        with self._cond:
+            done = [rid for rid, prog in self._progress.items() if prog.finished]
+        for rid in done:
+            self.release(rid)
+
+    def snapshot(self) -> dict[str, int]:
+        counters = dataclasses.asdict(self.service.counters)
+        return super().snapshot() | {f"service_{k}": int(v) for k, v in counters.items()}
+
+
+def write_endpoint(path: Path, endpoint: str) -> None:
+    """Leave ``endpoint`` in ``path`` atomically (readers never see half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(endpoint + "\n")
+    os.replace(tmp, path)
+
+
+def serve(config: ServiceConfig, announce: Callable[[str], None] = print) -> int:
+    """Run a shared store until SIGTERM or SIGINT; then stop it cleanly."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    service = SharedStore(config).start()
+    try:
+        disk = f", disk {config.disk_path}" if config.disk_path else ""
+        announce(
+            f"fabric store: serving on {service.endpoint} ({service.plane.kind}, "
+            f"{config.mem_bytes / 2**30:.2f} GiB memory{disk})"
+        )
+        while not stop.wait(3600):
+            pass
+    finally:
+        announce("fabric store: stopping")
+        service.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
