@@ -299,6 +299,8 @@ def summarize(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # NOTE: SIGTERM unwinds like Ctrl-C, so `fabric up` and its engines are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.workdir is None:
         with tempfile.TemporaryDirectory(prefix="fabric-soak-") as tmp:
             result = run(args, Path(tmp))

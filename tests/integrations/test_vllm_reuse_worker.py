@@ -47,6 +47,7 @@ def save_prompt(w: FabricWorker, rid: str, blocks: list[int]) -> None:
     counts = [CB] * 4
     saves = [SaveChunk(rid, i, blocks[i * CB : (i + 1) * CB]) for i in range(4)]
     w.save(FabricMetadata(sends=[SendPlan(rid, None, None, TOKENS[: 4 * CT], counts)], saves=saves))
+    w.start_load(FabricMetadata())  # the next step: joins the packing (async_save)
 
 
 def tier_client(w: FabricWorker) -> WorkerTierClient:
@@ -194,4 +195,30 @@ def test_endpoint_file_lets_the_scheduler_find_a_free_port_and_goes_away(tmp_pat
     assert not path.exists()
     client = tier_client(w)  # nobody there any more: a miss, not a hang
     assert client.lookup("r1", TOKENS[: 4 * CT]) == 0
+    client.close()
+
+
+def test_async_save_packs_before_the_next_forward_overwrites_the_blocks(
+    worker: FabricWorker,
+) -> None:
+    """The chunks of a step are packed on the fabric-pack thread, and the next
+    step's ``start_load`` joins it: blocks rewritten after that (a finished
+    request's blocks handed to another) do not reach the store."""
+    assert worker._saver is not None
+    src = list(range(0, 16))
+    original = [layer[src].clone() for layer in worker.kv_caches]
+    counts = [CB] * 4
+    saves = [SaveChunk("r1", i, src[i * CB : (i + 1) * CB]) for i in range(4)]
+    sends = [SendPlan("r1", None, None, TOKENS[: 4 * CT], counts)]
+    worker.save(FabricMetadata(sends=sends, saves=saves))
+    worker.get_results({"r1"})  # the request finished in the same step
+    worker.start_load(FabricMetadata())
+    for layer in worker.kv_caches:  # the next forward writes the freed blocks
+        layer[src] = 0
+    client = tier_client(worker)
+    assert client.lookup("r2", TOKENS[: 4 * CT]) == 4
+    dst = list(range(20, 36))
+    worker.start_load(FabricMetadata(local_loads=[LocalLoad("r2", 0, dst, 4)]))
+    for layer, want in zip(worker.kv_caches, original, strict=True):
+        assert torch.equal(layer[dst], want)
     client.close()

@@ -21,6 +21,9 @@ class ConnectorConfig:
     ``load_timeout_s``: how long a decoder waits for pushed KV before it
     recomputes. ``unknown_transfer_grace_s``: how long it waits for a transfer
     it has not heard of at all. ``pack_threads``: copy threads per pack.
+    ``async_save``: pack computed chunks on a thread of their own while the
+    engine does its between-step work, joined before the next forward (off:
+    inside ``wait_for_save``, as the step ends).
     ``host``: where the fabric server (control channel and TCP data plane)
     binds.
 
@@ -43,6 +46,7 @@ class ConnectorConfig:
     unknown_transfer_grace_s: float = 2.0
     push_timeout_s: float = 30.0
     pack_threads: int = 1
+    async_save: bool = True
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
     reuse: bool = True

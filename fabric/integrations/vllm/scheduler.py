@@ -2,9 +2,10 @@
 
 Prefiller (request carries ``do_remote_decode``): every step, chunks whose
 tokens are all computed once the step has run become ``SaveChunk``s; the
-worker packs them at the end of that step and pushes them while the rest of
-the prompt is still computing. Nothing holds vLLM's blocks past the step
-that computed them, so ``request_finished`` never delays a free.
+worker packs them after that step (on its pack thread, joined before the
+next forward) and pushes them while the rest of the prompt is still
+computing. Nothing holds vLLM's blocks past the next forward, so
+``request_finished`` never delays a free.
 
     prompt:   | chunk 0 | chunk 1 | chunk 2 |c3|    (chunk_tokens each)
     step 1:   [ computed ][....]                  -> save chunk 0

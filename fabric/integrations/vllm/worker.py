@@ -22,8 +22,10 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fabric.errors import CapacityError, ConfigError
 from fabric.integrations.vllm.counters import FabricCounters
@@ -103,6 +105,12 @@ class FabricWorker:
         self._load_errors: set[int] = set()
         self._tier_seen: dict[str, int] = {}
         self._shared_chunks: dict[str, int] = {}  # request -> full chunks it shares
+        # NOTE: one thread, so saves and the bookkeeping of finished requests
+        # run in the order the steps produced them (see ``save``).
+        self._saver = (
+            ThreadPoolExecutor(1, thread_name_prefix="fabric-pack") if config.async_save else None
+        )
+        self._saving: list[Future[None]] = []
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -228,6 +236,7 @@ class FabricWorker:
 
     # ------------------------------------------------------------ per step
     def start_load(self, meta: FabricMetadata) -> None:
+        self.flush()  # NOTE: before this forward writes any block (see ``save``)
         for rid in meta.releases:
             if self.tier is not None:
                 self.tier.release_hold(rid)
@@ -305,10 +314,50 @@ class FabricWorker:
         return errors
 
     def save(self, meta: FabricMetadata) -> None:
+        """Pack the chunks this step completed (and start their pushes).
+
+        With ``async_save`` the packing runs on the ``fabric-pack`` thread
+        while the engine samples, returns the step and schedules the next
+        one, and ``start_load`` joins it before the next forward. That join
+        is what makes it safe: vLLM writes KV only during a forward, so
+        blocks it frees or hands to another request after this step (a
+        finished or preempted request) still hold this step's KV until the
+        pack is done.
+        """
+        if not meta.sends and not meta.saves:
+            return
+        if self._saver is None:
+            self._save_now(meta)
+        else:
+            self._submit(self._save_now, meta)
+
+    def _save_now(self, meta: FabricMetadata) -> None:
         for plan in meta.sends:
             self._begin(plan)
         for chunk in meta.saves:
             self._save_chunk(chunk)
+
+    def _submit(self, fn: Callable[[Any], None], arg: Any) -> None:
+        assert self._saver is not None
+        self._saving = [f for f in self._saving if not f.done()]
+        future = self._saver.submit(fn, arg)
+        future.add_done_callback(self._saved)
+        self._saving.append(future)
+
+    def _saved(self, future: Future[None]) -> None:
+        """A failed save is logged and counted; the engine keeps serving and
+        those chunks are simply not kept or pushed."""
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None:
+            logger.error("fabric: packing a step's chunks failed", exc_info=exc)
+            self.counters.add(push_failures=1)
+
+    def flush(self) -> None:
+        """Wait until every save handed over so far is done (packed, handed
+        to the push threads)."""
+        saving, self._saving = self._saving, []
+        if saving:
+            wait(saving)
 
     def _begin(self, plan: SendPlan) -> None:
         assert self.layout is not None
@@ -409,6 +458,16 @@ class FabricWorker:
 
     def get_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last step."""
+        if finished_req_ids:
+            if self._saver is None:
+                self._forget(finished_req_ids)
+            else:  # after the saves of the same step, on the same thread
+                self._submit(self._forget, set(finished_req_ids))
+        if self.loader is None:
+            return set(), set()
+        return self.loader.take_results()
+
+    def _forget(self, finished_req_ids: set[str]) -> None:
         if self.sender is not None and finished_req_ids:
             self.sender.finished(finished_req_ids)
         if self.shared is not None and finished_req_ids:
@@ -417,11 +476,11 @@ class FabricWorker:
             self._keys.pop(rid, None)
             self._save_only.discard(rid)
             self._shared_chunks.pop(rid, None)
-        if self.loader is None:
-            return set(), set()
-        return self.loader.take_results()
 
     def shutdown(self) -> None:
+        self.flush()
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
         if self.loader is not None:
             self.loader.close()
         if self.sender is not None:
