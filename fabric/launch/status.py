@@ -51,7 +51,18 @@ def tables(status: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
         ["disaggregate_min_prompt_tokens", _cell(status.get("disaggregate_min_prompt_tokens"))],
         *([name, _cell(value)] for name, value in status.get("counters", {}).items()),
     ]
-    return [("engines", list(ENGINE_COLUMNS), engines), ("proxy", ["key", "value"], proxy)]
+    out = [("engines", list(ENGINE_COLUMNS), engines)]
+    shared = status.get("shared_store")
+    if isinstance(shared, dict):
+        rows = [["endpoint", _cell(shared.get("endpoint"))], ["store", _store_cell(shared)]]
+        rows += [
+            [key.removeprefix("service_"), _cell(value)]
+            for key, value in shared.items()
+            if key.startswith("service_")
+        ]
+        out.append(("shared store", ["key", "value"], rows))
+    out.append(("proxy", ["key", "value"], proxy))
+    return out
 
 
 def render_plain(status: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ from fabric.router.policy import Routing
 from fabric.router.prefix import call_store
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from fabric.router.state import ProxyState
+from fabric.transfer.lookup import StoreClient, resolve_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def create_app(topology: TopologyConfig) -> FastAPI:
         EnginePool.from_topology(topology),
         Routing.from_config(topology.proxy),
         store_secret=topology.connector.secret(),
+        shared_store=topology.connector.shared_store,
     )
     app = ProxyApp(
         state,
@@ -216,7 +218,9 @@ async def _metrics(state: ProxyState) -> Response:
 
 async def _status(state: ProxyState) -> Response:
     """What the proxy knows (no health probes): engines with their store
-    occupancy (asked over each kv_port, bounded), policies, counters, in-flight."""
+    occupancy (asked over each kv_port, bounded), the shared store's,
+    policies, counters, in-flight."""
+    shared = asyncio.ensure_future(_shared_store_status(state))
     stores = await asyncio.gather(*(_store_status(state, e) for e in state.pool.engines))
     body = {
         "engines": [
@@ -231,6 +235,7 @@ async def _status(state: ProxyState) -> Response:
             }
             for e, store in zip(state.pool.engines, stores, strict=True)
         ],
+        "shared_store": await shared,
         "policies": {"prefill": state.policy.prefill.name, "decode": state.policy.decode.name},
         "disaggregate_min_prompt_tokens": state.config.disaggregate_min_prompt_tokens,
         "counters": state.counters.as_dict(),
@@ -252,6 +257,37 @@ STORE_STATUS_KEYS = (
     "disk_bytes",
     "disk_budget_bytes",
 )
+
+
+SHARED_STORE_STATUS_KEYS = (
+    "service_attaches",
+    "service_attach_refused",
+    "service_fetches",
+    "service_fetched_chunks",
+    "service_fetch_failures",
+)
+
+
+async def _shared_store_status(state: ProxyState) -> dict[str, object] | None:
+    """The shared store's occupancy and fetch counters, ``{"endpoint", "error"}``
+    when it cannot be asked, None when the topology has none."""
+    if state.shared_store is None:
+        return None
+    endpoint = resolve_endpoint(state.shared_store)
+    if endpoint is None:
+        return {"endpoint": state.shared_store, "error": "endpoint file missing"}
+    client = state.store_clients.get(endpoint)
+    if client is None:
+        timeout = state.config.lookup_timeout_ms
+        client = state.store_clients[endpoint] = StoreClient(
+            endpoint, timeout_ms=timeout, secret=state.store_secret
+        )
+    try:
+        stats = await asyncio.to_thread(client.stats)
+    except (FabricError, OSError) as exc:
+        return {"endpoint": endpoint, "error": str(exc)}
+    keys = STORE_STATUS_KEYS + SHARED_STORE_STATUS_KEYS
+    return {"endpoint": endpoint} | {key: stats[key] for key in keys if key in stats}
 
 
 async def _store_status(state: ProxyState, engine: Engine) -> dict[str, object] | None:

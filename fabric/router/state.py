@@ -60,6 +60,7 @@ class ProxyState:
         policy: Routing,
         *,
         store_secret: str | None = None,
+        shared_store: str | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -67,6 +68,7 @@ class ProxyState:
         self.counters = Counters()
         self.store_clients: dict[str, StoreClient] = {}  # kv endpoint -> client
         self.store_secret = store_secret  # signs the store clients' frames (connector.secret_env)
+        self.shared_store = shared_store  # the host's shared store (connector.shared_store)
         connect = config.connect_timeout_s
         self.prefill_timeouts = Timeouts(connect, config.prefill_timeout_s)
         self.decode_timeouts = Timeouts(connect, config.decode_timeout_s)

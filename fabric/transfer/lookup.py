@@ -29,6 +29,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import zmq
 
@@ -37,6 +38,22 @@ from fabric.transfer import protocol as proto
 from fabric.transfer.client import decode_reply
 
 DEFAULT_TIMEOUT_MS = 2000
+
+
+def resolve_endpoint(value: str | None) -> str | None:
+    """A store's control endpoint from ``host:port``, ``tcp://host:port`` or
+    the path of an endpoint file (None while that file is missing)."""
+    value = (value or "").strip()
+    if not value or value.startswith("tcp://"):
+        return value or None
+    host, _, port = value.rpartition(":")
+    if host and port.isdigit() and "/" not in value:
+        return f"tcp://{value}"
+    try:
+        text = Path(value).read_text().strip()
+    except OSError:
+        return None
+    return text if text.startswith("tcp://") else f"tcp://{text}" if text else None
 
 
 class StoreClient:

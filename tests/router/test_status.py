@@ -10,9 +10,10 @@ import pytest
 
 from fabric.cli import main
 from fabric.launch.status import DEFAULT_URL, proxy_url, render_plain
+from fabric.store.service import ServiceConfig, SharedStore
 
 from .conftest import StartEngine, StartProxy
-from .servers import dead_url
+from .servers import Proxy, ServerThread, dead_url, topology
 from .test_pd_flow import COMPLETION
 
 
@@ -88,3 +89,40 @@ def test_plain_table_is_aligned() -> None:
 
     assert "p     prefill  http://a  yes      2            -" in text
     assert "requests" in text and "in_flight" in text
+
+
+def test_status_shows_the_shared_store(
+    start_engine: StartEngine, servers: list[ServerThread], client: httpx.Client
+) -> None:
+    """A topology with ``connector.shared_store``: ``/fabric/status`` asks the
+    running store (a real ``SharedStore`` over TCP) for its occupancy and
+    fetch counters, and ``fabric status`` draws it as its own table."""
+    store = SharedStore(ServiceConfig(mem_bytes=1 << 20, transport="tcp")).start()
+    try:
+        p, d = start_engine("prefill"), start_engine("decode")
+        config, _ = topology([p.url], [d.url])
+        address = store.endpoint.removeprefix("tcp://")  # host:port, as a YAML gives it
+        connector = config.connector.model_copy(update={"shared_store": address})
+        proxy = Proxy(config.model_copy(update={"connector": connector})).start()
+        servers.append(proxy)
+
+        status = client.get(f"{proxy.url}/fabric/status").json()
+
+        shared = status["shared_store"]
+        assert shared["endpoint"] == store.endpoint
+        assert shared["service_attaches"] == 0 and shared["reserved"] == 0
+        text = render_plain(status)
+        assert "shared store" in text and store.endpoint in text and "attaches" in text
+    finally:
+        store.close()
+    status = client.get(f"{proxy.url}/fabric/status").json()
+    assert "no answer" in status["shared_store"]["error"]  # gone: bounded, reported
+
+
+def test_status_without_a_shared_store_says_none(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    proxy = start_proxy([start_engine("prefill").url], [start_engine("decode").url])
+    status = client.get(f"{proxy.url}/fabric/status").json()
+    assert status["shared_store"] is None
+    assert "shared store" not in render_plain(status)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from fabric.errors import ConfigError
 from fabric.transfer.faults import FaultConfig
+from fabric.transfer.lookup import resolve_endpoint
 
 
 @dataclass(frozen=True)
@@ -89,17 +89,7 @@ class ConnectorConfig:
     def shared_store_endpoint(self) -> str | None:
         """The shared store's control endpoint: ``shared_store`` as a URL, or
         read from the endpoint file it names (None while that file is missing)."""
-        value = (self.shared_store or "").strip()
-        if not value or value.startswith("tcp://"):
-            return value or None
-        host, _, port = value.rpartition(":")
-        if host and port.isdigit() and "/" not in value:
-            return f"tcp://{value}"
-        try:
-            text = Path(value).read_text().strip()
-        except OSError:
-            return None
-        return text if text.startswith("tcp://") else f"tcp://{text}" if text else None
+        return resolve_endpoint(self.shared_store)
 
     def _check_secret(self) -> None:
         if self.secret is not None and self.secret_env is not None:
