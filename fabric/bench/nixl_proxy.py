@@ -39,19 +39,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from fabric.router.errors import INVALID_REQUEST, UPSTREAM_ERROR, error_response
+from fabric.router.requests import one_token_body
 
 # NOTE: a prefill must not stream (vLLM refuses stream_options without stream)
 # and must stop after one token.
-PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "max_completion_tokens")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """What P gets: one token, no stream, and the NixlConnector's "remote decode" params."""
-    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
-    out["max_tokens"] = 1
-    out["stream"] = False
-    out["kv_transfer_params"] = {
+    params = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -59,7 +56,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         "remote_host": None,
         "remote_port": None,
     }
-    return out
+    return one_token_body(body, params)
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:

@@ -38,10 +38,10 @@ from fabric.router.asgi import error_answer
 from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
 from fabric.router.errors import INTERNAL, INVALID_REQUEST, UNAVAILABLE, ProxyError, error_response
 from fabric.router.policy import Routing
-from fabric.router.prefix import call_store
+from fabric.router.prefix import call_store, endpoint_client
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from fabric.router.state import ProxyState
-from fabric.transfer.lookup import StoreClient, resolve_endpoint
+from fabric.transfer.lookup import resolve_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -276,14 +276,8 @@ async def _shared_store_status(state: ProxyState) -> dict[str, object] | None:
     endpoint = resolve_endpoint(state.shared_store)
     if endpoint is None:
         return {"endpoint": state.shared_store, "error": "endpoint file missing"}
-    client = state.store_clients.get(endpoint)
-    if client is None:
-        timeout = state.config.lookup_timeout_ms
-        client = state.store_clients[endpoint] = StoreClient(
-            endpoint, timeout_ms=timeout, secret=state.store_secret
-        )
     try:
-        stats = await asyncio.to_thread(client.stats)
+        stats = await asyncio.to_thread(endpoint_client(state, endpoint).stats)
     except (FabricError, OSError) as exc:
         return {"endpoint": endpoint, "error": str(exc)}
     keys = STORE_STATUS_KEYS + SHARED_STORE_STATUS_KEYS

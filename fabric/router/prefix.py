@@ -116,12 +116,17 @@ async def call_store(state: ProxyState, engine: Engine, method: str, *args: Any,
 
 def store_client(state: ProxyState, engine: Engine) -> StoreClient:
     assert engine.kv_endpoint is not None
+    return endpoint_client(state, engine.kv_endpoint)
+
+
+def endpoint_client(state: ProxyState, endpoint: str) -> StoreClient:
+    """The proxy's one StoreClient for ``endpoint`` (bounded by ``lookup_timeout_ms``)."""
     clients: dict[str, StoreClient] = state.store_clients
-    client = clients.get(engine.kv_endpoint)
+    client = clients.get(endpoint)
     if client is None:
         timeout = state.config.lookup_timeout_ms
-        client = clients[engine.kv_endpoint] = StoreClient(
-            engine.kv_endpoint, timeout_ms=timeout, secret=state.store_secret
+        client = clients[endpoint] = StoreClient(
+            endpoint, timeout_ms=timeout, secret=state.store_secret
         )
     return client
 

@@ -170,15 +170,21 @@ def is_stream(body: dict[str, Any]) -> bool:
 
 def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_endpoint: str) -> dict[str, Any]:
     """What P gets: one token, no stream, and params naming the decoder."""
-    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
-    out["max_tokens"] = 1
-    out["stream"] = False
-    out["kv_transfer_params"] = {
+    params = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "transfer_id": transfer_id,
         "decode_kv_endpoint": decode_kv_endpoint,
     }
+    return one_token_body(body, params)
+
+
+def one_token_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """``body`` for a prefill-only call: one token, no stream, ``kv_transfer_params``."""
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
+    out["max_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = kv_transfer_params
     return out
 
 

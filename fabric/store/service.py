@@ -58,6 +58,7 @@ from fabric.transfer import protocol as proto
 from fabric.transfer.client import TransferClient
 from fabric.transfer.config import TransferConfig, Transport, open_data_plane
 from fabric.transfer.dataplane import DataPlane
+from fabric.transfer.lookup import write_endpoint
 from fabric.transfer.node import default_agent_name
 from fabric.transfer.server import TransferServer
 
@@ -350,14 +351,6 @@ class _SharedServer(TransferServer):
     def snapshot(self) -> dict[str, int]:
         counters = dataclasses.asdict(self.service.counters)
         return super().snapshot() | {f"service_{k}": int(v) for k, v in counters.items()}
-
-
-def write_endpoint(path: Path, endpoint: str) -> None:
-    """Leave ``endpoint`` in ``path`` atomically (readers never see half of it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(endpoint + "\n")
-    os.replace(tmp, path)
 
 
 def serve(config: ServiceConfig, announce: Callable[[str], None] = print) -> int:

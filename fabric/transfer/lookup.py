@@ -26,6 +26,7 @@ at once with a :class:`TransferError` saying so.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -54,6 +55,14 @@ def resolve_endpoint(value: str | None) -> str | None:
     except OSError:
         return None
     return text if text.startswith("tcp://") else f"tcp://{text}" if text else None
+
+
+def write_endpoint(path: Path, endpoint: str) -> None:
+    """Leave ``endpoint`` in ``path`` atomically (readers never see half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(endpoint)
+    os.replace(tmp, path)
 
 
 class StoreClient:

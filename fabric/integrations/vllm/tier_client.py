@@ -20,7 +20,7 @@ import time
 from fabric.errors import FabricError, TransferError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.lookup import StoreClient, resolve_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +93,10 @@ class WorkerTierClient:
 
         endpoints = []
         for rank in range(self.tp_size):
-            try:
-                endpoints.append(endpoint_file(self.engine_id, rank).read_text().strip())
-            except OSError:
+            endpoint = resolve_endpoint(str(endpoint_file(self.engine_id, rank)))
+            if endpoint is None:
                 return None
+            endpoints.append(endpoint)
         return endpoints
 
 

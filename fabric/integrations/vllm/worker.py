@@ -37,6 +37,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode, default_agent_name
+from fabric.transfer.lookup import write_endpoint
 
 if TYPE_CHECKING:
     import torch
@@ -194,9 +195,7 @@ class FabricWorker:
     def _publish_endpoint(self, endpoint: str) -> None:
         assert self.engine_id is not None
         path = endpoint_file(self.engine_id, self.tp_rank)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(endpoint)
-        os.replace(tmp, path)
+        write_endpoint(path, endpoint)
         self._endpoint_path: Path | None = path
 
     def _disk_tier(self) -> DiskTier | None:
