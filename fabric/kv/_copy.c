@@ -1,7 +1,7 @@
 /*
  * fabric.kv._copy: run a batch of memcpy calls with the GIL released.
  *
- *   copy_batch(dst_addrs, src_addrs, lengths, num_threads=1) -> None
+ *   copy_batch(dst_addrs, src_addrs, lengths, num_threads=1, stream=-1) -> None
  *
  * The three arguments are C-contiguous int64 buffers (e.g. numpy arrays) of
  * equal length: copy i moves lengths[i] bytes from address src_addrs[i] to
@@ -16,7 +16,11 @@
  * NOTE: measured on the 2-core dev VM, gathering 32 KiB / 512 KiB KV pages:
  * glibc memcpy 8-11 GB/s, SSE2 streaming 11-16, AVX2 streaming 12-18. glibc
  * itself streams only single copies above ~3/4 of the L3 size. A batch this
- * large (well over the L2) would not stay in cache anyway.
+ * large (well over the L2) would not stay in cache anyway. stream=1 asks for
+ * streaming stores whatever the batch size (copies of at least 4 KiB): a
+ * verifying unpack copies one cache-sized piece at a time, out of a source
+ * just hashed into cache, into a destination nobody reads soon; stream=0
+ * never streams.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -191,11 +195,12 @@ static int pick_threads(int requested, int64_t total) {
 
 static PyObject *copy_batch(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *kwlist[] = {"dst_addrs", "src_addrs", "lengths", "num_threads", NULL};
+    static char *kwlist[] = {"dst_addrs", "src_addrs", "lengths", "num_threads", "stream", NULL};
     PyObject *dst_obj, *src_obj, *len_obj;
     int num_threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|i:copy_batch", kwlist, &dst_obj,
-                                     &src_obj, &len_obj, &num_threads)) {
+    int stream = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|ii:copy_batch", kwlist, &dst_obj,
+                                     &src_obj, &len_obj, &num_threads, &stream)) {
         return NULL;
     }
     Py_buffer dst, src, len;
@@ -219,7 +224,8 @@ static PyObject *copy_batch(PyObject *self, PyObject *args, PyObject *kwargs) {
     } else if (num_threads < 1) {
         PyErr_SetString(PyExc_ValueError, "num_threads must be >= 1");
     } else if (check_lengths((const int64_t *)len.buf, count, &total) == 0) {
-        Work base = {dst.buf, src.buf, len.buf, count, 0, total, total >= STREAM_MIN_BATCH};
+        int use_stream = stream < 0 ? total >= STREAM_MIN_BATCH : stream != 0;
+        Work base = {dst.buf, src.buf, len.buf, count, 0, total, use_stream};
         int threads = pick_threads(num_threads, total);
         Py_BEGIN_ALLOW_THREADS;
         run_threads(&base, total, threads);
@@ -234,9 +240,10 @@ static PyObject *copy_batch(PyObject *self, PyObject *args, PyObject *kwargs) {
 
 static PyMethodDef methods[] = {
     {"copy_batch", (PyCFunction)(void (*)(void))copy_batch, METH_VARARGS | METH_KEYWORDS,
-     "copy_batch(dst_addrs, src_addrs, lengths, num_threads=1)\n--\n\n"
+     "copy_batch(dst_addrs, src_addrs, lengths, num_threads=1, stream=-1)\n--\n\n"
      "memcpy lengths[i] bytes from src_addrs[i] to dst_addrs[i] for every i,\n"
-     "with the GIL released, split over num_threads threads."},
+     "with the GIL released, split over num_threads threads. stream: 1 uses\n"
+     "streaming stores, 0 does not, -1 (default) does for batches of 4 MiB or more."},
     {NULL, NULL, 0, NULL},
 };
 

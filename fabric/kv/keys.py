@@ -4,15 +4,18 @@ A prompt's tokens are cut into chunks of ``chunk_tokens`` tokens (the last one
 may be partial). Chunk ``i``'s key commits to every token before it, so two
 prompts share key ``i`` exactly when they share their first chunks::
 
-    key_{-1} = 16 zero bytes
+    key_{-1} = 16 zero bytes               (or the identity's root, below)
     key_i    = blake3( key_{i-1}
                      || len(tokens_i)  as uint32 LE
                      || tokens_i       as int32 LE each
-                     || fingerprint    as UTF-8 )[:16]
+                     || fingerprint    as UTF-8
+                     || extra_i )[:16]  (b"" unless multimodal items overlap)
 
 The layout fingerprint (see :meth:`fabric.kv.layout.KVLayout.fingerprint`)
-keeps keys of different models, dtypes or TP ranks apart. Keys are the same in
-every process, host and Python version (no ``hash()``, no pickling).
+keeps keys of different models, weights, dtypes or TP ranks apart; the
+request's :class:`~fabric.kv.identity.KeyIdentity` (LoRA adapter,
+``cache_salt``, multimodal items) sets the root and ``extra_i``. Keys are the
+same in every process, host and Python version (no ``hash()``, no pickling).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import blake3
 import numpy as np
 
 from fabric.errors import ConfigError
+from fabric.kv.identity import BASE, KeyIdentity
 
 if TYPE_CHECKING:
     import torch
@@ -55,31 +59,35 @@ def chunk_keys(
     fingerprint: str,
     *,
     include_partial: bool = True,
+    identity: KeyIdentity = BASE,
 ) -> list[bytes]:
     """16-byte prefix-chained keys of the chunks of ``token_ids``.
 
     ``token_ids`` is a 1-D list, numpy array or torch tensor of ints that fit
     in int32. With ``include_partial=False`` a trailing partial chunk gets no
-    key (it cannot be shared until it is complete).
+    key (it cannot be shared until it is complete). ``identity``: what else
+    the request's KV depends on (see :mod:`fabric.kv.identity`).
     """
     tokens = _as_int32_le(token_ids)
     count = num_chunks(len(tokens), chunk_tokens, include_partial=include_partial)
     suffix = fingerprint.encode("utf-8")
     keys: list[bytes] = []
-    prev = ROOT_KEY
+    prev = identity.root(ROOT_KEY)
     for i in range(count):
         part = tokens[i * chunk_tokens : (i + 1) * chunk_tokens]
-        prev = chain_key(prev, part, suffix)
+        extra = identity.chunk_extra(i, chunk_tokens) if identity.mm else b""
+        prev = chain_key(prev, part, suffix + extra)
         keys.append(prev)
     return keys
 
 
-def chain_key(prev: bytes, tokens: np.ndarray, fingerprint: bytes) -> bytes:
-    """One link of the chain: the key of ``tokens`` (int32 LE) following ``prev``."""
+def chain_key(prev: bytes, tokens: np.ndarray, suffix: bytes) -> bytes:
+    """One link of the chain: the key of ``tokens`` (int32 LE) following
+    ``prev``; ``suffix`` is the fingerprint and the chunk's extra bytes."""
     hasher = blake3.blake3(prev)
     hasher.update(struct.pack("<I", len(tokens)))
     hasher.update(tokens.tobytes())
-    hasher.update(fingerprint)
+    hasher.update(suffix)
     return hasher.digest(KEY_BYTES)
 
 

@@ -17,6 +17,9 @@ does the same copies (correct, slower) and a warning is logged once;
 :func:`backend` says which one runs. Tensors on an accelerator go to
 :class:`DeviceKernels` chosen per device type: the fused kernels of ``csrc/``
 for CUDA when they load (:mod:`fabric.kv.cuda`), else torch indexing.
+
+``unpack(..., checksum=, nbytes=)`` verifies the chunk at use, fused with the
+copy so it costs no extra pass over memory (:mod:`fabric.kv.verify`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
+import xxhash
 
-from fabric.errors import ConfigError, LayoutError
+from fabric.errors import ChecksumMismatch, ConfigError, LayoutError
 from fabric.kv.layout import KVLayout, LayoutKind, named_layers, segment_table
+from fabric.kv.verify import hash_while_copying, split_at_pieces
 
 if TYPE_CHECKING:
     import torch
@@ -109,19 +114,35 @@ def unpack(
     num_threads: int | None = None,
     chunk_blocks: int | None = None,
     first: int = 0,
+    checksum: int | None = None,
+    nbytes: int | None = None,
 ) -> int:
     """Scatter the chunk in ``src`` into blocks ``block_ids`` of every layer.
 
     The inverse of :func:`pack`; ``block_ids`` must not repeat. Returns the
-    bytes read from ``src``. To unpack only part of a chunk, give the chunk's
-    block count ``chunk_blocks``: ``block_ids`` then receive the chunk's blocks
-    ``first .. first + len(block_ids) - 1`` (the rest stay untouched).
+    bytes of the chunk copied. To unpack only part of a chunk, give the
+    chunk's block count ``chunk_blocks``: ``block_ids`` then receive the
+    chunk's blocks ``first .. first + len(block_ids) - 1`` (the rest stay
+    untouched).
+
+    With ``checksum`` (the xxh3-64 of the first ``nbytes`` bytes of ``src``;
+    ``nbytes`` defaults to the whole chunk, and must cover it) the bytes are
+    verified as they are copied, every one of them, also those a partial
+    unpack does not copy. On a mismatch ChecksumMismatch is raised after
+    the copy: the blocks written hold garbage and must be recomputed. The
+    hash is sequential, so a verified unpack copies on one thread
+    (``num_threads`` is not used). A cache on an accelerator is verified in
+    a pass of its own before it is unpacked (``src`` must be in host memory).
     """
+    if checksum is not None:
+        return _unpack_verified(
+            src, kv_caches, layout, block_ids, backend, chunk_blocks, first, checksum, nbytes
+        )
+    if nbytes is not None:
+        raise LayoutError("unpack: nbytes is the span a checksum covers; give the checksum too")
     if chunk_blocks is not None and (first, len(block_ids)) != (0, chunk_blocks):
         src = _chunk_part(src, layout, chunk_blocks, first, len(block_ids))
-    ids = _block_ids(block_ids, layout)
-    if len(np.unique(ids)) != len(ids):
-        raise LayoutError("unpack block_ids repeat a block; each block can be written once")
+    ids = _unique_block_ids(block_ids, layout)
     device = named_layers(kv_caches)[0][1].device
     nbytes = _check_buffer(src, layout, len(ids), "src", device)
     if device.type != "cpu":
@@ -132,6 +153,101 @@ def unpack(
     else:
         _unpack_torch(src, segment_views(kv_caches, layout), _runs(ids, coalesce=True), layout)
     return nbytes
+
+
+def _unpack_verified(
+    src: torch.Tensor,
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    block_ids: BlockIds,
+    backend: Backend | None,
+    chunk_blocks: int | None,
+    first: int,
+    checksum: int,
+    nbytes: int | None,
+) -> int:
+    """``unpack`` that hashes the first ``nbytes`` of ``src`` as it copies."""
+    ids = _unique_block_ids(block_ids, layout)
+    blocks = len(ids) if chunk_blocks is None else chunk_blocks
+    _check_part(blocks, first, len(ids))
+    device = named_layers(kv_caches)[0][1].device
+    covered = _check_buffer(src, layout, blocks, "src", device)
+    hashed = covered if nbytes is None else nbytes
+    if not covered <= hashed <= src.numel() or src.device.type != "cpu":
+        raise LayoutError(
+            f"checksum over {hashed} bytes of a {src.numel()}-byte {src.device} buffer "
+            f"cannot verify a chunk of {covered} bytes (host memory, nbytes >= chunk)"
+        )
+    if device.type != "cpu":
+        actual = xxhash.xxh3_64_intdigest(src[:hashed].numpy().data)
+        unpack(src, kv_caches, layout, ids, chunk_blocks=chunk_blocks, first=first)
+    elif _resolve(backend) == "c":
+        actual = _unpack_hashed_c(src, hashed, kv_caches, layout, ids, blocks, first)
+    else:
+        actual = _unpack_hashed_torch(src, hashed, kv_caches, layout, ids, blocks, first)
+    if actual != checksum:
+        raise ChecksumMismatch(
+            f"chunk bytes hash to {actual:#018x} over {hashed} bytes, expected "
+            f"{checksum:#018x}: the {len(ids)} block(s) unpacked hold garbage"
+        )
+    return layout.chunk_nbytes(len(ids))
+
+
+def _unpack_hashed_c(
+    src: torch.Tensor,
+    hashed: int,
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    ids: np.ndarray,
+    blocks: int,
+    first: int,
+) -> int:
+    """Copy with fabric.kv._copy, piece by piece as ``src[:hashed]`` is hashed."""
+    assert _copy is not None
+    copy_batch, stream = _copy.copy_batch, _stream_kwargs()
+    table = segment_table(kv_caches, layout)
+    runs = _runs(ids, coalesce=table.blocks_adjacent)
+    seg, rows = table.segment_bytes, np.arange(len(table.bases), dtype=np.int64)[:, None]
+    offsets = (rows * blocks + first + runs.chunk_pos) * seg
+    cache = table.bases[:, None] + runs.start * table.block_strides[:, None]
+    lengths = np.broadcast_to(runs.length * seg, offsets.shape)
+    offsets, cache, lengths = split_at_pieces(offsets.ravel(), cache.ravel(), lengths.ravel())
+    starts = offsets + src.data_ptr()
+
+    def copy(a: int, b: int) -> None:
+        # NOTE: one thread, as a piece is far below what a second one pays
+        # for; streaming stores, as the destination is not read soon and a
+        # plain store would first read it (as much memory traffic as a second
+        # pass over the chunk).
+        copy_batch(cache[a:b], starts[a:b], lengths[a:b], 1, **stream)
+
+    return hash_while_copying(src.numpy().data, hashed, offsets + lengths, copy)
+
+
+def _unpack_hashed_torch(
+    src: torch.Tensor,
+    hashed: int,
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    ids: np.ndarray,
+    blocks: int,
+    first: int,
+) -> int:
+    """The torch fallback: copy each run once all its bytes are hashed."""
+    _warn_fallback()
+    views = segment_views(kv_caches, layout)
+    chunk = _chunk_view(src, layout, blocks)
+    copies = [(row, run) for row in range(len(views)) for run in _run_tuples(_runs(ids, True))]
+    ends = np.asarray(
+        [(row * blocks + first + pos + n) * layout.segment_bytes for row, (_, pos, n) in copies],
+        dtype=np.int64,
+    )
+
+    def copy(a: int, b: int) -> None:
+        for row, (start, pos, n) in copies[a:b]:
+            views[row][start : start + n].copy_(chunk[row, first + pos : first + pos + n])
+
+    return hash_while_copying(src.numpy().data, hashed, ends, copy)
 
 
 @dataclass(frozen=True)
@@ -226,13 +342,24 @@ def _chunk_part(
     src: torch.Tensor, layout: KVLayout, chunk_blocks: int, first: int, count: int
 ) -> torch.Tensor:
     """A contiguous chunk of blocks ``first .. first + count - 1`` of ``src``."""
+    _check_part(chunk_blocks, first, count)
+    _check_buffer(src, layout, chunk_blocks, "src", src.device)
+    part = _chunk_view(src, layout, chunk_blocks)[:, first : first + count]
+    return part.contiguous().view(-1)
+
+
+def _check_part(chunk_blocks: int, first: int, count: int) -> None:
     if first < 0 or count < 1 or first + count > chunk_blocks:
         raise LayoutError(
             f"blocks {first}..{first + count - 1} are not inside a chunk of {chunk_blocks}"
         )
-    _check_buffer(src, layout, chunk_blocks, "src", src.device)
-    part = _chunk_view(src, layout, chunk_blocks)[:, first : first + count]
-    return part.contiguous().view(-1)
+
+
+def _unique_block_ids(block_ids: BlockIds, layout: KVLayout) -> np.ndarray:
+    ids = _block_ids(block_ids, layout)
+    if len(np.unique(ids)) != len(ids):
+        raise LayoutError("unpack block_ids repeat a block; each block can be written once")
+    return ids
 
 
 def _run_tuples(runs: BlockRuns) -> list[tuple[int, int, int]]:
@@ -334,6 +461,19 @@ def _resolve(requested: Backend | None) -> Backend:
     if requested not in ("c", "torch"):
         raise ConfigError(f"backend must be 'c' or 'torch', got {requested!r}")
     return requested
+
+
+@functools.cache
+def _stream_kwargs() -> dict[str, int]:
+    """``stream=1`` for copy_batch, if the extension was built with it (older builds were not)."""
+    assert _copy is not None
+    empty = np.zeros(0, dtype=np.int64)
+    try:
+        _copy.copy_batch(empty, empty, empty, 1, stream=1)
+    except TypeError:
+        log.warning("fabric.kv._copy predates stream=; rebuild it for a faster verified unpack")
+        return {}
+    return {"stream": 1}
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -38,7 +39,7 @@ from fabric.router.asgi import error_answer
 from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
 from fabric.router.errors import INTERNAL, INVALID_REQUEST, UNAVAILABLE, ProxyError, error_response
 from fabric.router.policy import Routing
-from fabric.router.prefix import call_store, endpoint_client
+from fabric.router.prefix import call_store, endpoint_client, fabric_threads_down
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from fabric.router.state import ProxyState
 from fabric.transfer.lookup import resolve_endpoint
@@ -114,7 +115,11 @@ def _lifespan(
         task = None
         if state.config.health_interval_s > 0:
             loop = health_loop(
-                client, state.pool, state.config.health_interval_s, state.config.health_timeout_s
+                client,
+                state.pool,
+                state.config.health_interval_s,
+                state.config.health_timeout_s,
+                functools.partial(fabric_threads_down, state),
             )
             task = asyncio.create_task(loop, name="fabric-proxy-health")
         try:
@@ -186,7 +191,8 @@ async def _models(state: ProxyState) -> Response:
 
 async def _health(state: ProxyState) -> Response:
     """200 when at least one prefiller and one decoder answer ``/health`` now."""
-    await probe_all(state.client, state.pool, state.config.health_timeout_s)
+    check = functools.partial(fabric_threads_down, state)
+    await probe_all(state.client, state.pool, state.config.health_timeout_s, check)
     ok = bool(state.pool.healthy_prefillers()) and any(e.healthy for e in state.pool.decoders)
     body = {
         "status": "ok" if ok else "unavailable",

@@ -29,7 +29,7 @@ from fabric.errors import FabricError
 from fabric.router.asgi import RequestHead, read_body
 from fabric.router.engines import Engine
 from fabric.router.errors import INVALID_REQUEST, UNAVAILABLE, ProxyError, bad_request
-from fabric.router.prefix import call_store, lookup_all, prompt_token_ids
+from fabric.router.prefix import body_identity, call_store, lookup_all, prompt_token_ids
 from fabric.router.requests import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -45,10 +45,10 @@ TIERS = ("memory", "disk", "all")
 
 
 async def lookup(state: ProxyState, request: Request) -> Response:
-    body = await _json(state, request, ("prompt", "messages", "model", "engine"))
+    body = await _json(state, request, ("prompt", "messages", "model", "engine", "cache_salt"))
     engines = _engines(state, body)
     token_ids = await _token_ids(state, body, engines)
-    hits = await lookup_all(state, engines, token_ids)
+    hits = await lookup_all(state, engines, token_ids, body_identity(body))
     return JSONResponse(
         {"prompt_tokens": len(token_ids), "engines": [hit.as_dict() for hit in hits]}
     )

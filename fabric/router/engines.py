@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -91,8 +92,17 @@ class EnginePool:
         return [e for e in self.decoders if e.healthy] or self.decoders
 
 
-async def probe(client: httpx.AsyncClient, engine: Engine, timeout_s: float) -> bool:
-    """GET the engine's ``/health``; update and return its health."""
+FabricCheck = Callable[[Engine], Awaitable[str | None]]
+
+
+async def probe(
+    client: httpx.AsyncClient,
+    engine: Engine,
+    timeout_s: float,
+    fabric_check: FabricCheck | None = None,
+) -> bool:
+    """GET the engine's ``/health``, then (``fabric_check``) ask its fabric
+    side whether it can still serve KV; update and return its health."""
     try:
         response = await client.get(f"{engine.url}/health", timeout=timeout_s)
     except httpx.ConnectError as exc:  # refused: nothing listens there any more
@@ -108,22 +118,35 @@ async def probe(client: httpx.AsyncClient, engine: Engine, timeout_s: float) -> 
     if response.status_code != 200:
         engine.mark_down(f"/health answered {response.status_code}")
         return False
+    broken = await fabric_check(engine) if fabric_check is not None else None
+    if broken:
+        engine.mark_down(broken)
+        return False
     engine.mark_up()
     return True
 
 
-async def probe_all(client: httpx.AsyncClient, pool: EnginePool, timeout_s: float) -> None:
+async def probe_all(
+    client: httpx.AsyncClient,
+    pool: EnginePool,
+    timeout_s: float,
+    fabric_check: FabricCheck | None = None,
+) -> None:
     """Probe every engine concurrently."""
-    await asyncio.gather(*(probe(client, e, timeout_s) for e in pool.engines))
+    await asyncio.gather(*(probe(client, e, timeout_s, fabric_check) for e in pool.engines))
 
 
 async def health_loop(
-    client: httpx.AsyncClient, pool: EnginePool, interval_s: float, timeout_s: float
+    client: httpx.AsyncClient,
+    pool: EnginePool,
+    interval_s: float,
+    timeout_s: float,
+    fabric_check: FabricCheck | None = None,
 ) -> None:
     """Probe every engine every ``interval_s`` until cancelled."""
     while True:
         await asyncio.sleep(interval_s)
-        await probe_all(client, pool, timeout_s)
+        await probe_all(client, pool, timeout_s, fabric_check)
 
 
 def describe(exc: BaseException) -> str:

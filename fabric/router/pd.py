@@ -58,7 +58,7 @@ from fabric.router.asgi import (
 )
 from fabric.router.engines import Engine, describe
 from fabric.router.errors import INTERNAL, ProxyError, error_body
-from fabric.router.prefix import lookup_all, prompt_token_ids
+from fabric.router.prefix import body_identity, lookup_all, prompt_token_ids
 from fabric.router.relay import Relay, deadline_exceeded, decode_failure, relay_stream
 from fabric.router.requests import (
     Endpoint,
@@ -246,7 +246,7 @@ async def _prefix_hints(
     token_ids = await prompt_token_ids(state, body, endpoint, engines)
     if token_ids is None:
         return None
-    hits = await lookup_all(state, engines, token_ids)
+    hits = await lookup_all(state, engines, token_ids, body_identity(body))
     if any(hit.hit_tokens for hit in hits):
         state.counters.prefix_hits += 1
     return {hit.engine.name: hit.hit_tokens for hit in hits}

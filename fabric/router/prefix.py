@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from fabric.errors import FabricError
+from fabric.kv.identity import BASE, KeyIdentity
 from fabric.router.engines import Engine, describe
 from fabric.transfer.lookup import StoreClient
 
@@ -88,23 +89,53 @@ async def prompt_token_ids(
     return None
 
 
+def body_identity(body: dict[str, Any]) -> KeyIdentity:
+    """The key identity the proxy can tell from a request body: its
+    ``cache_salt``. NOTE: an adapter's identity includes a digest of its
+    files, which only the engine knows; the proxy asks with the base
+    identity, so a LoRA request's hint counts base-model chunks. Hints only
+    steer routing: the engine keys every lookup it acts on itself."""
+    salt = body.get("cache_salt")
+    return KeyIdentity(cache_salt=salt) if isinstance(salt, str) and salt else BASE
+
+
 async def lookup_all(
-    state: ProxyState, engines: Sequence[Engine], token_ids: list[int]
+    state: ProxyState,
+    engines: Sequence[Engine],
+    token_ids: list[int],
+    identity: KeyIdentity = BASE,
 ) -> list[EngineHit]:
     """Ask every engine with a control endpoint how much of ``token_ids`` it holds."""
-    return list(await asyncio.gather(*(lookup_one(state, e, token_ids) for e in engines)))
+    lookups = (lookup_one(state, e, token_ids, identity) for e in engines)
+    return list(await asyncio.gather(*lookups))
 
 
-async def lookup_one(state: ProxyState, engine: Engine, token_ids: list[int]) -> EngineHit:
+async def lookup_one(
+    state: ProxyState, engine: Engine, token_ids: list[int], identity: KeyIdentity = BASE
+) -> EngineHit:
     if engine.kv_endpoint is None:
         return EngineHit(engine, error="no kv_port: its store cannot be asked")
     client = store_client(state, engine)
     try:
-        result = await asyncio.to_thread(client.lookup, token_ids)
+        result = await asyncio.to_thread(client.lookup, token_ids, identity=identity)
     except (FabricError, OSError) as exc:
         return EngineHit(engine, error=str(exc))
     tokens = result.chunk_tokens
     return EngineHit(engine, result.hit_chunks * tokens, result.disk_chunks * tokens, tokens)
+
+
+async def fabric_threads_down(state: ProxyState, engine: Engine) -> str | None:
+    """Why ``engine``'s fabric side cannot serve KV (a thread of its connector
+    is down), or None; an engine without a control endpoint, or one that does
+    not answer within the lookup bound, is judged by ``/health`` alone."""
+    if engine.kv_endpoint is None:
+        return None
+    try:
+        stats = await asyncio.to_thread(store_client(state, engine).stats)
+    except (FabricError, OSError):
+        return None
+    down = stats.get("threads_down", 0)
+    return f"{down} fabric connector thread(s) down: it cannot load KV" if down else None
 
 
 async def call_store(state: ProxyState, engine: Engine, method: str, *args: Any, **kw: Any) -> Any:

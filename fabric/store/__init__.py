@@ -15,9 +15,10 @@ from fabric.store.checksum import checksum
 from fabric.store.disk import DiskStats, DiskTier
 from fabric.store.index import ChunkStore
 from fabric.store.pool import ChunkPool
-from fabric.store.records import Reservation, SlotState, StoreConfig, StoreStats
+from fabric.store.records import ChunkDigest, Reservation, SlotState, StoreConfig, StoreStats
 
 __all__ = [
+    "ChunkDigest",
     "ChunkPool",
     "ChunkStore",
     "DiskStats",

@@ -32,8 +32,17 @@ Slot states::
 - A key is present (``lookup``, ``contains``, ``acquire``, dedup in
   ``reserve``) only in FILLED or PINNED: a RESERVED key's bytes may still be
   in flight, and a second request must never read them (peers pain point 5).
-- Unfilled reserved slots are quarantined, not freed: the sender may still be
-  writing into them when a lease runs out.
+- Bytes are fenced, not only notifications. Unfilled reserved slots are
+  quarantined, not freed: the sender may still be writing into them when a
+  lease runs out, and a one-sided RDMA write (NIXL) cannot be refused by the
+  receiver. ``quarantine_ms`` must outlast the longest write (a sender aborts
+  its writes after ``TransferConfig.write_timeout_ms`` and posts none once
+  its lease ran out); it runs from the lease's deadline when the reader
+  ``release``\\ s early, from now on ``cancel`` (sent after the sender's
+  last write) and on expiry. A plane that sees writes arrive (TCP) also
+  admits each one against the live reservation first
+  (``begin_write``/``end_write``): a slot being written leaves quarantine
+  only when that write ends.
 - ``reserve`` never waits: a full pool raises CapacityError at once, so a
   decoder can never deadlock a prefiller that waits on it (pain point 1), and
   leases guarantee aborted requests give their slots back (pain point 2).
@@ -61,12 +70,13 @@ from fabric.store.leases import (
     fill_target,
     open_lease,
     settle_entry,
+    write_slots,
 )
 from fabric.store.pool import ChunkPool
-from fabric.store.records import Reservation, SlotState, StoreConfig, StoreStats
+from fabric.store.records import ChunkDigest, Reservation, SlotState, StoreConfig, StoreStats
 from fabric.store.slots import Slot, SlotTable
 
-__all__ = ["ChunkStore", "Reservation", "SlotState", "StoreConfig", "StoreStats"]
+__all__ = ["ChunkDigest", "ChunkStore", "Reservation", "SlotState", "StoreConfig", "StoreStats"]
 
 
 @dataclass
@@ -244,13 +254,16 @@ class ChunkStore:
             target = fill_target(self._slots, lease, index, checksum, generation)
             if target is None:
                 return
-        slot, nbytes = target
+            slot, nbytes = target
+            writes = self._slots.slots[slot].writes
         actual = compute_checksum(self.pool.memoryview(slot, nbytes))
         with self._lock:
             if self._leases.get(request_id) is not lease:
                 raise ReservationExpired(f"request {request_id!r} ended while being filled")
             if fill_target(self._slots, lease, index, checksum, generation) is None:
                 return
+            if self._slots.slots[slot].writes != writes:
+                raise SlotStateError(f"chunk #{index} (slot {slot}) was written while verified")
             if actual != checksum:
                 self._counters.checksum_failures += 1
                 fail_entry(self._slots, lease, index, self._quarantine_due())
@@ -263,14 +276,22 @@ class ChunkStore:
         self._notify_present(key)
 
     def release(self, request_id: str) -> None:
-        """The reader is done: drop the refs, quarantine unfilled slots. Idempotent."""
+        """The reader is done: drop the refs, quarantine unfilled slots. Idempotent.
+
+        NOTE: until ``quarantine_ms`` after the lease's deadline, not after
+        now: its sender does not know yet and may post writes until then.
+        """
         with self._lock:
-            self._close(request_id)
+            self._close(request_id, sender_stopped=False)
 
     def cancel(self, request_id: str) -> bool:
-        """Like ``release``, counted as a cancel; returns whether the request existed."""
+        """Like ``release``, counted as a cancel; returns whether the request existed.
+
+        The sender cancels, after the last write it posts: unfilled slots are
+        quarantined for ``quarantine_ms`` from now.
+        """
         with self._lock:
-            existed = self._close(request_id)
+            existed = self._close(request_id, sender_stopped=True)
             if existed:
                 self._counters.cancelled_reservations += 1
             return existed
@@ -305,6 +326,29 @@ class ChunkStore:
         with self._lock:
             lease = self._leases.get(request_id)
             return None if lease is None else lease.snapshot()
+
+    def begin_write(self, request_id: str, targets: Sequence[tuple[int, int]]) -> list[int]:
+        """Admit a data-plane write into ``targets`` (slot, generation) of ``request_id``.
+
+        Called by a plane that sees each write before its bytes land (TCP)
+        to check it against the live reservation: ReservationExpired for a
+        request with none, SlotStateError for a slot that is not one of its
+        pending chunks at that generation (or is being written). Returns the
+        slots to pass to ``end_write`` once the last byte landed; until then
+        they are never freed (not even out of quarantine) nor verified.
+        """
+        with self._lock:
+            self._collect_expired(self._clock())
+            slots = write_slots(self._slots, self._live_lease(request_id), targets)
+            for slot in slots:
+                self._slots.begin_write(slot)
+            return slots
+
+    def end_write(self, slots: Sequence[int]) -> None:
+        """The write ``begin_write`` admitted into ``slots`` has ended (landed or not)."""
+        with self._lock:
+            for slot in slots:
+                self._slots.end_write(slot)
 
     # --- readers
 
@@ -367,6 +411,15 @@ class ChunkStore:
         with self._lock:
             return self._slots.get(slot).checksum
 
+    def slot_digest(self, slot: int) -> ChunkDigest | None:
+        """(checksum, nbytes) of the chunk in a FILLED/PINNED ``slot``, read at once;
+        None otherwise. What ``fabric.kv.unpack(..., checksum=, nbytes=)`` verifies."""
+        with self._lock:
+            meta = self._slots.get(slot)
+            if meta.state not in (SlotState.FILLED, SlotState.PINNED) or meta.checksum is None:
+                return None
+            return ChunkDigest(meta.checksum, meta.nbytes)
+
     def slot_generation(self, slot: int) -> int:
         """How many times ``slot`` has returned to FREE."""
         with self._lock:
@@ -388,11 +441,13 @@ class ChunkStore:
         self._slots.release_quarantine(now)
         return len(expired)
 
-    def _close(self, request_id: str) -> bool:
+    def _close(self, request_id: str, *, sender_stopped: bool) -> bool:
         lease = self._leases.pop(request_id)
         if lease is None:
             return False
-        close_lease(self._slots, lease, self._quarantine_due())
+        now = self._clock()
+        start = now if sender_stopped else max(now, lease.expires_at)
+        close_lease(self._slots, lease, self._quarantine_due(start))
         return True
 
     def _quarantine_due(self, now: float | None = None) -> float:

@@ -3,8 +3,8 @@
 A :class:`Lease` is the mutable record behind a
 :class:`~fabric.store.records.Reservation`; :class:`LeaseTable` maps
 request_id -> lease and finds the ones whose deadline has passed; the
-functions ``open_lease``, ``fill_target``, ``settle_entry``, ``fail_entry``
-and ``close_lease`` move a lease's slots through the
+functions ``open_lease``, ``write_slots``, ``fill_target``, ``settle_entry``,
+``fail_entry`` and ``close_lease`` move a lease's slots through the
 :class:`~fabric.store.slots.SlotTable`.
 None of it is thread-safe: :class:`~fabric.store.index.ChunkStore` calls it
 under its lock.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fabric.errors import CapacityError, ReservationExpired, SlotStateError
@@ -37,6 +38,7 @@ __all__ = [
     "fill_target",
     "open_lease",
     "settle_entry",
+    "write_slots",
 ]
 
 
@@ -160,13 +162,39 @@ def _check_capacity(table: SlotTable, present: list[int | None]) -> None:
         )
 
 
+def write_slots(table: SlotTable, lease: Lease, targets: Sequence[tuple[int, int]]) -> list[int]:
+    """The slots a data-plane write into ``targets`` (slot, generation) may land in.
+
+    Each target must be an entry of ``lease`` still waiting for its bytes, at
+    the generation the reservation handed out, with no other write landing
+    in it: SlotStateError (naming the first that is not) otherwise.
+    """
+    pending = {
+        (slot, generation): index
+        for index, (slot, generation) in enumerate(zip(lease.slots, lease.generations, strict=True))
+        if lease.entries[index] is Entry.PENDING
+    }
+    slots = []
+    for slot, generation in dict.fromkeys(targets):
+        index = pending.get((slot, generation))
+        if index is None:
+            raise SlotStateError(
+                f"slot {slot} generation {generation} is no pending chunk of {lease.request_id!r}"
+            )
+        if table.slots[slot].writers:
+            raise SlotStateError(f"chunk #{index} (slot {slot}) is being written already")
+        slots.append(slot)
+    return slots
+
+
 def fill_target(
     table: SlotTable, lease: Lease, index: int, checksum: int, generation: int
 ) -> tuple[int, int] | None:
     """(slot, nbytes) to verify before entry ``index`` can be settled.
 
     None for a repeated fill of an entry already filled with the same bytes.
-    SlotStateError for a bad index, an already-present key or a failed entry;
+    SlotStateError for a bad index, an already-present key, a failed entry or
+    a slot a data-plane write is landing in;
     ReservationExpired for a stale ``generation``.
     """
     if not 0 <= index < len(lease.keys):
@@ -180,6 +208,8 @@ def fill_target(
         if table.slots[slot].checksum == checksum:
             return None
         raise SlotStateError(f"chunk #{index} was already filled with other bytes")
+    if table.slots[slot].writers:
+        raise SlotStateError(f"chunk #{index} (slot {slot}) is still being written")
     if generation != lease.generations[index]:
         raise ReservationExpired(
             f"chunk #{index}: generation {generation} is stale "

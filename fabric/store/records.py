@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fabric.errors import ConfigError
 
-__all__ = ["Reservation", "SlotState", "StoreConfig", "StoreStats"]
+__all__ = [
+    "DEFAULT_QUARANTINE_MS",
+    "ChunkDigest",
+    "Reservation",
+    "SlotState",
+    "StoreConfig",
+    "StoreStats",
+]
+
+DEFAULT_QUARANTINE_MS = 35_000
+"""Default ``StoreConfig.quarantine_ms``: the default longest write lifetime
+(``TransferConfig.write_timeout_ms``, 30 s, the connector's push timeout too)
+plus 5 s for a sender's scheduling and clock granularity."""
 
 
 class SlotState(enum.Enum):
@@ -29,14 +42,18 @@ class StoreConfig:
     """Configuration of one :class:`~fabric.store.index.ChunkStore`.
 
     ``quarantine_ms`` is how long an expired, cancelled or corrupt reserved
-    slot waits before it can be handed out again (so a late remote write
-    cannot land in another request's slot); ``default_lease_ms`` is the lease
-    of a reservation that does not name one.
+    slot waits before it can be handed out again, so a late remote write
+    cannot land in another request's slot. It must be at least the longest
+    a write posted into this store can live: senders abort a write after
+    ``TransferConfig.write_timeout_ms`` and post none once their lease ran
+    out, so the default (:data:`DEFAULT_QUARANTINE_MS`) is that timeout's
+    default plus a margin; lower both together. ``default_lease_ms`` is the
+    lease of a reservation that does not name one.
     """
 
     slot_bytes: int
     num_slots: int
-    quarantine_ms: int = 2000
+    quarantine_ms: int = DEFAULT_QUARANTINE_MS
     default_lease_ms: int = 10000
 
     def __post_init__(self) -> None:
@@ -64,6 +81,13 @@ class Reservation:
     generations: tuple[int, ...]
     already_present: tuple[bool, ...]
     expires_at: float
+
+
+class ChunkDigest(NamedTuple):
+    """What verifies a present chunk at use: its checksum over its first ``nbytes``."""
+
+    checksum: int
+    nbytes: int
 
 
 @dataclass(frozen=True)

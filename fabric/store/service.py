@@ -48,7 +48,8 @@ from pathlib import Path
 
 import zmq
 
-from fabric.errors import ConfigError, FabricError
+from fabric.errors import ConfigError, FabricError, ProtocolError
+from fabric.kv.identity import KeyIdentity
 from fabric.store.disk import DiskTier
 from fabric.store.index import ChunkStore
 from fabric.store.pool import ChunkPool
@@ -259,10 +260,16 @@ class SharedStore:
             return proto.Refused(
                 msg.seq, msg.transfer_id, "not_attached", f"{msg.endpoint} has not attached"
             )
-        hit = tier.lookup(msg.token_ids, hold=msg.transfer_id, lease_ms=msg.lease_ms)
+        try:
+            identity = KeyIdentity.decode(msg.identity)
+        except ProtocolError as exc:
+            return proto.Refused(msg.seq, msg.transfer_id, "bad_request", str(exc))
+        hit = tier.lookup(
+            msg.token_ids, hold=msg.transfer_id, lease_ms=msg.lease_ms, identity=identity
+        )
         pushing = hit.chunks > msg.min_chunks
         if pushing:
-            keys = tier.keys(msg.token_ids)[: hit.chunks]
+            keys = tier.keys(msg.token_ids, identity)[: hit.chunks]
             self._jobs.put(_FetchJob(msg.transfer_id, msg.endpoint, keys, msg.lease_ms))
         else:
             tier.release_hold(msg.transfer_id)

@@ -8,12 +8,17 @@ in :mod:`fabric.store.index` and keeps four structures consistent:
   present only once its bytes are verified);
 - ``lru``: FILLED slots with no refs, oldest first (the eviction order);
 - ``free_slots``: FREE slots, used as a stack;
-- ``quarantine``: (due time, slot) of QUARANTINED slots, due time ascending.
+- ``quarantine``: a heap of (due time, slot) of QUARANTINED slots.
+
+A data plane that sees every write arrive (TCP, loopback) brackets each one
+with ``begin_write``/``end_write``: a slot being written is never freed (a
+due quarantine waits for the write to end) and never verified.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,7 +33,10 @@ _PRESENT = (SlotState.FILLED, SlotState.PINNED)
 @dataclass(slots=True)
 class Slot:
     """Metadata of one slot. ``owner`` is the request_id of a reservation's
-    RESERVED slot and None for a local allocation."""
+    RESERVED slot and None for a local allocation. ``writers``: data-plane
+    writes landing in it now; ``writes``: how many ever began (a verifier
+    compares it before and after hashing); ``free_when_idle``: its quarantine
+    is over, it is freed when the last writer ends."""
 
     state: SlotState = SlotState.FREE
     generation: int = 0
@@ -37,6 +45,9 @@ class Slot:
     checksum: int | None = None
     refs: int = 0
     owner: str | None = None
+    writers: int = 0
+    writes: int = 0
+    free_when_idle: bool = False
 
 
 class SlotTable:
@@ -52,7 +63,7 @@ class SlotTable:
         self.lru: OrderedDict[int, None] = OrderedDict()
         # NOTE: reversed so that a fresh table hands out slot 0, 1, 2, ...
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.quarantine: deque[tuple[float, int]] = deque()
+        self.quarantine: list[tuple[float, int]] = []
         self.counts = dict.fromkeys(SlotState, 0)
         self.counts[SlotState.FREE] = num_slots
         self.evictions = 0
@@ -116,6 +127,7 @@ class SlotTable:
     def free(self, slot: int) -> None:
         """RESERVED/QUARANTINED/FILLED -> FREE; bumps the generation."""
         meta = self.slots[slot]
+        assert meta.writers == 0, f"slot {slot} freed while being written"
         if meta.state in _PRESENT:
             assert meta.refs == 0 and meta.key is not None
             del self.index[meta.key]
@@ -124,6 +136,7 @@ class SlotTable:
         meta.generation = self._next_generation
         self._next_generation += 1
         meta.key, meta.nbytes, meta.checksum, meta.refs, meta.owner = None, 0, None, 0, None
+        meta.free_when_idle = False
         self.free_slots.append(slot)
 
     def quarantine_slot(self, slot: int, due: float) -> None:
@@ -132,18 +145,37 @@ class SlotTable:
         assert meta.state is SlotState.RESERVED
         self._set_state(meta, SlotState.QUARANTINED)
         meta.owner = None
-        self.quarantine.append((due, slot))
+        heapq.heappush(self.quarantine, (due, slot))
 
     def release_quarantine(self, now: float) -> int:
         """QUARANTINED slots due by ``now`` -> FREE; returns how many."""
         released = 0
-        # NOTE: due times are appended in clock order (constant quarantine_ms
-        # on a monotonic clock), so the queue is sorted and we stop early.
+        # NOTE: a heap, as due times are not in clock order: a released
+        # lease's slots wait for its deadline first (see ChunkStore.release).
         while self.quarantine and self.quarantine[0][0] <= now:
-            _, slot = self.quarantine.popleft()
+            _, slot = heapq.heappop(self.quarantine)
+            if self.slots[slot].writers:
+                # NOTE: a receive into it is still copying: ``end_write`` frees it.
+                self.slots[slot].free_when_idle = True
+                continue
             self.free(slot)
             released += 1
         return released
+
+    def begin_write(self, slot: int) -> None:
+        """One more data-plane write landing in ``slot`` (it stays unfreeable)."""
+        meta = self.slots[slot]
+        meta.writers += 1
+        meta.writes += 1
+
+    def end_write(self, slot: int) -> None:
+        """A write ended; free the slot if its quarantine ran out meanwhile."""
+        meta = self.slots[slot]
+        assert meta.writers > 0
+        meta.writers -= 1
+        if meta.writers == 0 and meta.free_when_idle:
+            assert meta.state is SlotState.QUARANTINED
+            self.free(slot)
 
     def add_ref(self, slot: int) -> None:
         """One more reader of a present slot; it leaves the LRU while held."""

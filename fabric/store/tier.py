@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fabric.errors import CapacityError, ConfigError
+from fabric.kv.identity import BASE, KeyIdentity
 from fabric.kv.keys import chunk_keys
 
 if TYPE_CHECKING:
@@ -112,9 +113,15 @@ class TieredStore:
             self._thread.start()
 
     # ------------------------------------------------------------ lookups
-    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Keys of the full chunks of ``token_ids``."""
-        return chunk_keys(token_ids, self.chunk_tokens, self.fingerprint, include_partial=False)
+    def keys(self, token_ids: Sequence[int], identity: KeyIdentity = BASE) -> list[bytes]:
+        """Keys of the full chunks of ``token_ids`` for a request of ``identity``."""
+        return chunk_keys(
+            token_ids,
+            self.chunk_tokens,
+            self.fingerprint,
+            include_partial=False,
+            identity=identity,
+        )
 
     def lookup(
         self,
@@ -122,6 +129,7 @@ class TieredStore:
         *,
         hold: str | None = None,
         lease_ms: int = 30_000,
+        identity: KeyIdentity = BASE,
     ) -> Hit:
         """Leading full chunks of ``token_ids`` held in memory or on disk.
 
@@ -130,7 +138,7 @@ class TieredStore:
         dropped first. A chunk that cannot be brought in (no free slot, a
         corrupt file) ends the hit there.
         """
-        keys = self.keys(token_ids)
+        keys = self.keys(token_ids, identity)
         self.counters.lookups += 1
         if hold is None:
             hit = self._count(keys)
@@ -176,9 +184,11 @@ class TieredStore:
             return len(self._holds)
 
     # ------------------------------------------------------------ admin
-    def pin(self, token_ids: Sequence[int], *, pin: bool = True) -> int:
+    def pin(
+        self, token_ids: Sequence[int], *, pin: bool = True, identity: KeyIdentity = BASE
+    ) -> int:
         """Pin (bring in from disk first) or unpin a prompt's leading chunks."""
-        keys = self.keys(token_ids)
+        keys = self.keys(token_ids, identity)
         if not pin:
             return self.store.unpin(keys)
         hit = self._acquire(keys)

@@ -11,16 +11,24 @@ Typical push of chunks already packed into the local store::
 
 Every call is bounded: control requests by ``control_timeout_ms``
 (:class:`~fabric.errors.PeerUnreachable`), writes by the caller's timeout
-(:class:`~fabric.errors.TransferTimeout`). With ``TransferConfig.secret``
-requests and notifications are signed and replies verified; a receiver
-with another secret (or none) fails the call at once with a
-:class:`~fabric.errors.TransferError` that says so.
+and, however they are driven, by ``write_timeout_ms``
+(:class:`~fabric.errors.TransferTimeout`; the write is aborted). A link
+posts no write once the lease it knows of has run out (by its own clock,
+from when it asked: never later than the receiver's) or was cancelled, and
+raises :class:`~fabric.errors.ReservationExpired` instead; so every byte it
+sends lands within ``write_timeout_ms`` of a live lease's end, inside the
+receiver's quarantine if the reservation ended meanwhile.
+
+With ``TransferConfig.secret`` requests and notifications are signed and
+replies verified; a receiver with another secret (or none) fails the call
+at once with a :class:`~fabric.errors.TransferError` that says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +41,7 @@ from fabric.errors import (
     LayoutMismatch,
     PeerUnreachable,
     ProtocolError,
+    ReservationExpired,
     ReservationRefused,
     SignatureError,
     TransferError,
@@ -40,7 +49,7 @@ from fabric.errors import (
     TransportFailed,
 )
 from fabric.transfer import protocol as proto
-from fabric.transfer.dataplane import Segment, WriteHandle, XferState
+from fabric.transfer.dataplane import Segment, WriteFence, WriteHandle, XferState
 from fabric.transfer.faults import FaultInjector
 
 if TYPE_CHECKING:
@@ -67,20 +76,30 @@ class RemoteReservation:
 
 
 class PendingPush:
-    """A posted write of some chunks of a reservation."""
+    """A posted write of some chunks of a reservation.
+
+    It lives until ``expires_at`` (monotonic seconds) at most: polled past
+    it, the write is aborted and TransferTimeout raised, so no write outlives
+    the receiver's quarantine however its owner drives it. Dropped unfinished,
+    it is abandoned (aborted) too.
+    """
 
     def __init__(
         self,
         handle: WriteHandle | None,
         nbytes: int,
         on_finish: Callable[[], None] | None = None,
+        *,
+        expires_at: float = math.inf,
     ) -> None:
         self._handle = handle
         self.nbytes = nbytes
         self._on_finish = on_finish
+        self.expires_at = expires_at
 
     def done(self) -> bool:
-        """True once every byte landed; raises TransportFailed on error."""
+        """True once every byte landed; TransportFailed on error, TransferTimeout
+        (write aborted) once it outlived ``expires_at``."""
         if self._handle is None:
             return True
         state = self._handle.poll()
@@ -90,19 +109,37 @@ class PendingPush:
         if state is XferState.DONE:
             self._finish()
             return True
+        if time.monotonic() >= self.expires_at:
+            self.abort()
+            raise TransferTimeout(f"write of {self.nbytes} bytes outlived its lifetime; aborted")
         return False
 
     def wait(self, timeout: float) -> None:
-        """Drive the write to completion within ``timeout`` seconds."""
+        """Drive the write to completion within ``timeout`` seconds, else abort it."""
         deadline = time.monotonic() + timeout
         spins = 0
         while not self.done():
             if time.monotonic() >= deadline:
+                self.abort()
                 raise TransferTimeout(f"write of {self.nbytes} bytes not done in {timeout} s")
             spins += 1
             # NOTE: poll drives progress (no NIXL progress thread); yield the
             # core between polls so the peer and the engine keep running.
             time.sleep(0 if spins < 20 else 5e-5)
+
+    def abort(self) -> bool:
+        """Stop the write if it still runs (NIXL: release its handle, which
+        cancels it). True when no byte of it can land any more; False when
+        some still may, which the receiver's quarantine or guard covers."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return True
+        ended = handle.abort()
+        if not ended:
+            # NOTE: the write may still read its source: a fault's scratch slot stays taken.
+            self._on_finish = None
+        self._finish()
+        return ended
 
     def _finish(self) -> None:
         if self._handle is not None:
@@ -111,6 +148,12 @@ class PendingPush:
         if self._on_finish is not None:
             self._on_finish()
             self._on_finish = None
+
+    def __del__(self) -> None:
+        # NOTE: a backstop for owners that drop a write they gave up on.
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            handle.abandon()
 
 
 class PeerLink:
@@ -125,6 +168,9 @@ class PeerLink:
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
+        # request_id -> when its lease runs out by our clock (see ``_post_check``).
+        self._leases: dict[str, float] = {}
+        self._leases_lock = threading.Lock()
         try:
             ack = self._handshake()
         except BaseException:
@@ -191,6 +237,7 @@ class PeerLink:
     ) -> RemoteReservation:
         """Reserve one remote slot per key; raises ReservationRefused."""
         lease = lease_ms or self.client.config.lease_ms
+        asked = time.monotonic()
         reply = self._call_known(
             proto.Reserve(next(self._seq), request_id, list(keys), list(nbytes), lease)
         )
@@ -198,6 +245,7 @@ class PeerLink:
             raise ReservationRefused(f"{reply.code}: {reply.reason}")
         if not isinstance(reply, proto.Reserved) or len(reply.slots) != len(keys):
             raise ProtocolError(f"bad reply to Reserve: {type(reply).__name__}")
+        self._track_lease(request_id, asked + reply.lease_ms / 1000)
         return RemoteReservation(
             request_id,
             tuple(keys),
@@ -218,12 +266,48 @@ class PeerLink:
         segments, written, checksums = self._plan(res, indices, local_slots)
         if not segments:
             return PendingPush(None, 0)
+        fence = _fence(res, written)
         faults = self.client.faults
         if faults is not None:
-            return self._write_with_faults(faults, res, segments, written, checksums)
+            return self._write_with_faults(faults, res, segments, written, checksums, fence)
         notif = self._notif(res, written, checksums)
-        handle = self.client.plane.post_write(self.peer_agent, segments, notif)
-        return PendingPush(handle, sum(n for _, _, n in segments))
+        self._post_check(res.request_id)
+        handle = self.client.plane.post_write(self.peer_agent, segments, notif, fence)
+        return self._pending(handle, segments)
+
+    def _pending(
+        self,
+        handle: WriteHandle,
+        segments: list[Segment],
+        on_finish: Callable[[], None] | None = None,
+    ) -> PendingPush:
+        lifetime = self.client.config.write_timeout_ms / 1000
+        nbytes = sum(n for _, _, n in segments)
+        return PendingPush(handle, nbytes, on_finish, expires_at=time.monotonic() + lifetime)
+
+    def _track_lease(self, request_id: str, expires_at: float, *, extend: bool = False) -> None:
+        with self._leases_lock:
+            if extend:
+                expires_at = max(expires_at, self._leases.get(request_id, expires_at))
+            self._leases[request_id] = expires_at
+            if len(self._leases) > 256:  # NOTE: finished pushes are never cancelled
+                now = time.monotonic()
+                self._leases = {r: t for r, t in self._leases.items() if t > now}
+
+    def _post_check(self, request_id: str) -> None:
+        """Raise ReservationExpired unless the lease of ``request_id`` still runs.
+
+        NOTE: our deadline counts from before the Reserve (or Heartbeat) left,
+        so it is never later than the receiver's: a write posted before it
+        lands inside the lease or inside the quarantine that follows it.
+        """
+        with self._leases_lock:
+            expires_at = self._leases.get(request_id, -math.inf)
+        if time.monotonic() >= expires_at:
+            raise ReservationExpired(
+                f"{self.endpoint}: the lease of {request_id!r} ran out (or was cancelled); "
+                "write not posted"
+            )
 
     def _plan(
         self, res: RemoteReservation, indices: Iterable[int], local_slots: Sequence[int]
@@ -260,6 +344,7 @@ class PeerLink:
         segments: list[Segment],
         written: list[int],
         checksums: list[int],
+        fence: WriteFence,
     ) -> PendingPush:
         """``write`` with the sender faults of :mod:`fabric.transfer.faults` applied."""
         store, plane = self.client.store, self.client.plane
@@ -267,18 +352,17 @@ class PeerLink:
         segments, scratch = faults.corrupt(store, segments, checksums)
         notif = self._notif(res, written, checksums)
         try:
+            self._post_check(res.request_id)  # NOTE: after the delay, as a stalled sender
             mode = faults.write_mode()
             if mode == "drop_write":
                 handle = plane.notify(self.peer_agent, notif)
             else:
-                handle = plane.post_write(
-                    self.peer_agent, segments, b"" if mode == "drop_notify" else notif
-                )
+                notif = b"" if mode == "drop_notify" else notif
+                handle = plane.post_write(self.peer_agent, segments, notif, fence)
         except BaseException:
             faults.release(store, scratch)
             raise
-        nbytes = sum(n for _, _, n in segments)
-        return PendingPush(handle, nbytes, lambda: faults.release(store, scratch))
+        return self._pending(handle, segments, lambda: faults.release(store, scratch))
 
     def push(
         self,
@@ -301,13 +385,26 @@ class PeerLink:
         return res
 
     def cancel(self, request_id: str) -> bool:
+        """Give the reservation back; no write for it is posted from here on."""
+        self._forget_lease(request_id)
         reply = self._call_known(proto.Cancel(next(self._seq), request_id))
         return isinstance(reply, proto.Ack) and reply.ok
 
     def heartbeat(self, request_id: str, lease_ms: int | None = None) -> bool:
+        """Extend the lease; False (and no more writes posted) if it is gone."""
         lease = lease_ms or self.client.config.lease_ms
+        asked = time.monotonic()
         reply = self._call_known(proto.Heartbeat(next(self._seq), request_id, lease))
-        return isinstance(reply, proto.Ack) and reply.ok
+        ok = isinstance(reply, proto.Ack) and reply.ok
+        if ok:
+            self._track_lease(request_id, asked + lease / 1000, extend=True)
+        else:
+            self._forget_lease(request_id)
+        return ok
+
+    def _forget_lease(self, request_id: str) -> None:
+        with self._leases_lock:
+            self._leases.pop(request_id, None)
 
     def close(self) -> None:
         self.client.plane.remove_peer(self.peer_agent)
@@ -347,6 +444,12 @@ class TransferClient:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+
+
+def _fence(res: RemoteReservation, written: list[int]) -> WriteFence:
+    """The fence of a write of chunks ``written`` (one segment each, in order)."""
+    slots = [res.slots[i] for i in written]
+    return WriteFence(res.request_id, slots, [res.generations[i] for i in written])
 
 
 def decode_reply(codec: proto.Codec, frame: bytes, endpoint: str) -> proto.Message:

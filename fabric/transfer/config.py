@@ -31,6 +31,12 @@ class TransferConfig:
     ``ucx_net_devices``: sets ``UCX_NET_DEVICES`` before NIXL starts (``lo``
     for single-host tests; None leaves UCX's choice).
 
+    ``write_timeout_ms``: the longest a posted write lives; a sender aborts
+    one still running after it (:class:`~fabric.transfer.client.PendingPush`).
+    A receiver's ``StoreConfig.quarantine_ms`` must be at least the longest
+    write timeout of its senders (their defaults agree: 30 s and 35 s); a
+    NIXL receiver whose quarantine is shorter than its own setting warns.
+
     ``secret``: a shared secret; when set, every control frame and
     notification is signed (HMAC-SHA256) and unsigned or wrongly signed ones
     are refused (see :mod:`fabric.transfer.protocol`). Every sender,
@@ -46,6 +52,7 @@ class TransferConfig:
     max_message_bytes: int = 1 << 20
     control_timeout_ms: int = 5000
     lease_ms: int = 10000
+    write_timeout_ms: int = 30_000
     poll_interval_ms: float = 0.2
     idle_poll_interval_ms: float = 5.0
     expire_interval_ms: float = 50.0
@@ -60,7 +67,7 @@ class TransferConfig:
             raise ConfigError(f"transfer.transport: unknown transport {self.transport!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"transfer.port: {self.port} is not a port number")
-        for name in ("max_message_bytes", "control_timeout_ms", "lease_ms"):
+        for name in ("max_message_bytes", "control_timeout_ms", "lease_ms", "write_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"transfer.{name}: must be positive")
         for name in (

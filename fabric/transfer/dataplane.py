@@ -16,6 +16,15 @@ write posted with an empty notification (fault injection) delivers none, and
 ``notify`` sends a notification without a write.
 Implementations: NIXL/UCX (``nixl_plane``), TCP (``tcp_plane``) and the
 in-process :class:`LoopbackDataPlane` for fast unit tests.
+
+Fencing: a write names the reservation it is for (:class:`WriteFence`: the
+request id and each segment's target slot and generation). A plane that
+sees writes arrive (``fences_writes``: TCP, loopback) hands the fence to
+the receiver's :class:`WriteGuard` before a byte lands; a refused write's
+bytes are drained unwritten and its notification dropped (it would vouch
+for bytes that never landed). A one-sided RDMA write (NIXL) reaches memory
+without the receiver's CPU, so there the sender aborts what outlives its
+timeout (:meth:`WriteHandle.abort`) and the receiver quarantines slots.
 """
 
 from __future__ import annotations
@@ -44,6 +53,42 @@ def drain(queue: deque[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
     return out
 
 
+class WriteFence(msgspec.Struct, array_like=True, frozen=True):
+    """The reservation a write is for: segment ``i`` lands in ``slots[i]``,
+    which the receiver handed out at ``generations[i]``."""
+
+    request_id: str
+    slots: list[int]
+    generations: list[int]
+
+
+class WriteTicket(ABC):
+    """An admitted write; ``end()`` once its last byte landed (or it broke off)."""
+
+    @abstractmethod
+    def end(self) -> None: ...
+
+
+class WriteGuard(ABC):
+    """The receiver's check of each incoming write, before a byte of it lands."""
+
+    @abstractmethod
+    def admit(
+        self, peer: str, fence: WriteFence | None, segments: Sequence[tuple[int, int]]
+    ) -> WriteTicket | None:
+        """A ticket for a write of ``segments`` (remote offset, nbytes) from
+        ``peer``; None to refuse it (the guard counts and logs why)."""
+
+
+class _NoTicket(WriteTicket):
+    def end(self) -> None:
+        pass
+
+
+ADMITTED: WriteTicket = _NoTicket()
+"""The ticket of a plane nobody guards: every write is admitted."""
+
+
 class XferState(enum.Enum):
     """State of a posted write, as the initiator sees it."""
 
@@ -61,16 +106,48 @@ class WriteHandle(ABC):
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free transport resources of a finished write."""
 
+    def abort(self) -> bool:
+        """Stop the write if it still runs and free its resources.
+
+        True when no byte of it can land any more (it ended, or was stopped
+        in time); False when some still may: the receiver's quarantine (or
+        its guard) covers those. Planes whose writes end when posted keep
+        this default.
+        """
+        ended = self.poll() is not XferState.PROC
+        self.release()
+        return ended
+
+    def abandon(self) -> None:
+        """Its owner dropped it unfinished: stop it without blocking (``__del__`` path)."""
+        self.abort()
+
 
 class DataPlane(ABC):
     """One process's end of the data plane."""
 
     kind: ClassVar[str]
+    fences_writes: ClassVar[bool] = False
+    """Whether writes into this plane pass its :class:`WriteGuard` first."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.pool_base = 0
         self.pool_nbytes = 0
+        self.write_guard: WriteGuard | None = None
+
+    def set_write_guard(self, guard: WriteGuard | None) -> None:
+        """Check incoming writes with ``guard`` (None: admit all), where the plane can."""
+        self.write_guard = guard
+
+    def admit(
+        self, peer: str, fence: WriteFence | None, segments: Sequence[tuple[int, int]]
+    ) -> WriteTicket | None:
+        """The guard's verdict on an incoming write (admitted when there is none)."""
+        guard = self.write_guard
+        if guard is None or not segments:  # NOTE: a bare notification writes nothing
+            return ADMITTED
+        return guard.admit(peer, fence, segments)
 
     def register_pool(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
         """Register the chunk pool once; every write reads from or lands in it."""
@@ -91,8 +168,18 @@ class DataPlane(ABC):
         """Load a peer's descriptor; returns the peer name used in ``post_write``."""
 
     @abstractmethod
-    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
-        """Start writing ``segments`` to ``peer`` and notify it when all landed."""
+    def post_write(
+        self,
+        peer: str,
+        segments: Sequence[Segment],
+        notif: bytes,
+        fence: WriteFence | None = None,
+    ) -> WriteHandle:
+        """Start writing ``segments`` to ``peer`` and notify it when all landed.
+
+        ``fence`` names the reservation the write is for; a receiver that
+        guards its pool refuses a write of segments without one.
+        """
 
     def notify(self, peer: str, notif: bytes) -> WriteHandle:
         """Send ``notif`` to ``peer`` without writing any bytes."""
@@ -139,6 +226,7 @@ class LoopbackDataPlane(DataPlane):
     """
 
     kind = "loopback"
+    fences_writes = True
     _registry: ClassVar[dict[str, LoopbackDataPlane]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -163,13 +251,25 @@ class LoopbackDataPlane(DataPlane):
             raise TransportFailed(f"no loopback plane {info.name!r}")
         return info.name
 
-    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+    def post_write(
+        self,
+        peer: str,
+        segments: Sequence[Segment],
+        notif: bytes,
+        fence: WriteFence | None = None,
+    ) -> WriteHandle:
         target = self._registry.get(peer)
         if target is None:
             raise TransportFailed(f"loopback peer {peer!r} is gone")
         self.check_segments(segments, target.pool_nbytes)
-        for local, remote, nbytes in segments:
-            ctypes.memmove(target.pool_base + remote, self.pool_base + local, nbytes)
+        ticket = target.admit(self.name, fence, [(r, n) for _, r, n in segments])
+        if ticket is None:
+            return DoneWrite()  # NOTE: refused, notification and all, as over TCP
+        try:
+            for local, remote, nbytes in segments:
+                ctypes.memmove(target.pool_base + remote, self.pool_base + local, nbytes)
+        finally:
+            ticket.end()
         if notif:
             target._notifs.append((self.name, notif))
         return DoneWrite()

@@ -35,6 +35,7 @@ from pathlib import Path
 import zmq
 
 from fabric.errors import LayoutMismatch, PeerUnreachable, ProtocolError, TransferError
+from fabric.kv.identity import BASE, KeyIdentity
 from fabric.transfer import protocol as proto
 from fabric.transfer.client import decode_reply
 
@@ -84,10 +85,23 @@ class StoreClient:
         self._sock: zmq.Socket[bytes] | None = None
 
     def lookup(
-        self, token_ids: Sequence[int], *, hold: str | None = None, lease_ms: int = 30_000
+        self,
+        token_ids: Sequence[int],
+        *,
+        hold: str | None = None,
+        lease_ms: int = 30_000,
+        identity: KeyIdentity = BASE,
     ) -> proto.LookupResult:
-        """How many leading full chunks of ``token_ids`` the engine holds."""
-        msg = proto.Lookup(next(self._seq), hold or "", list(token_ids), hold is not None, lease_ms)
+        """How many leading full chunks of ``token_ids`` (keyed with
+        ``identity``) the engine holds."""
+        msg = proto.Lookup(
+            next(self._seq),
+            hold or "",
+            list(token_ids),
+            hold is not None,
+            lease_ms,
+            identity.encode(),
+        )
         reply = self._call(msg)
         if not isinstance(reply, proto.LookupResult):
             raise ProtocolError(f"expected LookupResult, got {type(reply).__name__}")
@@ -101,9 +115,11 @@ class StoreClient:
         """Empty a tier of the engine's store; chunks removed."""
         return self._done(proto.Clear(next(self._seq), tier))
 
-    def pin(self, token_ids: Sequence[int], *, pin: bool = True) -> int:
+    def pin(
+        self, token_ids: Sequence[int], *, pin: bool = True, identity: KeyIdentity = BASE
+    ) -> int:
         """Pin (or unpin) a prompt's leading chunks; chunks affected."""
-        return self._done(proto.Pin(next(self._seq), list(token_ids), pin))
+        return self._done(proto.Pin(next(self._seq), list(token_ids), pin, identity.encode()))
 
     def stats(self) -> dict[str, int]:
         """The engine's store occupancy (``reserved``, ``filled``, ...) and counters."""
@@ -130,10 +146,17 @@ class StoreClient:
         *,
         min_chunks: int = 0,
         lease_ms: int = 30_000,
+        identity: KeyIdentity = BASE,
     ) -> proto.Fetching:
         """Ask a shared store to push a prompt's held chunks to ``endpoint``."""
         msg = proto.Fetch(
-            next(self._seq), transfer_id, list(token_ids), endpoint, min_chunks, lease_ms
+            next(self._seq),
+            transfer_id,
+            list(token_ids),
+            endpoint,
+            min_chunks,
+            lease_ms,
+            identity.encode(),
         )
         reply = self._call(msg)
         if not isinstance(reply, proto.Fetching):

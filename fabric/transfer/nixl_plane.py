@@ -12,12 +12,22 @@ through ``check_xfer_state`` (``WriteHandle.poll``) and the receiver calls
 
 NIXL agents are not thread-safe in their default sync mode, so every call
 into the agent goes through one lock.
+
+A WRITE is one-sided: it lands without the receiver's CPU, which therefore
+cannot refuse it (the fence a write names is not checked here). Aborting a
+write is releasing its handle (``release_xfer_handle``: NIXL cancels an
+active transfer, or refuses and keeps the handle when it cannot); a handle
+dropped unfinished is released on the plane's next call, under its lock,
+never from a finalizer. The receiver's quarantine covers whatever lands
+before the cancel takes effect.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +35,9 @@ import msgspec
 import numpy as np
 
 from fabric.errors import TransportFailed
-from fabric.transfer.dataplane import DataPlane, Segment, WriteHandle, XferState
+from fabric.transfer.dataplane import DataPlane, Segment, WriteFence, WriteHandle, XferState
+
+logger = logging.getLogger(__name__)
 
 
 class NixlDescriptor(msgspec.Struct, array_like=True, frozen=True):
@@ -67,6 +79,20 @@ class _NixlWrite(WriteHandle):
                 self._plane.agent.release_xfer_handle(self._handle)
             self._handle = None
 
+    def abort(self) -> bool:
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return True
+        if self._state == "PROC":
+            self._state = "ERR"  # NOTE: aborted; the plane owns the handle from here
+        with self._plane.lock:
+            return self._plane.release_handle(handle, warn=True)
+
+    def abandon(self) -> None:
+        if self._handle is not None:
+            self._plane.orphans.append(self._handle)
+            self._handle, self._state = None, "ERR"
+
 
 class NixlDataPlane(DataPlane):
     """Data plane over a NIXL agent with the UCX backend."""
@@ -99,6 +125,8 @@ class NixlDataPlane(DataPlane):
         self._device_id = 0
         self._reg: Any = None
         self._peers: dict[str, NixlDescriptor] = {}
+        # Handles dropped unfinished (appended from any thread, released under the lock).
+        self.orphans: deque[Any] = deque()
 
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
         if device.startswith("cuda"):
@@ -136,7 +164,13 @@ class NixlDataPlane(DataPlane):
             with self.lock:
                 self.agent.remove_remote_agent(peer)
 
-    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+    def post_write(
+        self,
+        peer: str,
+        segments: Sequence[Segment],
+        notif: bytes,
+        fence: WriteFence | None = None,
+    ) -> WriteHandle:
         info = self._peer(peer)
         self.check_segments(segments, info.pool_nbytes)
         return self._post(peer, info, np.asarray(segments, dtype=np.uint64).reshape(-1, 3), notif)
@@ -164,6 +198,7 @@ class NixlDataPlane(DataPlane):
         local[:, 2] = self._device_id
         remote[:, 2] = info.device_id
         with self.lock:
+            self._release_orphans()
             try:
                 local_descs = self.agent.get_xfer_descs(local, self._mem_type)
                 remote_descs = self.agent.get_xfer_descs(remote, info.mem_type)
@@ -173,13 +208,34 @@ class NixlDataPlane(DataPlane):
                 raise TransportFailed(f"NIXL write to {peer!r} failed: {exc}") from exc
         return _NixlWrite(self, handle, state)
 
+    def release_handle(self, handle: Any, *, warn: bool = False) -> bool:
+        """Release (and so cancel, if still active) ``handle``; the lock is held.
+
+        False when NIXL could not cancel it: the handle is kept (in
+        ``orphans``) and released again on a later call.
+        """
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log = logger.warning if warn else logger.debug
+            log("NIXL could not cancel a write yet (retried later): %s", exc)
+            self.orphans.append(handle)
+            return False
+        return True
+
+    def _release_orphans(self) -> None:
+        for _ in range(len(self.orphans)):
+            self.release_handle(self.orphans.popleft())
+
     def take_notifs(self) -> list[tuple[str, bytes]]:
         with self.lock:
+            self._release_orphans()
             notifs = self.agent.get_new_notifs()
         return [(peer, msg) for peer, msgs in notifs.items() for msg in msgs]
 
     def close(self) -> None:
         with self.lock:
+            self._release_orphans()
             for peer in list(self._peers):
                 self.agent.remove_remote_agent(peer)
             self._peers.clear()

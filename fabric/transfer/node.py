@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from fabric.transfer.client import TransferClient
 from fabric.transfer.config import TransferConfig, open_data_plane
+from fabric.transfer.fence import RefuseWrites
 from fabric.transfer.server import TransferServer
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ def default_agent_name(prefix: str = "fabric") -> str:
 class TransferNode:
     """Registers ``store``'s pool with one data plane, serves and sends.
 
-    ``serve=False`` builds a send-only node (no control socket is bound).
+    ``serve=False`` builds a send-only node (no control socket is bound, and
+    its data plane refuses writes into its pool where it can).
     Close it (or use it as a context manager) to stop threads and sockets.
     """
 
@@ -49,6 +51,8 @@ class TransferNode:
                 if serve
                 else None
             )
+            if not serve:
+                self.plane.set_write_guard(RefuseWrites())
         except BaseException:
             self.plane.close()
             raise

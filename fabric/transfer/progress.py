@@ -17,7 +17,12 @@ class ServerStats:
     connections closed, by the peer or by ZMQ over a frame past its size
     cap; ``peers_pruned``: peers forgotten after ``peer_idle_s`` without a
     message (they say Hello again); ``internal_errors``: bugs caught so the server keeps serving (0
-    unless something is wrong).
+    unless something is wrong). ``refused_writes``: data-plane writes whose
+    bytes were refused before they reached the pool, because they named no
+    live reservation, a slot it does not hold or a stale generation (planes
+    that see writes arrive: TCP, loopback; their notifications are dropped
+    too); ``late_writes``: notifications for reservations already gone or
+    chunks no longer waiting for bytes.
     """
 
     hellos: int = 0
@@ -28,6 +33,7 @@ class ServerStats:
     bytes_filled: int = 0
     checksum_failures: int = 0
     late_writes: int = 0
+    refused_writes: int = 0
     cancels: int = 0
     expired: int = 0
     lookups: int = 0

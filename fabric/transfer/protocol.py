@@ -40,6 +40,8 @@ import msgspec
 
 from fabric.errors import ProtocolError, SignatureError
 
+# NOTE: Lookup, Pin and Fetch gained a trailing ``identity`` (default b""):
+# an older peer's frames still decode, as requests of the base identity.
 PROTOCOL_VERSION = 1
 MAGIC = b"FB"
 FLAG_SIGNED = 0x8000
@@ -60,6 +62,8 @@ TokenId = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
 Key = Annotated[bytes, msgspec.Meta(max_length=64)]
 RequestId = Annotated[str, msgspec.Meta(max_length=1024)]
 Name = Annotated[str, msgspec.Meta(max_length=1024)]
+# A KeyIdentity's wire form (fabric.kv.identity), decoded by the receiver.
+IdentityBytes = Annotated[bytes, msgspec.Meta(max_length=64 * 1024)]
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
@@ -152,7 +156,9 @@ class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
     Needs no Hello: the engine's own scheduler and the proxy ask it. With
     ``hold`` the receiver brings disk hits into memory and keeps every hit
     chunk referenced for ``request_id`` (``lease_ms`` at most) until the
-    engine's worker loads them or ``Release`` drops them.
+    engine's worker loads them or ``Release`` drops them. ``identity``: the
+    request's :class:`~fabric.kv.identity.KeyIdentity` (``encode()``; b""
+    for a base-model request without salt).
     """
 
     seq: int
@@ -160,6 +166,7 @@ class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
     token_ids: list[TokenId]
     hold: bool
     lease_ms: LeaseMs
+    identity: IdentityBytes = b""
 
 
 class LookupResult(msgspec.Struct, tag="lookup_result", array_like=True, frozen=True):
@@ -194,6 +201,7 @@ class Pin(msgspec.Struct, tag="pin", array_like=True, frozen=True):
     seq: int
     token_ids: list[TokenId]
     pin: bool
+    identity: IdentityBytes = b""
 
 
 class Done(msgspec.Struct, tag="done", array_like=True, frozen=True):
@@ -254,6 +262,7 @@ class Fetch(msgspec.Struct, tag="fetch", array_like=True, frozen=True):
     endpoint: Name
     min_chunks: Count
     lease_ms: LeaseMs
+    identity: IdentityBytes = b""
 
 
 class Fetching(msgspec.Struct, tag="fetching", array_like=True, frozen=True):

@@ -24,6 +24,11 @@ Hello ``no_hello``. Frames over ``max_message_bytes`` plus a little slack
 never reach Python: ZMQ drops them with their connection (counted in
 ``disconnects``). A notification that fails its checks is dropped and
 counted. Replies are signed like requests.
+
+Writes are fenced too (:mod:`fabric.transfer.fence`): where the plane sees
+them arrive (TCP, loopback), each is admitted against the live reservation
+before a byte lands, else drained (notification and all) and counted in
+``refused_writes``.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ from fabric.errors import (
     SignatureError,
     SlotStateError,
 )
+from fabric.kv.identity import KeyIdentity
 from fabric.transfer import protocol as proto
 from fabric.transfer.faults import FaultInjector
+from fabric.transfer.fence import StoreWriteGuard, check_quarantine
 from fabric.transfer.progress import RequestProgress, ServerStats
 
 if TYPE_CHECKING:
@@ -76,6 +83,9 @@ class TransferServer:
         tier: TieredStore | None = None,
     ) -> None:
         self.store, self.plane, self.config, self.tier = store, plane, config, tier
+        # NOTE: the owner's own numbers for Stats (the connector reports its
+        # threads' health here, which the proxy's health probe reads).
+        self.extra_stats: list[Callable[[], dict[str, int]]] = []
         self.fingerprint = fingerprint
         self.stats = ServerStats()
         self.codec = config.codec()
@@ -100,6 +110,8 @@ class TransferServer:
         self._warned: dict[str, float] = {}
         self._loop = threading.Thread(target=self._run, name="fabric-server", daemon=True)
         self._verifier = threading.Thread(target=self._verify, name="fabric-verify", daemon=True)
+        plane.set_write_guard(StoreWriteGuard(lambda: self.store, self.stats))
+        check_quarantine(store, plane, config.write_timeout_ms)
 
     def start(self) -> TransferServer:
         self._loop.start()
@@ -346,6 +358,8 @@ class TransferServer:
         }
         out |= {k: int(v) for k, v in dataclasses.asdict(self.store.stats()).items()}
         out |= {f"server_{k}": int(v) for k, v in dataclasses.asdict(self.stats).items()}
+        for extra in self.extra_stats:
+            out |= extra()
         tier = self.tier
         if tier is not None:
             out["holds"] = tier.held_count()
@@ -371,6 +385,7 @@ class TransferServer:
                     msg.token_ids,
                     hold=msg.request_id if msg.hold else None,
                     lease_ms=msg.lease_ms,
+                    identity=KeyIdentity.decode(msg.identity),
                 )
                 return proto.LookupResult(
                     msg.seq,
@@ -384,7 +399,8 @@ class TransferServer:
                 return proto.Done(msg.seq, int(tier.release_hold(msg.request_id)))
             if isinstance(msg, proto.Clear):
                 return proto.Done(msg.seq, tier.clear(msg.tier))
-            return proto.Done(msg.seq, tier.pin(msg.token_ids, pin=msg.pin))
+            identity = KeyIdentity.decode(msg.identity)
+            return proto.Done(msg.seq, tier.pin(msg.token_ids, pin=msg.pin, identity=identity))
         except (ValueError, FabricError) as exc:
             self.stats.refused += 1
             return proto.Refused(msg.seq, "", "bad_request", str(exc))

@@ -12,7 +12,12 @@ With a shared secret the header is followed by its HMAC-SHA256 tag (32 B),
 checked before the header is decoded, so only a peer holding the secret
 can place bytes in the pool. The receiver checks every segment against its
 pool bounds before reading the payload; a frame that fails a check closes
-the connection.
+the connection. The header carries the write's
+:class:`~fabric.transfer.dataplane.WriteFence`; the receiver's guard admits
+the write against its live reservations before a byte is copied into the
+pool, and holds the slots while the payload arrives. A refused write's
+payload is read and dropped (the connection stays in step), and so is its
+notification.
 """
 
 from __future__ import annotations
@@ -31,13 +36,22 @@ from collections.abc import Sequence
 import msgspec
 
 from fabric.errors import TransportFailed
-from fabric.transfer.dataplane import DataPlane, Segment, WriteHandle, XferState, drain
+from fabric.transfer.dataplane import (
+    DataPlane,
+    Segment,
+    WriteFence,
+    WriteHandle,
+    WriteTicket,
+    XferState,
+    drain,
+)
 
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 16 << 20
 _TAG_BYTES = 32
+_DRAIN_BYTES = 1 << 20
 
 
 class TcpDescriptor(msgspec.Struct, array_like=True, frozen=True):
@@ -51,17 +65,38 @@ class TcpWrite(msgspec.Struct, array_like=True, frozen=True):
     sender: str
     remote_segments: list[tuple[int, int]]
     notif: bytes
+    fence: WriteFence | None = None
 
 
 class _TcpWriteHandle(WriteHandle):
     def __init__(self) -> None:
         self.done = threading.Event()
         self.failed = False
+        self.lock = threading.Lock()
+        self.started = self.cancelled = False
 
     def poll(self) -> XferState:
         if not self.done.is_set():
             return XferState.PROC
         return XferState.ERR if self.failed else XferState.DONE
+
+    def start(self) -> bool:
+        """The sender thread takes the job: False if it was aborted first."""
+        with self.lock:
+            self.started = not self.cancelled
+            return self.started
+
+    def abort(self) -> bool:
+        # NOTE: a frame already on the wire is not cut short: the receiver
+        # admitted it against a live reservation and holds its slots meanwhile.
+        with self.lock:
+            if not self.started:
+                self.cancelled = self.failed = True
+                self.done.set()
+            return self.done.is_set()
+
+
+Job = tuple[Sequence[Segment], bytes, WriteFence | None, _TcpWriteHandle]
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -72,14 +107,21 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+def _drain(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` (a refused write's payload), in bounded pieces."""
+    scratch = memoryview(bytearray(min(nbytes, _DRAIN_BYTES)))
+    while nbytes:
+        piece = min(nbytes, len(scratch))
+        _recv_exact(sock, scratch[:piece])
+        nbytes -= piece
+
+
 class _PeerSender:
     """One outgoing connection and the thread that writes to it, in order."""
 
     def __init__(self, plane: TcpDataPlane, info: TcpDescriptor) -> None:
         self.plane, self.info = plane, info
-        self.jobs: queue.Queue[tuple[Sequence[Segment], bytes, _TcpWriteHandle] | None] = (
-            queue.Queue()
-        )
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.sock: socket.socket | None = None
         self.thread = threading.Thread(target=self._run, name=f"tcp-send-{info.name}", daemon=True)
         self.thread.start()
@@ -92,10 +134,12 @@ class _PeerSender:
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            segments, notif, handle = job
+            segments, notif, fence, handle = job
+            if not handle.start():
+                continue
             try:
                 self.sock = self.sock or self._connect()
-                self._send(self.sock, segments, notif)
+                self._send(self.sock, segments, notif, fence)
             except OSError as exc:
                 logger.warning("tcp write to %s failed: %s", self.info.name, exc)
                 handle.failed = True
@@ -106,9 +150,15 @@ class _PeerSender:
         if self.sock is not None:
             self.sock.close()
 
-    def _send(self, sock: socket.socket, segments: Sequence[Segment], notif: bytes) -> None:
+    def _send(
+        self,
+        sock: socket.socket,
+        segments: Sequence[Segment],
+        notif: bytes,
+        fence: WriteFence | None,
+    ) -> None:
         header = msgspec.msgpack.encode(
-            TcpWrite(self.plane.name, [(r, n) for _, r, n in segments], notif)
+            TcpWrite(self.plane.name, [(r, n) for _, r, n in segments], notif, fence)
         )
         sock.sendall(_LEN.pack(len(header)) + header + self.plane.tag(header))
         pool = self.plane.pool_view()
@@ -120,6 +170,7 @@ class TcpDataPlane(DataPlane):
     """Data plane over plain TCP sockets bound to ``host``."""
 
     kind = "tcp"
+    fences_writes = True
 
     def __init__(self, name: str, host: str = "127.0.0.1", secret: str | None = None) -> None:
         super().__init__(name)
@@ -164,13 +215,19 @@ class TcpDataPlane(DataPlane):
         if sender is not None:
             sender.jobs.put(None)
 
-    def post_write(self, peer: str, segments: Sequence[Segment], notif: bytes) -> WriteHandle:
+    def post_write(
+        self,
+        peer: str,
+        segments: Sequence[Segment],
+        notif: bytes,
+        fence: WriteFence | None = None,
+    ) -> WriteHandle:
         sender = self._senders.get(peer)
         if sender is None:
             raise TransportFailed(f"unknown TCP peer {peer!r}")
         self.check_segments(segments, sender.info.pool_nbytes)
         handle = _TcpWriteHandle()
-        sender.jobs.put((list(segments), notif, handle))
+        sender.jobs.put((list(segments), notif, fence, handle))
         return handle
 
     def take_notifs(self) -> list[tuple[str, bytes]]:
@@ -215,11 +272,27 @@ class TcpDataPlane(DataPlane):
         for remote, nbytes in msg.remote_segments:
             if nbytes <= 0 or remote < 0 or remote + nbytes > self.pool_nbytes:
                 raise TransportFailed(f"segment {(remote, nbytes)} outside the pool")
-        pool = self.pool_view()
-        for remote, nbytes in msg.remote_segments:
-            _recv_exact(conn, pool[remote : remote + nbytes])
+        segments = msg.remote_segments
+        ticket = self.admit(msg.sender, msg.fence, segments)
+        if ticket is None:
+            # NOTE: the notification goes too: it would vouch for bytes that
+            # never landed (and fail a live reservation a stray write named).
+            _drain(conn, sum(n for _, n in segments))
+            return
+        self._receive_payload(conn, segments, ticket)
         if msg.notif:
             self._notifs.append((msg.sender, msg.notif))
+
+    def _receive_payload(
+        self, conn: socket.socket, segments: list[tuple[int, int]], ticket: WriteTicket
+    ) -> None:
+        """Copy an admitted write's bytes straight into the pool."""
+        pool = self.pool_view()
+        try:
+            for remote, nbytes in segments:
+                _recv_exact(conn, pool[remote : remote + nbytes])
+        finally:
+            ticket.end()
 
     def close(self) -> None:
         self._closed = True

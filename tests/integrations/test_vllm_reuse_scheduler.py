@@ -6,6 +6,7 @@ from typing import Any
 
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.scheduler import FabricScheduler
+from fabric.kv.identity import KeyIdentity
 from tests.integrations.test_vllm_scheduler import BS, CT, Cached, NewReq, Out, Req
 
 
@@ -16,7 +17,7 @@ class FakeTier:
         self.chunks = chunks
         self.calls: list[tuple[str, int]] = []
 
-    def lookup(self, request_id: str, token_ids: list[int]) -> int:
+    def lookup(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int:
         self.calls.append((request_id, len(token_ids)))
         return min(self.chunks, len(token_ids) // CT)
 

@@ -47,7 +47,7 @@ def save_prompt(w: FabricWorker, rid: str, blocks: list[int]) -> None:
     counts = [CB] * 4
     saves = [SaveChunk(rid, i, blocks[i * CB : (i + 1) * CB]) for i in range(4)]
     w.save(FabricMetadata(sends=[SendPlan(rid, None, None, TOKENS[: 4 * CT], counts)], saves=saves))
-    w.start_load(FabricMetadata())  # the next step: joins the packing (async_save)
+    w.before_step()  # the next step: joins the packing (async_save)
 
 
 def tier_client(w: FabricWorker) -> WorkerTierClient:
@@ -202,8 +202,9 @@ def test_async_save_packs_before_the_next_forward_overwrites_the_blocks(
     worker: FabricWorker,
 ) -> None:
     """The chunks of a step are packed on the fabric-pack thread, and the next
-    step's ``start_load`` joins it: blocks rewritten after that (a finished
-    request's blocks handed to another) do not reach the store."""
+    step's ``before_step`` (vLLM's ``handle_preemptions``) joins it: blocks
+    rewritten after that (a finished request's blocks handed to another) do
+    not reach the store."""
     assert worker._saver is not None
     src = list(range(0, 16))
     original = [layer[src].clone() for layer in worker.kv_caches]
@@ -212,7 +213,7 @@ def test_async_save_packs_before_the_next_forward_overwrites_the_blocks(
     sends = [SendPlan("r1", None, None, TOKENS[: 4 * CT], counts)]
     worker.save(FabricMetadata(sends=sends, saves=saves))
     worker.get_results({"r1"})  # the request finished in the same step
-    worker.start_load(FabricMetadata())
+    worker.before_step()
     for layer in worker.kv_caches:  # the next forward writes the freed blocks
         layer[src] = 0
     client = tier_client(worker)
@@ -222,3 +223,19 @@ def test_async_save_packs_before_the_next_forward_overwrites_the_blocks(
     for layer, want in zip(worker.kv_caches, original, strict=True):
         assert torch.equal(layer[dst], want)
     client.close()
+
+
+def test_a_store_chunk_corrupted_after_it_was_saved_is_recomputed(worker: FabricWorker) -> None:
+    src = list(range(0, 16))
+    save_prompt(worker, "r1", src)
+    client = tier_client(worker)
+    assert client.lookup("r2", TOKENS[: 4 * CT]) == 4
+    client.close()
+    assert worker.tier is not None
+    slots = worker.tier._holds["r2"].slots
+    worker.store.pool.slot_view(slots[2]).view(torch.uint8)[7] ^= 0x01
+    dst = list(range(20, 36))
+    worker.start_load(FabricMetadata(local_loads=[LocalLoad("r2", 0, dst, 4)]))
+    assert worker.take_load_errors() == set(dst)
+    counts = worker.counters.take()
+    assert counts["corrupt_chunks"] == 1 and counts["store_load_failures"] == 1

@@ -19,6 +19,7 @@ from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import SharedTierClient, WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.kv.identity import KeyIdentity
 from fabric.store.service import ServiceConfig, SharedStore
 from tests.integrations.test_vllm_reuse_scheduler import FakeTier
 from tests.integrations.test_vllm_reuse_worker import TOKENS, make, save_prompt
@@ -35,7 +36,9 @@ class FakeShared:
         self.chunks = chunks
         self.calls: list[tuple[str, int, int]] = []
 
-    def fetch(self, transfer_id: str, token_ids: list[int], min_chunks: int) -> int:
+    def fetch(
+        self, transfer_id: str, token_ids: list[int], min_chunks: int, identity: KeyIdentity
+    ) -> int:
         self.calls.append((transfer_id, len(token_ids), min_chunks))
         hit = min(self.chunks, len(token_ids) // CT)
         return hit if hit > min_chunks else 0
@@ -129,7 +132,11 @@ def test_chunks_one_worker_saved_load_into_a_fresh_worker(service: SharedStore) 
         client = SharedTierClient(config, worker_tier, counters)
         assert client.fetch("shared-r2", TOKENS[: 4 * CT], 0) == 4
         dst = list(range(20, 36))
-        b.start_load(FabricMetadata(loads=[LoadPlan("r2", "shared-r2", 0, dst, 4 * CT, True)]))
+        b.start_load(
+            FabricMetadata(
+                loads=[LoadPlan("r2", "shared-r2", 0, dst, 4 * CT, TOKENS[: 4 * CT], shared=True)]
+            )
+        )
         deadline = time.monotonic() + 10
         while not (results := b.get_results(set()))[0]:
             assert time.monotonic() < deadline, "the fetched chunks never loaded"

@@ -57,14 +57,29 @@ def wait_results(d: FabricWorker, timeout: float = 10) -> tuple[set[str], set[st
     raise AssertionError("load never finished")
 
 
+def tokens(num_tokens: int) -> list[int]:
+    """The prompt every test pushes: token ids 0..n-1."""
+    return list(range(num_tokens))
+
+
 def push(p: FabricWorker, endpoint: str, num_tokens: int, src_blocks: list[int]) -> None:
     counts = chunk_block_counts(num_tokens, CT, BS)
-    tokens = list(range(num_tokens))
     saves, start = [], 0
     for index, n in enumerate(counts):
         saves.append(SaveChunk("p-req", index, src_blocks[start : start + n]))
         start += n
-    p.save(FabricMetadata(sends=[SendPlan("p-req", "t1", endpoint, tokens, counts)], saves=saves))
+    sends = [SendPlan("p-req", "t1", endpoint, tokens(num_tokens), counts)]
+    p.save(FabricMetadata(sends=sends, saves=saves))
+
+
+def assert_the_next_push_loads(p: FabricWorker, d: FabricWorker, transfer_id: str) -> None:
+    """After a failure: the next request between the same pair is served normally."""
+    assert d.node is not None
+    sends = [SendPlan("p2", transfer_id, d.node.endpoint, tokens(64), [4])]
+    p.save(FabricMetadata(sends=sends, saves=[SaveChunk("p2", 0, [3, 4, 5, 6])]))
+    plan = LoadPlan("d2", transfer_id, 0, [14, 15, 16, 17], 64, tokens(64))
+    d.start_load(FabricMetadata(loads=[plan]))
+    assert wait_results(d) == ({"d2"}, set())
 
 
 @pytest.mark.parametrize("first_block", [0, 2, 5])
@@ -77,7 +92,7 @@ def test_pushed_kv_lands_in_the_decoders_blocks(
     src = [7, 8, 9, 10, 30, 31, 1, 2, 3, 4][: -(-num_tokens // BS)]
     push(p, d.node.endpoint, num_tokens, src)
     dst = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
-    plan = LoadPlan("d-req", "t1", first_block, dst[first_block:], num_tokens)
+    plan = LoadPlan("d-req", "t1", first_block, dst[first_block:], num_tokens, tokens(num_tokens))
     d.start_load(FabricMetadata(loads=[plan]))
     assert wait_results(d) == ({"d-req"}, set())
     for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
@@ -92,7 +107,7 @@ def test_unknown_transfer_fails_fast_and_is_counted(
     pair: tuple[FabricWorker, FabricWorker],
 ) -> None:
     _, d = pair
-    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "nobody", 0, [1, 2], 20)]))
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "nobody", 0, [1, 2], 20, tokens(20))]))
     t0 = time.monotonic()
     assert wait_results(d) == ({"d-req"}, {"d-req"})
     assert time.monotonic() - t0 < 2
@@ -109,7 +124,9 @@ def test_missing_chunks_time_out_and_free_the_reservation(
     p.save(
         FabricMetadata(sends=[SendPlan("p-req", "t2", d.node.endpoint, list(range(150)), counts)])
     )
-    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t2", 0, list(range(10)), 150)]))
+    d.start_load(
+        FabricMetadata(loads=[LoadPlan("d-req", "t2", 0, list(range(10)), 150, tokens(150))])
+    )
     t0 = time.monotonic()
     assert wait_results(d, timeout=10) == ({"d-req"}, {"d-req"})
     assert 2.5 < time.monotonic() - t0 < 6
@@ -122,7 +139,7 @@ def test_prefiller_reuses_a_chunk_it_already_packed(
     p, d = pair
     assert d.node is not None
     push(p, d.node.endpoint, 64, [3, 4, 5, 6])
-    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, [10, 11, 12, 13], 64)]))
+    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, [10, 11, 12, 13], 64, tokens(64))]))
     assert wait_results(d) == ({"d1"}, set())
     filled_before = p.store.stats().filled
     counts = chunk_block_counts(64, CT, BS)
@@ -132,7 +149,7 @@ def test_prefiller_reuses_a_chunk_it_already_packed(
             saves=[SaveChunk("p2", 0, [3, 4, 5, 6])],
         )
     )
-    d.start_load(FabricMetadata(loads=[LoadPlan("d2", "t3", 0, [14, 15, 16, 17], 64)]))
+    d.start_load(FabricMetadata(loads=[LoadPlan("d2", "t3", 0, [14, 15, 16, 17], 64, tokens(64))]))
     assert wait_results(d) == ({"d2"}, set())
     assert p.store.stats().filled == filled_before  # same key: no second pack
     for layer in d.kv_caches:
@@ -149,3 +166,133 @@ def test_rank_endpoint_offsets_the_decoders_port_per_tp_rank() -> None:
         rank_endpoint("tcp://host-without-port", 1)
     with pytest.raises(ConfigError):
         rank_endpoint("tcp://127.0.0.1:65535", 1)
+
+
+@pytest.mark.parametrize(
+    "plan_tokens",
+    [
+        [t + 1 for t in tokens(150)],  # another tokenizer or chat template: foreign keys
+        tokens(150)[:100] + [0] * 50,  # the same first chunk, then not
+    ],
+)
+def test_a_decoder_refuses_a_transfer_whose_keys_are_not_its_prompts(
+    pair: tuple[FabricWorker, FabricWorker], plan_tokens: list[int]
+) -> None:
+    p, d = pair
+    assert d.node is not None
+    src = [7, 8, 9, 10, 30, 31, 1, 2, 3, 4]
+    push(p, d.node.endpoint, 150, src)
+    d.start_load(
+        FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, list(range(10)), 150, plan_tokens)])
+    )
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    counts = d.counters.take()
+    assert counts["refused_transfers"] == 1 and "chunks_loaded" not in counts
+    assert d.store.reserved_count() == 0
+    # the next request is served normally
+    assert_the_next_push_loads(p, d, "t9")
+
+
+def test_a_truncated_reserve_under_the_transfer_id_is_refused(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    p, d = pair
+    assert d.node is not None
+    push(p, d.node.endpoint, 100, [7, 8, 9, 10, 30, 31, 1])  # 2 of the prompt's 3 chunks
+    plan = LoadPlan("d-req", "t1", 0, list(range(10)), 150, tokens(150))
+    d.start_load(FabricMetadata(loads=[plan]))
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    assert d.counters.take()["refused_transfers"] == 1
+
+
+def test_an_exception_in_the_load_thread_fails_that_load_only(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fabric.integrations.vllm import loader as loader_module
+
+    p, d = pair
+    assert d.node is not None and d.loader is not None
+    real_unpack, calls = loader_module.unpack, []
+
+    def unpack_failing_once(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        real_unpack(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader_module, "unpack", unpack_failing_once)
+    push(p, d.node.endpoint, 64, [3, 4, 5, 6])
+    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, [10, 11, 12, 13], 64, tokens(64))]))
+    assert wait_results(d) == ({"d1"}, {"d1"})
+    assert d.counters.take()["thread_errors"] == 1
+    assert_the_next_push_loads(p, d, "t3")
+    assert d.loader._thread.is_alive()
+
+
+def test_an_exception_in_the_pack_thread_fails_that_push_only(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fabric.integrations.vllm import worker as worker_module
+
+    p, d = pair
+    assert d.node is not None
+    real_pack, calls = worker_module.pack, []
+
+    def pack_failing_once(*args: object, **kwargs: object) -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real_pack(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker_module, "pack", pack_failing_once)
+    push(p, d.node.endpoint, 150, [7, 8, 9, 10, 30, 31, 1, 2, 3, 4])
+    p.before_step()
+    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, list(range(10)), 150, tokens(150))]))
+    assert wait_results(d) == ({"d1"}, {"d1"})
+    assert p.counters.take()["thread_errors"] == 1
+    assert p.store.stats().reserved == 0  # the slot it was packing into went back
+    assert_the_next_push_loads(p, d, "t3")
+
+
+def test_an_exception_in_the_push_thread_fails_that_push_only(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fabric.integrations.vllm.sender import PushSender
+
+    p, d = pair
+    assert d.node is not None and p.sender is not None
+    real_write, calls = PushSender._write, []
+
+    def write_failing_once(self: PushSender, req_id: str, index: int, slot: int) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        real_write(self, req_id, index, slot)
+
+    monkeypatch.setattr(PushSender, "_write", write_failing_once)
+    push(p, d.node.endpoint, 64, [3, 4, 5, 6])
+    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, [10, 11, 12, 13], 64, tokens(64))]))
+    assert wait_results(d) == ({"d1"}, {"d1"})
+    assert p.counters.take()["thread_errors"] == 1
+    assert_the_next_push_loads(p, d, "t3")
+    assert p.sender._thread.is_alive()
+    p.flush()
+    assert p.store.stats().reserved == 0
+
+
+def test_a_chunk_corrupted_after_it_verified_is_caught_at_use(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    p, d = pair
+    assert d.node is not None and d.node.server is not None
+    push(p, d.node.endpoint, 64, [3, 4, 5, 6])
+    deadline = time.monotonic() + 10
+    while not ((prog := d.node.server.progress("t1")) and 0 in prog.filled):
+        assert time.monotonic() < deadline, "the chunk never landed"
+        time.sleep(0.01)
+    res = d.store.reservation("t1")
+    assert res is not None
+    d.store.pool.slot_view(res.slots[0]).view(torch.uint8)[100] ^= 0xFF  # a late write
+    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, [10, 11, 12, 13], 64, tokens(64))]))
+    assert wait_results(d) == ({"d1"}, {"d1"})
+    assert d.counters.take()["corrupt_chunks"] == 1

@@ -7,7 +7,7 @@ import time
 import httpx
 
 from .conftest import StartEngine, StartProxy
-from .servers import dead_url
+from .servers import Proxy, ServerThread, dead_url, topology
 
 
 def test_health_is_ok_when_a_prefiller_and_a_decoder_answer(
@@ -105,3 +105,29 @@ def test_metrics_export_counters_and_engine_gauges(
     assert "fabric_proxy_fallbacks_total 0\n" in text
     assert 'fabric_proxy_engine_healthy{engine="decode-0",role="decode"} 1\n' in text
     assert 'fabric_proxy_engine_outstanding{engine="prefill-0",role="prefill"} 0\n' in text
+
+
+def test_a_decoder_whose_fabric_thread_is_down_is_marked_down(
+    start_engine: StartEngine, servers: list[ServerThread], client: httpx.Client
+) -> None:
+    from fabric.integrations.vllm.config import ConnectorConfig
+    from fabric.integrations.vllm.worker import FabricWorker
+    from tests.integrations.test_vllm_worker import BS, CT, caches
+
+    p, d = start_engine("prefill"), start_engine("decode")
+    config, kv_ports = topology([p.url], [d.url])
+    proxy = Proxy(config).start()
+    servers.append(proxy)
+    extra = {"transport": "loopback", "chunk_tokens": CT, "store_mib": 4, "kv_port": kv_ports[0]}
+    worker = FabricWorker(
+        ConnectorConfig.from_extra(extra), produce=False, consume=True, block_size=BS, model="m"
+    )
+    worker.register_kv_caches(caches(3))
+    try:
+        assert client.get(f"{proxy.url}/health").json()["decode"]["decode-0"]["healthy"] is True
+        assert worker.loader is not None
+        worker.loader.close()  # the load thread is gone: no KV can load here
+        body = client.get(f"{proxy.url}/health").json()["decode"]["decode-0"]
+        assert body["healthy"] is False and "thread(s) down" in body["error"]
+    finally:
+        worker.shutdown()

@@ -22,6 +22,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
+from fabric.transfer.dataplane import WriteFence
 from fabric.transfer.lookup import StoreClient
 from fabric.transfer.tcp_plane import TcpDataPlane, TcpDescriptor, TcpWrite
 
@@ -189,8 +190,9 @@ def test_badly_signed_notification_is_dropped(nodes: Callable[..., TransferNode]
     checksum = sender.store.slot_checksum(slots[0])
     assert checksum is not None
     done = proto.WriteDone("r2", [0], list(res.generations), [checksum])
+    fence = WriteFence("r2", list(res.slots), list(res.generations))
     for codec in (proto.Codec("wrong"), proto.Codec()):
-        sender.plane.post_write(link.peer_agent, segment, codec.encode(done))
+        sender.plane.post_write(link.peer_agent, segment, codec.encode(done), fence)
     assert receiver.server is not None
     stats = receiver.server.stats
     deadline = time.monotonic() + 5
@@ -201,7 +203,7 @@ def test_badly_signed_notification_is_dropped(nodes: Callable[..., TransferNode]
     prog = receiver.server.progress("r2")
     assert prog is not None and not prog.landed
     # the same write with a good signature is accepted
-    sender.plane.post_write(link.peer_agent, segment, sender.client.codec.encode(done))
+    sender.plane.post_write(link.peer_agent, segment, sender.client.codec.encode(done), fence)
     assert receiver.server.wait("r2", 5).complete  # type: ignore[union-attr]
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from fabric.errors import LayoutMismatch, ReservationRefused
+from fabric.errors import LayoutMismatch, ReservationExpired, ReservationRefused
 from fabric.store import ChunkStore, StoreConfig
-from fabric.transfer import PeerLink, TransferConfig, TransferNode
+from fabric.transfer import PeerLink, PendingPush, TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
+from fabric.transfer.dataplane import WriteFence
 from fabric.transfer.nixl_plane import nixl_available
 
 from .patterns import FINGERPRINT, chunk_bytes, chunk_key
@@ -175,19 +176,42 @@ def test_expired_lease_returns_slots_to_the_pool(link: PeerLink, peer: Peer) -> 
 
 
 def test_cancel_frees_slots_and_a_late_write_is_ignored(
-    node: TransferNode, link: PeerLink, peer: Peer
+    transport: str, node: TransferNode, link: PeerLink, peer: Peer
 ) -> None:
     seed = 5
     keys, slots = fill_local(node.store, seed, [1 << 20] * 2)
     res = link.reserve("req-cancelled", keys, [1 << 20] * 2)
     assert link.cancel("req-cancelled")
-    assert peer.cmd("stats")["reserved"] == 0
-    late = peer.cmd("stats")["server"]["late_writes"]
-    link.write(res, range(2), slots).wait(timeout=30)
+    stats = peer.cmd("stats")
+    assert stats["reserved"] == 0
+    with pytest.raises(ReservationExpired, match="write not posted"):
+        link.write(res, range(2), slots)  # the sender fences itself
+    # A write posted before the cancel, landing after it: as the link would
+    # have sent it, bypassing its lease check.
+    before = stats["server"]
+    pool = node.store.pool
+    segments = [
+        (pool.slot_offset(s), r * SLOT_BYTES, 1 << 20)
+        for s, r in zip(slots, res.slots, strict=True)
+    ]
+    checksums = [node.store.slot_checksum(s) for s in slots]
+    notif = proto.encode(proto.WriteDone("req-cancelled", [0, 1], list(res.generations), checksums))
+    fence = WriteFence("req-cancelled", list(res.slots), list(res.generations))
+    PendingPush(node.plane.post_write(link.peer_agent, segments, notif, fence), 0).wait(30)
+    # TCP refuses the write, notification and all; a NIXL write lands, in
+    # slots still quarantined, and its notification is found late
+    late, refused = (0, 1) if transport == "tcp" else (2, 0)
     deadline = time.monotonic() + 5
-    while peer.cmd("stats")["server"]["late_writes"] < late + 2:
+    while True:
+        after = peer.cmd("stats")["server"]
+        seen = after["late_writes"] - before["late_writes"]
+        seen += after["refused_writes"] - before["refused_writes"]
+        if seen >= late + refused:
+            break
         assert time.monotonic() < deadline, "late write was not detected"
         time.sleep(0.05)
+    assert after["refused_writes"] == before["refused_writes"] + refused
+    assert after["late_writes"] == before["late_writes"] + late
     assert not link.cancel("req-cancelled")
     node.store.release_slots(slots)
 

@@ -25,7 +25,9 @@ class ConnectorConfig:
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
     ``host``: where the fabric server (control channel and TCP data plane)
-    binds.
+    binds. ``model_revision``: names the weights in chunk keys instead of
+    the digest of the model's weight files (for weights the engine does not
+    read as local files; see :mod:`fabric.integrations.vllm.identity`).
 
     ``secret`` signs the control channel and notifications (HMAC-SHA256);
     ``secret_env`` names an environment variable to read it from instead, so
@@ -50,6 +52,7 @@ class ConnectorConfig:
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
     reuse: bool = True
+    model_revision: str | None = None
     disk_path: str | None = None
     disk_gib: float = 16.0
     eviction: str = "lru"
@@ -136,7 +139,14 @@ class ConnectorConfig:
         return cls(**values)
 
 
-_OPTIONAL_STR = ("ucx_net_devices", "disk_path", "shared_store", "secret", "secret_env")
+_OPTIONAL_STR = (
+    "ucx_net_devices",
+    "disk_path",
+    "shared_store",
+    "secret",
+    "secret_env",
+    "model_revision",
+)
 
 
 def _faults(value: Any) -> FaultConfig:

@@ -27,7 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.identity import model_identity
 from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.stats import FabricPromMetrics, FabricStats
@@ -54,12 +56,28 @@ def _roles(kv_role: str | None) -> tuple[bool, bool]:
     }.get(kv_role or "kv_both", (True, True))
 
 
-def _model_name(vllm_config: VllmConfig) -> str:
-    model = vllm_config.model_config
-    served = model.served_model_name
-    if isinstance(served, list | tuple):
-        served = served[0] if served else None
-    return str(served or model.model)
+def check_kv_cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse a KV cache fabric cannot move whole: more than one group
+    (hybrid models) or a group that is not plain full attention (sliding
+    window, Mamba, ...), whose blocks vLLM frees or rewrites while the
+    request still runs (``vllm/v1/kv_cache_interface.py``)."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    model = vllm_config.model_config.model
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"FabricConnector: model {model} has {len(groups)} KV cache groups (a hybrid or "
+            "sliding-window model); fabric moves a single full-attention group only"
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise ConfigError(
+            f"FabricConnector: model {model} uses {type(spec).__name__} KV cache layers; "
+            "fabric moves full attention (FullAttentionSpec, MLAAttentionSpec) only"
+        )
 
 
 class FabricConnector(KVConnectorBase_V1):
@@ -77,6 +95,7 @@ class FabricConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         produce, consume = _roles(transfer.kv_role)
+        check_kv_cache_groups(vllm_config, kv_cache_config)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: FabricScheduler | None = None
         self._worker: FabricWorker | None = None
@@ -102,7 +121,7 @@ class FabricConnector(KVConnectorBase_V1):
                 produce=produce,
                 consume=consume,
                 block_size=block_size,
-                model=_model_name(vllm_config),
+                model=model_identity(vllm_config, config.model_revision),
                 tp_rank=getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size),
                 tp_size=parallel.tensor_parallel_size,
                 engine_id=transfer.engine_id,
@@ -112,6 +131,13 @@ class FabricConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """First hook of every ``execute_model``: join the packing of the
+        previous step before vLLM touches any block (see
+        :meth:`FabricWorker.before_step`)."""
+        assert self._worker is not None
+        self._worker.before_step()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -28,6 +28,13 @@ COUNTERS = {
     "shared_store_loaded_chunks": "chunks fetched from the shared store and loaded",
     "shared_store_loaded_tokens": "prompt tokens loaded through a shared-store fetch",
     "shared_store_failures": "shared store unreachable or refusing; a push to it or load failed",
+    "bypassed_requests": "requests fabric cannot key (prompt embeddings, unreadable LoRA "
+    "adapter, multimodal item without identifier): no lookup, save or load",
+    "refused_transfers": "pushed KV refused by the decoder: not this prompt's keys, chunk "
+    "size or layout; recomputed",
+    "corrupt_chunks": "chunks whose checksum failed when they were used: recomputed",
+    "thread_errors": "exceptions caught in a fabric thread (load, pack, push); the "
+    "request(s) it served recompute, the thread keeps serving",
 }
 
 

@@ -9,6 +9,14 @@ one after ``load_timeout_s``; a checksum failure or an expired lease fails
 at once. A failed load is logged, counted, and reported to vLLM, which
 recomputes the prompt (``kv_load_failure_policy: recompute``).
 
+Before a byte is used the loader checks that the transfer is this prompt's:
+the reservation's keys must equal the keys of the plan's own token ids and
+identity (so a prefiller with another tokenizer, chat template, chunk size,
+layout or weights, and a foreign or truncated Reserve under the transfer's
+id, are refused, counted as ``refused_transfers`` and recomputed). An
+exception while serving a load fails that load only (counted as
+``thread_errors``); the thread keeps serving the others.
+
 A fetch from the host's shared store (``LoadPlan.shared``) is the same kind
 of transfer, pushed by the shared store instead of a prefiller; it is
 counted as ``shared_store_*`` rather than as a PD load.
@@ -23,8 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fabric.errors import ChecksumMismatch
 from fabric.integrations.vllm.scheduler import chunk_block_counts
-from fabric.kv import unpack
+from fabric.kv import chunk_keys, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -38,11 +47,40 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def unpack_slot(
+    store: ChunkStore,
+    slot: int,
+    kv_caches: list[torch.Tensor],
+    layout: KVLayout,
+    targets: list[int],
+    chunk_blocks: int,
+    first: int,
+) -> None:
+    """Unpack the chunk in ``slot`` into ``targets``, verifying its checksum
+    in the same pass; ChecksumMismatch when it does not (the targets then
+    hold garbage: the caller has vLLM recompute them)."""
+    digest = store.slot_digest(slot)
+    if digest is None:
+        raise ChecksumMismatch(f"slot {slot} holds no verified chunk")
+    unpack(
+        store.pool.slot_view(slot),
+        kv_caches,
+        layout,
+        targets,
+        chunk_blocks=chunk_blocks,
+        first=first,
+        checksum=digest.checksum,
+        nbytes=digest.nbytes,
+    )
+
+
 @dataclass
 class _Load:
     plan: LoadPlan
     started: float
     chunks: dict[int, tuple[int, int, list[int]]]  # index -> (first, count, block ids)
+    keys: tuple[bytes, ...]  # what the transfer must carry
+    checked: bool = False  # the reservation's keys were compared with ``keys``
     done: set[int] = field(default_factory=set)
 
 
@@ -95,13 +133,37 @@ class Loader:
     # ---------------------------------------------------------- load thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._take_plans(block=not self._active)
-            for load in list(self._active.values()):
+            try:
+                self._round()
+            except Exception:  # NOTE: outside any one load; keep serving
+                self.counters.add(thread_errors=1)
+                logger.exception("fabric load thread: a round failed; continuing")
+                self._stop.wait(0.01)
+
+    def _round(self) -> None:
+        self._take_plans(block=not self._active)
+        for load in list(self._active.values()):
+            try:
                 self._step(load)
-            if self._active:
-                # Woken by the server on every landed/verified chunk.
-                rid = next(iter(self._active.values())).plan.transfer_id
-                self.server.wait_until(rid, lambda p: False, 0.002)
+            except Exception as exc:  # NOTE: fails this load only; the thread goes on
+                self.counters.add(thread_errors=1)
+                logger.exception("fabric load thread: serving %s failed", load.plan.req_id)
+                self._abandon(load, f"{type(exc).__name__}: {exc}")
+        if self._active:
+            # Woken by the server on every landed/verified chunk.
+            rid = next(iter(self._active.values())).plan.transfer_id
+            self.server.wait_until(rid, lambda p: False, 0.002)
+
+    def _abandon(self, load: _Load, why: str) -> None:
+        """Fail ``load`` even if its normal finish raises too."""
+        self._active.pop(load.plan.req_id, None)
+        try:
+            self._finish(load, ok=False, why=why)
+        except Exception:
+            logger.exception("fabric load thread: finishing %s failed", load.plan.req_id)
+            with self._lock:
+                self._finished.add(load.plan.req_id)
+                self._failed.add(load.plan.req_id)
 
     def _take_plans(self, *, block: bool) -> None:
         try:
@@ -109,11 +171,28 @@ class Loader:
         except queue.Empty:
             return
         while True:
-            self._active[plan.req_id] = _Load(plan, time.monotonic(), self._chunk_map(plan))
+            self._start(plan)
             try:
                 plan = self._plans.get_nowait()
             except queue.Empty:
                 return
+
+    def _start(self, plan: LoadPlan) -> None:
+        """Make ``plan`` active; a plan that cannot even be mapped fails at once."""
+        try:
+            keys = chunk_keys(
+                plan.token_ids,
+                self.chunk_tokens,
+                self.layout.fingerprint(),
+                identity=plan.identity,
+            )
+            load = _Load(plan, time.monotonic(), self._chunk_map(plan), tuple(keys))
+        except Exception as exc:
+            self.counters.add(thread_errors=1)
+            logger.exception("fabric load thread: cannot start the load of %s", plan.req_id)
+            self._abandon(_Load(plan, time.monotonic(), {}, ()), f"{type(exc).__name__}: {exc}")
+            return
+        self._active[plan.req_id] = load
 
     def _chunk_map(self, plan: LoadPlan) -> dict[int, tuple[int, int, list[int]]]:
         """For each chunk touching the plan: (first block in chunk, count, targets)."""
@@ -138,6 +217,13 @@ class Loader:
             if elapsed > self.unknown_grace_s:
                 self._finish(load, ok=False, why=f"no transfer {tid} reached this engine")
             return
+        if not load.checked:
+            why = self._foreign(load, res.keys)
+            if why:
+                self.counters.add(refused_transfers=1)
+                self._finish(load, ok=False, why=why)
+                return
+            load.checked = True
         if not load.done:
             self.store.heartbeat(tid, self.lease_ms)  # we hold it while we wait
         if prog.failed or prog.expired:
@@ -145,7 +231,12 @@ class Loader:
             return
         ready = [i for i in load.chunks if i not in load.done and self._available(i, prog, res)]
         for index in ready:
-            self._unpack(load, index, res.slots[index], fetched=not res.already_present[index])
+            try:
+                self._unpack(load, index, res.slots[index], fetched=not res.already_present[index])
+            except ChecksumMismatch as exc:
+                self.counters.add(corrupt_chunks=1)
+                self._finish(load, ok=False, why=f"chunk {index} of {tid} at use: {exc}")
+                return
         if len(load.done) == len(load.chunks):
             self._finish(load, ok=True)
         elif elapsed > self.load_timeout_s:
@@ -156,22 +247,31 @@ class Loader:
             )
             self._finish(load, ok=False, why=why)
 
+    def _foreign(self, load: _Load, keys: tuple[bytes, ...]) -> str:
+        """Why the transfer's ``keys`` are not this prompt's ("" when they are)."""
+        if len(keys) != len(load.keys):
+            return (
+                f"transfer {load.plan.transfer_id} carries {len(keys)} chunk keys, this "
+                f"prompt of {load.plan.num_tokens} tokens has {len(load.keys)}: refused"
+            )
+        for index, (theirs, mine) in enumerate(zip(keys, load.keys, strict=True)):
+            if theirs != mine:
+                return (
+                    f"transfer {load.plan.transfer_id}: chunk {index}'s key is not this "
+                    "prompt's (other tokens, chunk size, layout, weights or identity): refused"
+                )
+        return ""
+
     @staticmethod
     def _available(index: int, prog: object, res: object) -> bool:
         return index in prog.filled or res.already_present[index]  # type: ignore[attr-defined]
 
     def _unpack(self, load: _Load, index: int, slot: int, *, fetched: bool) -> None:
+        """Unpack chunk ``index``, verifying its checksum in the same pass
+        (ChecksumMismatch: the target blocks hold garbage; vLLM recomputes)."""
         first, count, targets = load.chunks[index]
         counts = chunk_block_counts(load.plan.num_tokens, self.chunk_tokens, self.block_size)
-        unpack(
-            self.store.pool.slot_view(slot),
-            self.kv_caches,
-            self.layout,
-            targets,
-            chunk_blocks=counts[index],
-            first=first,
-            num_threads=self.pack_threads,
-        )
+        unpack_slot(self.store, slot, self.kv_caches, self.layout, targets, counts[index], first)
         load.done.add(index)
         self.counters.add(chunks_loaded=1, bytes_loaded=self.layout.chunk_nbytes(count))
         if load.plan.shared and fetched:

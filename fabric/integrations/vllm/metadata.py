@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fabric.kv.identity import BASE, KeyIdentity
+
 try:  # vLLM present: subclass its marker base so isinstance checks pass
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except ImportError:  # unit tests of the pure logic run without vLLM
@@ -24,7 +26,7 @@ class SendPlan:
     Save only (reuse tier, ``endpoint`` None): they stay in this engine's
     store. ``chunk_blocks[i]`` is the number of vLLM blocks chunk ``i``
     covers (the last chunk may be short); ``token_ids`` are the prompt's,
-    for the keys.
+    for the keys, with the request's ``identity``.
     """
 
     req_id: str
@@ -32,6 +34,7 @@ class SendPlan:
     endpoint: str | None
     token_ids: list[int]
     chunk_blocks: list[int]
+    identity: KeyIdentity = BASE
 
 
 @dataclass
@@ -50,7 +53,9 @@ class LoadPlan:
 
     ``block_ids`` are the blocks for prompt tokens from ``first_block *
     block_size`` on; chunk ``i`` of the transfer holds blocks ``i *
-    chunk_blocks ..`` of the prompt.
+    chunk_blocks ..`` of the prompt. ``token_ids`` (the first
+    ``num_tokens`` of the prompt) and ``identity`` give the keys the
+    transfer must carry: the worker refuses one whose keys differ.
     """
 
     req_id: str
@@ -58,6 +63,8 @@ class LoadPlan:
     first_block: int
     block_ids: list[int]
     num_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    identity: KeyIdentity = BASE
     shared: bool = False  # fetched from the shared store (counted apart from PD loads)
 
 

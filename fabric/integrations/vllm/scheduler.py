@@ -49,11 +49,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
+from fabric.integrations.vllm.identity import request_identity
 from fabric.integrations.vllm.metadata import (
     FabricMetadata,
     LoadPlan,
@@ -61,6 +62,9 @@ from fabric.integrations.vllm.metadata import (
     SaveChunk,
     SendPlan,
 )
+
+if TYPE_CHECKING:
+    from fabric.kv.identity import KeyIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +78,18 @@ class RequestLike(Protocol):
 class TierClient(Protocol):
     """The scheduler's line to its worker's reuse tier."""
 
-    def lookup(self, request_id: str, token_ids: list[int]) -> int:
-        """Leading full chunks of ``token_ids`` held, now held for the request
-        (0 when the worker cannot be asked)."""
+    def lookup(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int:
+        """Leading full chunks of ``token_ids`` (keyed with ``identity``)
+        held, now held for the request (0 when the worker cannot be asked)."""
         ...
 
 
 class SharedTier(Protocol):
     """The scheduler's line to the host's shared store."""
 
-    def fetch(self, transfer_id: str, token_ids: list[int], min_chunks: int) -> int:
+    def fetch(
+        self, transfer_id: str, token_ids: list[int], min_chunks: int, identity: KeyIdentity
+    ) -> int:
         """Leading full chunks of ``token_ids`` the shared store now pushes into
         this engine as ``transfer_id``; 0 when it pushes nothing (it holds at
         most ``min_chunks``, or it cannot be asked)."""
@@ -106,6 +112,7 @@ class _Sending:
     endpoint: str | None
     token_ids: list[int]
     chunk_blocks: list[int]
+    identity: KeyIdentity
     block_ids: list[int] = field(default_factory=list)
     next_chunk: int = 0
     announced: bool = False
@@ -116,6 +123,7 @@ class _Receiving:
     transfer_id: str
     num_tokens: int
     num_local_tokens: int
+    identity: KeyIdentity
     shared: bool = False  # a fetch from the shared store, not a PD transfer
 
 
@@ -155,11 +163,32 @@ class FabricScheduler:
         self.tier, self.shared, self._clock = tier, shared, clock
         self.counters = FabricCounters()
         self._hits: dict[str, _Hit] = {}
+        # NOTE: None = a request fabric cannot key: it bypasses fabric.
+        self._identities: dict[str, KeyIdentity | None] = {}
         self._local_loads: list[LocalLoad] = []
         self._releases: list[str] = []
         # NOTE: a request waiting for blocks asks again every step; its hit is
         # looked up once and refreshed only before the hold's lease could end.
         self._hit_refresh_s = config.lease_ms / 2000
+
+    # ------------------------------------------------------------ identity
+    def identity(self, request: RequestLike) -> KeyIdentity | None:
+        """The request's key identity (computed once); None: fabric cannot key
+        it, so it bypasses fabric (no lookup, no save, no load; counted)."""
+        rid = request.request_id
+        if rid in self._identities:
+            return self._identities[rid]
+        identity = request_identity(request)
+        self._identities[rid] = identity
+        if identity is None:
+            self.counters.add(bypassed_requests=1)
+            logger.info(
+                "request %s: an input fabric cannot key (prompt embeddings, an unreadable "
+                "LoRA adapter or a multimodal item without identifier); vLLM computes it "
+                "without fabric",
+                rid,
+            )
+        return identity
 
     # ------------------------------------------------------------ reuse tier
     def _local_match(self, request: RequestLike, num_computed_tokens: int) -> tuple[int, bool]:
@@ -172,6 +201,9 @@ class FabricScheduler:
         if self.tier is None or usable <= num_computed_tokens:
             self._drop_hit(rid)
             return 0, False
+        identity = self.identity(request)
+        if identity is None:
+            return 0, False
         fetching = self._receiving.get(rid)
         if fetching is not None:  # asked again while it waits for blocks
             if fetching.num_tokens > num_computed_tokens:
@@ -181,32 +213,37 @@ class FabricScheduler:
         hit = self._hits.get(rid)
         now = self._clock()
         if hit is None or now - hit.at > self._hit_refresh_s:
-            chunks = self.tier.lookup(rid, tokens[:usable])
+            chunks = self.tier.lookup(rid, tokens[:usable], identity)
             hit = self._hits[rid] = _Hit(min(chunks * chunk_tokens, usable), now)
         have = max(hit.tokens, num_computed_tokens)
-        if have < usable and (fetched := self._fetch_shared(rid, tokens[:usable], have)):
+        fetched = None
+        if have < usable:
+            fetched = self._fetch_shared(rid, tokens[:usable], have, identity)
+        if fetched is not None:
             self._receiving[rid] = _Receiving(
-                fetched.transfer_id, fetched.num_tokens, num_computed_tokens, shared=True
+                fetched.transfer_id, fetched.num_tokens, num_computed_tokens, identity, shared=True
             )
             return fetched.num_tokens - num_computed_tokens, True
         if hit.tokens <= num_computed_tokens:
             return 0, False
         return hit.tokens - num_computed_tokens, False
 
-    def _fetch_shared(self, rid: str, tokens: list[int], have: int) -> _Receiving | None:
+    def _fetch_shared(
+        self, rid: str, tokens: list[int], have: int, identity: KeyIdentity
+    ) -> _Receiving | None:
         """Ask the shared store for more than the ``have`` tokens held here
         (once per request); on a longer hit, drop the own store's hold."""
         if self.shared is None or rid in self._attempted:
             return None
         chunk_tokens = self.config.chunk_tokens
         transfer_id = f"shared-{rid}-{uuid.uuid4().hex[:8]}"
-        chunks = self.shared.fetch(transfer_id, tokens, have // chunk_tokens)
+        chunks = self.shared.fetch(transfer_id, tokens, have // chunk_tokens, identity)
         num_tokens = min(chunks * chunk_tokens, len(tokens))
         if num_tokens <= have:
             return None
         self._attempted.add(rid)
         self._drop_hit(rid)  # NOTE: chunks the store still has are reserved as present
-        return _Receiving(transfer_id, num_tokens, 0, shared=True)
+        return _Receiving(transfer_id, num_tokens, 0, identity, shared=True)
 
     def _drop_hit(self, rid: str) -> None:
         hit = self._hits.pop(rid, None)
@@ -222,23 +259,43 @@ class FabricScheduler:
             return self._local_match(request, num_computed_tokens)
         if request.request_id in self._attempted:
             return 0, False
+        identity = self.identity(request)
+        if identity is None:
+            return 0, False
         transfer_id = params.get("transfer_id")
         num_tokens = len(request.prompt_token_ids or [])
-        if not isinstance(transfer_id, str) or params.get("num_tokens") != num_tokens:
+        why = self._refuse_params(params, num_tokens)
+        if why:
+            self._attempted.add(request.request_id)
+            self.counters.add(refused_transfers=1)
             logger.warning(
-                "request %s: kv_transfer_params %s do not describe this prompt of %d "
-                "tokens; computing it locally",
+                "request %s: refusing the pushed KV (%s); computing the prompt locally",
                 request.request_id,
-                params,
-                num_tokens,
+                why,
             )
             return 0, False
         if num_computed_tokens >= num_tokens:
             return 0, False
+        assert isinstance(transfer_id, str)
         self._receiving[request.request_id] = _Receiving(
-            transfer_id, num_tokens, num_computed_tokens
+            transfer_id, num_tokens, num_computed_tokens, identity
         )
         return num_tokens - num_computed_tokens, True
+
+    def _refuse_params(self, params: dict[str, Any], num_tokens: int) -> str:
+        """Why P's ``kv_transfer_params`` cannot describe this prompt ("" if they can)."""
+        if not isinstance(params.get("transfer_id"), str):
+            return f"kv_transfer_params {params} name no transfer_id"
+        if params.get("num_tokens") != num_tokens:
+            pushed = params.get("num_tokens")
+            return f"the prefiller pushed {pushed} tokens, the prompt has {num_tokens}"
+        chunk_tokens = params.get("chunk_tokens", self.config.chunk_tokens)
+        if chunk_tokens != self.config.chunk_tokens:
+            return (
+                f"the prefiller's chunk_tokens {chunk_tokens} != this decoder's "
+                f"{self.config.chunk_tokens}"
+            )
+        return ""
 
     def update_state_after_alloc(
         self, request: RequestLike, block_ids: list[int], num_external_tokens: int
@@ -271,12 +328,16 @@ class FabricScheduler:
                     first,
                     list(block_ids[first:last]),
                     recv.num_tokens,
+                    list(request.prompt_token_ids or [])[: recv.num_tokens],
+                    recv.identity,
                     shared=recv.shared,
                 )
             )
         params = request.kv_transfer_params or {}
         if rid in self._sending:
             return
+        if (self.produce or self.tier is not None) and self.identity(request) is None:
+            return  # NOTE: bypassed: nothing saved or pushed; a decoder computes it
         if self.produce and params.get("do_remote_decode"):
             self._track_send(request, params)
         elif self.tier is not None:
@@ -290,7 +351,7 @@ class FabricScheduler:
             counts = [self.config.chunk_tokens // self.block_size] * full
             tokens = tokens[: full * self.config.chunk_tokens]
             self._sending[request.request_id] = _Sending(
-                request.request_id, None, None, tokens, counts
+                request.request_id, None, None, tokens, counts, self._known_identity(request)
             )
 
     def _track_send(self, request: RequestLike, params: dict[str, Any]) -> None:
@@ -305,8 +366,13 @@ class FabricScheduler:
         tokens = list(request.prompt_token_ids or [])
         counts = chunk_block_counts(len(tokens), self.config.chunk_tokens, self.block_size)
         self._sending[request.request_id] = _Sending(
-            request.request_id, transfer_id, endpoint, tokens, counts
+            request.request_id, transfer_id, endpoint, tokens, counts, self._known_identity(request)
         )
+
+    def _known_identity(self, request: RequestLike) -> KeyIdentity:
+        identity = self.identity(request)
+        assert identity is not None, "bypassed requests are never tracked"
+        return identity
 
     # ------------------------------------------------------------ every step
     def build_connector_meta(self, scheduler_output: Any) -> FabricMetadata:
@@ -345,6 +411,7 @@ class FabricScheduler:
                     send.endpoint,
                     send.token_ids,
                     send.chunk_blocks,
+                    send.identity,
                 )
             )
             send.announced = True
@@ -368,6 +435,7 @@ class FabricScheduler:
         rid = request.request_id
         self._receiving.pop(rid, None)
         self._attempted.discard(rid)
+        self._identities.pop(rid, None)
         self._drop_hit(rid)
         send = self._sending.pop(rid, None)
         if send is None or send.transfer_id is None:

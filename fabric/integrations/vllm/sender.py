@@ -4,7 +4,9 @@ The model thread packs a chunk into a store slot at the end of the step
 that computed it and hands (request, chunk index, slot) over; this thread
 owns every network call, so a slow or dead decoder never blocks a model
 step. Failures are logged and counted; the decoder then times out (or is
-told by a Cancel) and recomputes.
+told by a Cancel) and recomputes. An exception while serving one event or
+job fails that job only (counted as ``thread_errors``, its slots released);
+the thread keeps serving the others.
 
 A second instance pushes the same chunks into the host's shared store
 (:class:`SenderCounters` names its counters, ``prepare`` attaches before the
@@ -14,6 +16,7 @@ thread, so a slow shared store never delays a push to a decoder.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -112,6 +115,10 @@ class PushSender:
         for rid in req_ids:
             self._events.put(("finished", rid))
 
+    def fail(self, req_id: str, why: str) -> None:
+        """Give the push of ``req_id`` up (a chunk could not be packed)."""
+        self._events.put(("fail", (req_id, why)))
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
@@ -119,11 +126,19 @@ class PushSender:
     # ---------------------------------------------------------- push thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = any(job.inflight for job in self._jobs.values())
-            self._drain(timeout=None if busy else 0.05)
-            self._progress()
-            if busy:
-                time.sleep(5e-5)
+            try:
+                self._round()
+            except Exception:  # NOTE: outside any one job; keep serving
+                self.counters.add(thread_errors=1)
+                logger.exception("%s: a round failed; continuing", self._thread.name)
+                self._stop.wait(0.01)
+
+    def _round(self) -> None:
+        busy = any(job.inflight for job in self._jobs.values())
+        self._drain(timeout=None if busy else 0.05)
+        self._progress()
+        if busy:
+            time.sleep(5e-5)
 
     def _drain(self, timeout: float | None) -> None:
         try:
@@ -131,11 +146,42 @@ class PushSender:
         except queue.Empty:
             return
         while True:
-            self._handle(*event)
+            self._handle_guarded(*event)
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle_guarded(self, kind: str, payload: object) -> None:
+        try:
+            self._handle(kind, payload)
+        except Exception as exc:
+            self.counters.add(thread_errors=1)
+            logger.exception("%s: handling %s failed", self._thread.name, kind)
+            job = self._job_of(payload)
+            if kind == "chunk" and isinstance(payload, tuple):
+                self.store.release_slots([payload[2]])
+            if job is not None:
+                self._abandon(job, f"{type(exc).__name__}: {exc}")
+
+    def _job_of(self, payload: object) -> PushJob | None:
+        if isinstance(payload, PushJob):
+            return payload
+        rid = payload[0] if isinstance(payload, tuple) else payload
+        return self._jobs.get(str(rid))
+
+    def _abandon(self, job: PushJob, why: str) -> None:
+        """Fail ``job`` and forget it, releasing every slot it still holds."""
+        for slot, push, _ in job.inflight:
+            with contextlib.suppress(Exception):
+                push.abort()
+            self.store.release_slots([slot])
+        job.inflight = []
+        try:
+            self._fail(job, why)
+        except Exception:
+            logger.exception("%s: failing %s failed too", self._thread.name, job.req_id)
+        self._jobs.pop(job.req_id, None)
 
     def _handle(self, kind: str, payload: object) -> None:
         if kind == "begin":
@@ -149,6 +195,12 @@ class PushSender:
             job = self._jobs.get(str(payload))
             if job is not None:
                 job.finished = True
+                self._maybe_drop(job)
+        elif kind == "fail":
+            assert isinstance(payload, tuple)
+            job = self._jobs.get(payload[0])
+            if job is not None:
+                self._fail(job, payload[1])
                 self._maybe_drop(job)
 
     def _reserve(self, job: PushJob) -> None:
@@ -187,25 +239,34 @@ class PushSender:
     def _progress(self) -> None:
         now = time.monotonic()
         for job in list(self._jobs.values()):
-            still = []
-            for slot, push, started in job.inflight:
-                try:
-                    done = push.done()
-                except FabricError as exc:
-                    self.store.release_slots([slot])
-                    self._fail(job, f"write failed: {exc}")
-                    continue
-                if done:
-                    self.store.release_slots([slot])
-                    self._count_sent(push.nbytes, now - started)
-                elif now - started > self.push_timeout_s:
-                    self.store.release_slots([slot])
-                    self._fail(job, f"write not done in {self.push_timeout_s} s")
-                else:
-                    still.append((slot, push, started))
-            job.inflight = still
-            self._heartbeat(job, now)
-            self._maybe_drop(job)
+            try:
+                self._progress_job(job, now)
+            except Exception as exc:
+                self.counters.add(thread_errors=1)
+                logger.exception("%s: progressing %s failed", self._thread.name, job.req_id)
+                self._abandon(job, f"{type(exc).__name__}: {exc}")
+
+    def _progress_job(self, job: PushJob, now: float) -> None:
+        still = []
+        for slot, push, started in job.inflight:
+            try:
+                done = push.done()
+            except FabricError as exc:
+                self.store.release_slots([slot])
+                self._fail(job, f"write failed: {exc}")
+                continue
+            if done:
+                self.store.release_slots([slot])
+                self._count_sent(push.nbytes, now - started)
+            elif now - started > self.push_timeout_s:
+                push.abort()  # NOTE: no more bytes from it; the receiver quarantines the rest
+                self.store.release_slots([slot])
+                self._fail(job, f"write not done in {self.push_timeout_s} s")
+            else:
+                still.append((slot, push, started))
+        job.inflight = still
+        self._heartbeat(job, now)
+        self._maybe_drop(job)
 
     def _count_sent(self, nbytes: int, seconds: float) -> None:
         names = self.names

@@ -20,6 +20,7 @@ import time
 from fabric.errors import FabricError, TransferError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
+from fabric.kv.identity import BASE, KeyIdentity
 from fabric.transfer.lookup import StoreClient, resolve_endpoint
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class WorkerTierClient:
         self._clients: list[StoreClient] | None = None
         self._skip_until = 0.0
 
-    def lookup(self, request_id: str, token_ids: list[int]) -> int:
+    def lookup(self, request_id: str, token_ids: list[int], identity: KeyIdentity = BASE) -> int:
         if time.monotonic() < self._skip_until:
             return 0
         clients = self._connect()
@@ -44,7 +45,9 @@ class WorkerTierClient:
         hits = []
         try:
             for client in clients:
-                result = client.lookup(token_ids, hold=request_id, lease_ms=self.config.lease_ms)
+                result = client.lookup(
+                    token_ids, hold=request_id, lease_ms=self.config.lease_ms, identity=identity
+                )
                 hits.append(result.hit_chunks)
         except FabricError as exc:
             self._skip_until = time.monotonic() + BACKOFF_S
@@ -115,13 +118,24 @@ class SharedTierClient:
         self._client: StoreClient | None = None
         self._skip_until = 0.0
 
-    def fetch(self, transfer_id: str, token_ids: list[int], min_chunks: int) -> int:
+    def fetch(
+        self,
+        transfer_id: str,
+        token_ids: list[int],
+        min_chunks: int,
+        identity: KeyIdentity = BASE,
+    ) -> int:
         if time.monotonic() < self._skip_until:
             return 0
         try:
             client, own = self._connect()
             reply = client.fetch(
-                transfer_id, token_ids, own, min_chunks=min_chunks, lease_ms=self.config.lease_ms
+                transfer_id,
+                token_ids,
+                own,
+                min_chunks=min_chunks,
+                lease_ms=self.config.lease_ms,
+                identity=identity,
             )
         except FabricError as exc:
             self._skip_until = time.monotonic() + BACKOFF_S

@@ -6,13 +6,40 @@ reuse tier (optionally with its disk tier), the transfer node (a server on
 thread (prefiller) and the load thread (decoder, or any engine with a
 ``shared_store``: chunks fetched from it load like a decoder's). With a
 ``shared_store`` every full chunk packed into the store is also handed to
-the :class:`SharedSaver`'s push thread. Per step:
+the :class:`SharedSaver`'s push thread.
 
-- ``start_load_kv``: unpack the store hits the scheduler held for new
+Hook order this relies on (vLLM 0.32, one ``execute_model`` per step)::
+
+    handle_preemptions(meta)   vllm/v1/worker/gpu_model_runner.py:3968-3971,
+                               first thing in execute_model (the CPU runner
+                               inherits it): before_step() joins the packing
+                               of the previous step
+    _update_states             gpu_model_runner.py:1172-1208: zeroes newly
+                               allocated blocks, applies block copies
+    bind_connector_metadata    kv_connector_model_runner_mixin.py:77
+    start_load_kv              mixin.py:83-85 before the forward when the
+                               step has synchronous loads, else :88-90 AFTER it
+    forward                    writes KV into this step's blocks
+    wait_for_save              mixin.py:91-92
+    get_transfer_results       mixin.py:94-96
+
+A block the scheduler freed after step N (request finished, or preempted:
+``vllm/v1/core/sched/scheduler.py`` ``_free_request`` / ``_preempt_request``)
+can be handed to another request in step N+1 and is first written in
+execute_model(N+1) after ``handle_preemptions``: so the chunks that step N's
+``wait_for_save`` hands to the pack thread are packed before anything can
+overwrite them. ``start_load_kv`` cannot be that join: it may run after the
+forward.
+
+Per step:
+
+- ``before_step`` (``handle_preemptions``): join the previous step's packing;
+- ``start_load``: unpack the store hits the scheduler held for new
   requests (LocalLoads, synchronous, before the forward pass); hand new
   LoadPlans to the load thread (asynchronous);
-- ``wait_for_save``: pack the chunks this step completed into store slots
-  (synchronous, memcpy speed) and hand the prefiller's to the push thread;
+- ``save`` (``wait_for_save``): pack the chunks this step completed into
+  store slots (on the pack thread with ``async_save``) and hand the
+  prefiller's to the push thread;
 - ``get_results``: requests whose load finished (and which of them failed).
 """
 
@@ -27,12 +54,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fabric.errors import CapacityError, ConfigError
+from fabric.errors import CapacityError, ChecksumMismatch, ConfigError
 from fabric.integrations.vllm.counters import FabricCounters
-from fabric.integrations.vllm.loader import Loader
+from fabric.integrations.vllm.loader import Loader, unpack_slot
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
-from fabric.kv import KVLayout, chunk_keys, pack, unpack
+from fabric.kv import KVLayout, chunk_keys, pack
 from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
 from fabric.store.tier import TieredStore
@@ -46,6 +73,8 @@ if TYPE_CHECKING:
     from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChunk, SendPlan
 
 logger = logging.getLogger(__name__)
+
+QUARANTINE_MARGIN_MS = 5_000
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -127,7 +156,12 @@ class FabricWorker:
         chunk_blocks = self.config.chunk_tokens // self.block_size
         slot_bytes = layout.chunk_nbytes(chunk_blocks)
         num_slots = self.config.store_slots or max(4, (self.config.store_mib << 20) // slot_bytes)
-        store = ChunkStore(StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots))
+        # NOTE: a slot whose write may still be in flight (its reservation
+        # expired or was cancelled) waits out the longest write's life first.
+        quarantine_ms = int(self.config.push_timeout_s * 1000) + QUARANTINE_MARGIN_MS
+        store = ChunkStore(
+            StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots, quarantine_ms=quarantine_ms)
+        )
         self.store = store
         if self.config.reuse:
             self.tier = TieredStore(
@@ -192,6 +226,25 @@ class FabricWorker:
                 pack_threads=self.config.pack_threads,
             )
 
+        if self.node.server is not None:
+            self.node.server.extra_stats.append(self.thread_health)
+
+    def threads_down(self) -> list[str]:
+        """Names of the fabric threads of this worker that are no longer running."""
+        threads = []
+        if self.loader is not None:
+            threads.append(self.loader._thread)
+        if self.sender is not None:
+            threads.append(self.sender._thread)
+        if self.shared is not None:
+            threads.append(self.shared.sender._thread)
+        return [t.name for t in threads if not t.is_alive()]
+
+    def thread_health(self) -> dict[str, int]:
+        """For Stats: a decoder with a thread down reports unhealthy (the proxy
+        stops sending it work; see ``fabric.router.engines.probe``)."""
+        return {"threads_down": len(self.threads_down())}
+
     def _publish_endpoint(self, endpoint: str) -> None:
         assert self.engine_id is not None
         path = endpoint_file(self.engine_id, self.tp_rank)
@@ -227,6 +280,7 @@ class FabricWorker:
             host=c.host,
             port=port,
             lease_ms=c.lease_ms,
+            write_timeout_ms=int(c.push_timeout_s * 1000),
             nixl_progress_thread=c.nixl_progress_thread,
             ucx_net_devices=c.ucx_net_devices or os.environ.get("UCX_NET_DEVICES"),
             secret=c.resolved_secret(),
@@ -234,8 +288,14 @@ class FabricWorker:
         )
 
     # ------------------------------------------------------------ per step
+    def before_step(self) -> None:
+        """Join the packing of the previous step: vLLM has not touched a block
+        of this step yet (see the module docstring for the hook order)."""
+        self.flush()
+
     def start_load(self, meta: FabricMetadata) -> None:
-        self.flush()  # NOTE: before this forward writes any block (see ``save``)
+        # NOTE: a no-op after before_step; a backstop for a caller that skipped it.
+        self.flush()
         for rid in meta.releases:
             if self.tier is not None:
                 self.tier.release_hold(rid)
@@ -270,15 +330,22 @@ class FabricWorker:
                 first = max(load.first_block - index * chunk_blocks, 0)
                 start = index * chunk_blocks + first - load.first_block
                 targets = load.block_ids[start : start + chunk_blocks - first]
-                unpack(
-                    self.store.pool.slot_view(slots[index]),
+                unpack_slot(
+                    self.store,
+                    slots[index],
                     self.kv_caches,
                     self.layout,
                     targets,
-                    chunk_blocks=chunk_blocks,
-                    first=first,
-                    num_threads=self.config.pack_threads,
+                    chunk_blocks,
+                    first,
                 )
+        except ChecksumMismatch as exc:
+            logger.error(
+                "fabric: a store chunk of request %s is corrupt at use: %s", load.req_id, exc
+            )
+            self._load_errors.update(load.block_ids)
+            self.counters.add(corrupt_chunks=1, store_load_failures=1)
+            return
         finally:
             self.store.release_slots(slots)
         tokens = load.num_chunks * self.config.chunk_tokens - load.first_block * self.block_size
@@ -317,11 +384,10 @@ class FabricWorker:
 
         With ``async_save`` the packing runs on the ``fabric-pack`` thread
         while the engine samples, returns the step and schedules the next
-        one, and ``start_load`` joins it before the next forward. That join
-        is what makes it safe: vLLM writes KV only during a forward, so
-        blocks it frees or hands to another request after this step (a
-        finished or preempted request) still hold this step's KV until the
-        pack is done.
+        one, and ``before_step`` joins it before vLLM touches a block of the
+        next step. That join is what makes it safe: blocks it frees or hands
+        to another request after this step (a finished or preempted request)
+        still hold this step's KV until the pack is done.
         """
         if not meta.sends and not meta.saves:
             return
@@ -331,10 +397,24 @@ class FabricWorker:
             self._submit(self._save_now, meta)
 
     def _save_now(self, meta: FabricMetadata) -> None:
+        """Begin the step's pushes and pack its chunks; an exception fails the
+        request it served (its push is given up, so the decoder recomputes at
+        once) and the rest of the step is still saved."""
         for plan in meta.sends:
-            self._begin(plan)
+            self._guarded(plan.req_id, self._begin, plan)
         for chunk in meta.saves:
-            self._save_chunk(chunk)
+            self._guarded(chunk.req_id, self._save_chunk, chunk)
+
+    def _guarded(self, req_id: str, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception as exc:
+            self.counters.add(thread_errors=1)
+            logger.exception("fabric: packing for request %s failed", req_id)
+            self._keys.pop(req_id, None)  # NOTE: its later chunks are skipped
+            self._save_only.discard(req_id)
+            if self.sender is not None:
+                self.sender.fail(req_id, f"packing failed: {type(exc).__name__}: {exc}")
 
     def _submit(self, fn: Callable[[Any], None], arg: Any) -> None:
         assert self._saver is not None
@@ -349,7 +429,7 @@ class FabricWorker:
         exc = None if future.cancelled() else future.exception()
         if exc is not None:
             logger.error("fabric: packing a step's chunks failed", exc_info=exc)
-            self.counters.add(push_failures=1)
+            self.counters.add(thread_errors=1)
 
     def flush(self) -> None:
         """Wait until every save handed over so far is done (packed, handed
@@ -360,7 +440,12 @@ class FabricWorker:
 
     def _begin(self, plan: SendPlan) -> None:
         assert self.layout is not None
-        keys = chunk_keys(plan.token_ids, self.config.chunk_tokens, self.layout.fingerprint())
+        keys = chunk_keys(
+            plan.token_ids,
+            self.config.chunk_tokens,
+            self.layout.fingerprint(),
+            identity=plan.identity,
+        )
         self._keys[plan.req_id] = keys
         if self.shared is not None:
             full = len(plan.token_ids) // self.config.chunk_tokens
@@ -401,21 +486,31 @@ class FabricWorker:
                 )
                 self.counters.add(push_failures=1)
                 return
-            view = self.store.pool.slot_view(slot)
-            nbytes = pack(
-                self.kv_caches,
-                self.layout,
-                chunk.block_ids,
-                view,
-                num_threads=self.config.pack_threads,
-            )
-            self.store.commit(slot, key, nbytes)
+            self._pack_into(slot, key, chunk.block_ids)
             slots = self.store.acquire([key])
         if slots:
             self._share(chunk.req_id, chunk.index, key)
             self.sender.chunk(chunk.req_id, chunk.index, slots[0])
         if chunk.index == len(keys) - 1:
             self._keys.pop(chunk.req_id, None)
+
+    def _pack_into(self, slot: int, key: bytes, block_ids: list[int]) -> int:
+        """Pack ``block_ids`` into the allocated ``slot`` and commit it as
+        ``key``; on failure the slot goes back (nothing half-packed stays)."""
+        assert self.layout is not None
+        try:
+            nbytes = pack(
+                self.kv_caches,
+                self.layout,
+                block_ids,
+                self.store.pool.slot_view(slot),
+                num_threads=self.config.pack_threads,
+            )
+        except BaseException:
+            self.store.abort(slot)
+            raise
+        self.store.commit(slot, key, nbytes)
+        return nbytes
 
     def _share(self, req_id: str, index: int, key: bytes) -> None:
         """Hand a full chunk present in the store to the shared store's push thread."""
@@ -440,18 +535,7 @@ class FabricWorker:
         except CapacityError as exc:
             logger.info("fabric: no slot to save %s chunk %d: %s", chunk.req_id, chunk.index, exc)
             return
-        try:
-            nbytes = pack(
-                self.kv_caches,
-                self.layout,
-                chunk.block_ids,
-                self.store.pool.slot_view(slot),
-                num_threads=self.config.pack_threads,
-            )
-        except BaseException:
-            self.store.abort(slot)
-            raise
-        self.store.commit(slot, key, nbytes)
+        nbytes = self._pack_into(slot, key, chunk.block_ids)
         self.counters.add(chunks_saved=1, bytes_saved=nbytes)
         self._share(chunk.req_id, chunk.index, key)
 
