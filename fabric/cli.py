@@ -1,11 +1,15 @@
 """``fabric`` command line: ``fabric bench transfer|serve ...``, ``fabric model tiny DIR``,
-``fabric up CONFIG``, ``fabric proxy CONFIG``, ``fabric status``, ``fabric store serve``,
-``version``."""
+``fabric model lora DIR --model MODEL_DIR``, ``fabric up CONFIG``, ``fabric proxy CONFIG``,
+``fabric status``, ``fabric store serve``, ``version``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,11 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("what", choices=["transfer", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    model = sub.add_parser("model", help="build a test model (fabric model tiny DIR)")
-    model.add_argument("kind", choices=["tiny"])
-    model.add_argument("dir", help="output directory (reused if it already holds the model)")
-    model.add_argument("--kv-heavy", action="store_true", help="Llama-3-8B KV geometry")
+    model = sub.add_parser(
+        "model",
+        help="build a test model (fabric model tiny DIR) or a random LoRA adapter for it "
+        "(fabric model lora DIR --model MODEL_DIR)",
+    )
+    model.add_argument("kind", choices=["tiny", "lora"])
+    model.add_argument("dir", help="output directory (a tiny model there is reused)")
+    model.add_argument("--kv-heavy", action="store_true", help="tiny: Llama-3-8B KV geometry")
     model.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    model.add_argument("--model", help="lora: the tiny model directory the adapter is for")
+    model.add_argument("--rank", type=int, default=8, help="lora: adapter rank (default 8)")
     up = sub.add_parser("up", help="start a topology's engines and proxy (fabric up CONFIG)")
     up.add_argument("config", help="topology YAML, e.g. configs/1p1d.yaml")
     proxy = sub.add_parser("proxy", help="serve only the PD proxy for running engines")
@@ -41,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command == "bench":
         return _bench(ns.what, ns.rest)
     elif ns.command == "model":
-        from fabric.models import make_tiny_model
-
-        print(make_tiny_model(ns.dir, kv_heavy=ns.kv_heavy, seed=ns.seed))
+        if ns.kind == "lora" and not ns.model:
+            parser.error("fabric model lora: --model MODEL_DIR is required")
+        print(_model(ns))
     elif ns.command == "status":
         from fabric.launch.status import main as status_main
 
@@ -53,6 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command == "store":
         return _store(ns)
     return 0
+
+
+def _model(ns: argparse.Namespace) -> Path:
+    """``fabric model tiny|lora``: the directory written."""
+    if ns.kind == "lora":
+        from fabric.models import make_tiny_lora
+
+        return make_tiny_lora(ns.dir, ns.model, rank=ns.rank, seed=ns.seed)
+    from fabric.models import make_tiny_model
+
+    return make_tiny_model(ns.dir, kv_heavy=ns.kv_heavy, seed=ns.seed)
 
 
 def _store_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

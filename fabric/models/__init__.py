@@ -1,7 +1,9 @@
-"""Models fabric builds for itself: tiny random-weight Llamas for offline tests."""
+"""Models fabric builds for itself: tiny random-weight Llamas and random LoRA
+adapters for them, for offline tests."""
 
 from __future__ import annotations
 
+from fabric.models.lora import make_tiny_lora
 from fabric.models.tiny import TinyModelSpec, make_tiny_model
 
-__all__ = ["TinyModelSpec", "make_tiny_model"]
+__all__ = ["TinyModelSpec", "make_tiny_lora", "make_tiny_model"]
