@@ -381,6 +381,17 @@ class ChunkStore:
         """Unpin the present ``keys``; returns how many were present."""
         return self._for_present(keys, self._slots.unpin)
 
+    def discard(self, key: bytes) -> bool:
+        """Free ``key``'s slot now if nobody references it (pinned or not):
+        for a chunk found corrupt at use, so later lookups miss instead of
+        failing again. Returns whether it was freed."""
+        with self._lock:
+            slot = self._slots.index.get(key)
+            if slot is None or self._slots.slots[slot].refs:
+                return False
+            self._slots.free(slot)
+            return True
+
     def drop_unused(self) -> int:
         """Free every present slot nobody references (pinned ones too); returns how many.
 
@@ -411,12 +422,16 @@ class ChunkStore:
         with self._lock:
             return self._slots.get(slot).checksum
 
-    def slot_digest(self, slot: int) -> ChunkDigest | None:
+    def slot_digest(self, slot: int, key: bytes | None = None) -> ChunkDigest | None:
         """(checksum, nbytes) of the chunk in a FILLED/PINNED ``slot``, read at once;
-        None otherwise. What ``fabric.kv.unpack(..., checksum=, nbytes=)`` verifies."""
+        None otherwise, or when ``slot`` holds another key than ``key`` (so a
+        slot handed to another chunk never verifies as the one expected).
+        What ``fabric.kv.unpack(..., checksum=, nbytes=)`` verifies."""
         with self._lock:
             meta = self._slots.get(slot)
             if meta.state not in (SlotState.FILLED, SlotState.PINNED) or meta.checksum is None:
+                return None
+            if key is not None and meta.key != key:
                 return None
             return ChunkDigest(meta.checksum, meta.nbytes)
 

@@ -61,6 +61,7 @@ class Hit:
 class _Hold:
     slots: list[int]
     expires_at: float
+    keys: list[bytes] = field(default_factory=list)  # the key each slot was held as
 
 
 @dataclass
@@ -148,16 +149,23 @@ class TieredStore:
             if hit.slots:
                 with self._lock:
                     expires = self._clock() + lease_ms / 1000
-                    self._holds[hold] = _Hold(list(hit.slots), expires)
+                    held_keys = keys[: len(hit.slots)]
+                    self._holds[hold] = _Hold(list(hit.slots), expires, held_keys)
         self.counters.hit_chunks += hit.chunks
         self.counters.disk_hit_chunks += hit.disk
         return hit
 
     def take_hold(self, request_id: str) -> list[int] | None:
         """The slots held for ``request_id`` (the caller now owns their refs)."""
+        held = self.take_held(request_id)
+        return None if held is None else held[0]
+
+    def take_held(self, request_id: str) -> tuple[list[int], list[bytes]] | None:
+        """(slots, the key each was held as) for ``request_id``; the caller
+        now owns the slots' refs (and checks the keys at use)."""
         with self._lock:
             hold = self._holds.pop(request_id, None)
-        return None if hold is None else hold.slots
+        return None if hold is None else (hold.slots, hold.keys)
 
     def release_hold(self, request_id: str) -> bool:
         """Drop the hold of ``request_id``; returns whether there was one."""

@@ -99,6 +99,21 @@ class _TcpWriteHandle(WriteHandle):
 Job = tuple[Sequence[Segment], bytes, WriteFence | None, _TcpWriteHandle]
 
 
+# NOTE: a peer that stops mid-write (dead without a RST, partitioned) must
+# not hold a slot or a send thread for ever: a write's bytes must keep moving
+# within IO_TIMEOUT_S, and idle connections are probed by TCP keepalive.
+IO_TIMEOUT_S = 30.0
+_KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Turn TCP keepalive on, with short probes where the platform has them."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in _KEEPALIVE:
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view.nbytes:
         n = sock.recv_into(view)
@@ -128,8 +143,9 @@ class _PeerSender:
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.info.host, self.info.port), timeout=10)
-        sock.settimeout(None)
+        sock.settimeout(IO_TIMEOUT_S)  # NOTE: a send that makes no progress fails the write
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock)
         return sock
 
     def _run(self) -> None:
@@ -239,6 +255,7 @@ class TcpDataPlane(DataPlane):
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            keep_alive(conn)
             self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
@@ -274,19 +291,23 @@ class TcpDataPlane(DataPlane):
                 raise TransportFailed(f"segment {(remote, nbytes)} outside the pool")
         segments = msg.remote_segments
         ticket = self.admit(msg.sender, msg.fence, segments)
+        conn.settimeout(IO_TIMEOUT_S)
         if ticket is None:
             # NOTE: the notification goes too: it would vouch for bytes that
             # never landed (and fail a live reservation a stray write named).
             _drain(conn, sum(n for _, n in segments))
+            conn.settimeout(None)
             return
         self._receive_payload(conn, segments, ticket)
+        conn.settimeout(None)  # NOTE: between writes the connection may idle
         if msg.notif:
             self._notifs.append((msg.sender, msg.notif))
 
     def _receive_payload(
         self, conn: socket.socket, segments: list[tuple[int, int]], ticket: WriteTicket
     ) -> None:
-        """Copy an admitted write's bytes straight into the pool."""
+        """Copy an admitted write's bytes straight into the pool (each read
+        within IO_TIMEOUT_S, so a sender gone mid-write lets the slot go)."""
         pool = self.pool_view()
         try:
             for remote, nbytes in segments:

@@ -12,7 +12,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.connector import check_kv_cache_groups
 
-CONFIG: Any = SimpleNamespace(model_config=SimpleNamespace(model="/models/hybrid-7b"))
+CONFIG: Any = SimpleNamespace(
+    model_config=SimpleNamespace(model="/models/hybrid-7b"),
+    parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+)
 
 
 def groups(*specs: Any) -> Any:
@@ -43,3 +46,19 @@ def test_a_state_space_model_is_refused() -> None:
     mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,))
     with pytest.raises(ConfigError, match="MambaSpec"):
         check_kv_cache_groups(CONFIG, groups(mamba))
+
+
+def test_non_causal_attention_is_refused() -> None:
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, non_causal=True
+    )
+    with pytest.raises(ConfigError, match="non-causally"):
+        check_kv_cache_groups(CONFIG, groups(spec))
+
+
+def test_pipeline_parallel_is_refused() -> None:
+    config: Any = SimpleNamespace(
+        model_config=CONFIG.model_config, parallel_config=SimpleNamespace(pipeline_parallel_size=2)
+    )
+    with pytest.raises(ConfigError, match="pipeline parallel size 2"):
+        check_kv_cache_groups(config, groups(full()))

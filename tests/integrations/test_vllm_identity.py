@@ -164,3 +164,40 @@ def test_model_identity_follows_the_weights_not_the_path(tmp_path: Path) -> None
     assert model_identity(model_config(first), "pinned-rev") == model_identity(
         model_config(copy), "pinned-rev"
     )
+
+
+def test_a_small_edit_anywhere_in_the_weights_changes_the_identity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FABRIC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "m"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(bytes(8 << 20))
+    before = weights_digest(model)
+    with weights.open("r+b") as f:  # e.g. a recalibrated k_scale deep in the file
+        f.seek(5_123_457)
+        f.write(b"\x01\x02\x03\x04")
+    assert weights_digest(model) != before
+    assert (tmp_path / "cache" / "file-digests.json").exists()
+
+
+def test_a_hub_cache_file_and_a_plain_copy_of_it_agree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    monkeypatch.setenv("FABRIC_CACHE_DIR", str(tmp_path / "cache"))
+    content = b"the weights"
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    sha = hashlib.sha256(content).hexdigest()
+    (blobs / sha).write_bytes(content)
+    (snap / "model.safetensors").symlink_to(blobs / sha)
+    plain = tmp_path / "copy"
+    plain.mkdir()
+    (plain / "model.safetensors").write_bytes(content)
+    assert weights_digest(snap) == weights_digest(plain)
+    (plain / "model.safetensors").write_bytes(b"other weights")
+    assert weights_digest(snap) != weights_digest(plain)

@@ -353,3 +353,33 @@ def test_nixl_abort_cancels_an_in_flight_write(make: Make, monkeypatch: pytest.M
     finally:
         for node in reversed(nodes):
             node.close()
+
+
+def test_a_tcp_sender_that_stalls_mid_write_lets_the_slot_go(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sender gone silent after part of a payload (dead without a RST,
+    partitioned) must not keep the slot for ever: the read times out, the
+    write ends, and the slot leaves quarantine on time."""
+    import socket
+
+    import msgspec
+
+    from fabric.transfer import tcp_plane
+
+    monkeypatch.setattr(tcp_plane, "IO_TIMEOUT_S", 0.3)
+    receiver = make("tcp", slots=2, quarantine_ms=100, serve=True)
+    sender = make("tcp")
+    keys, _ = fill_store(sender, 1, 1, SLOT)
+    link = sender.client.connect(receiver.endpoint)
+    res = link.reserve("a", keys, [SLOT], lease_ms=300)
+    plane = receiver.plane
+    assert isinstance(plane, tcp_plane.TcpDataPlane)
+    header = msgspec.msgpack.encode(
+        tcp_plane.TcpWrite(sender.plane.name, [(res.slots[0] * SLOT, SLOT)], b"", fence_of(res))
+    )
+    with socket.create_connection((plane._host, plane._port), timeout=5) as sock:
+        sock.sendall(tcp_plane._LEN.pack(len(header)) + header + b"x" * 1000)  # then silence
+        stats = receiver.store.stats
+        wait_for(lambda: stats().reserved + stats().quarantined == 0, "the slot to go free", 10)
+    assert stats().free == 2

@@ -78,6 +78,19 @@ def check_kv_cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
             f"FabricConnector: model {model} uses {type(spec).__name__} KV cache layers; "
             "fabric moves full attention (FullAttentionSpec, MLAAttentionSpec) only"
         )
+    if getattr(spec, "non_causal", False):
+        # NOTE: a prefix's KV then depends on the tokens after it; vLLM itself
+        # turns prefix caching off for these (vllm/v1/engine/core.py).
+        raise ConfigError(
+            f"FabricConnector: model {model} attends non-causally (prefix LM): a prefix's "
+            "KV depends on what follows it, so it cannot be reused or moved by prefix"
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"FabricConnector: pipeline parallel size "
+            f"{vllm_config.parallel_config.pipeline_parallel_size} is not supported (the "
+            "stages' KV would share one key space); use tensor parallelism"
+        )
 
 
 class FabricConnector(KVConnectorBase_V1):

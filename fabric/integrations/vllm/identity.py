@@ -1,14 +1,20 @@
 """The identities chunk keys commit to, read from vLLM's objects.
 
 Model (worker side, once): :func:`model_identity` digests what decides the
-weights' KV for given token ids -- the weight files' content (sampled, so a
-70B model costs a few MiB of reads, not its size), the model config after
-overrides, dtype, quantization and KV-cache dtype -- into the layout
-fingerprint's ``model`` field. A model rebuilt or updated under the same
-path gets a new identity, so its engine never hits chunks the old weights
-left on disk; two hosts with identical copies agree (paths and mtimes are
-not part of it). ``model_revision`` in the connector config replaces the
-weight-file digest (for weights the engine cannot read as local files).
+weights' KV for given token ids -- the weight files' content, the model
+config after overrides, dtype, quantization and KV-cache dtype -- into the
+layout fingerprint's ``model`` field. A weights file is named by the
+SHA-256 of its content: free to read for a file in a Hugging Face cache
+(its LFS blob is named so), hashed in full once for any other and cached
+under
+``FABRIC_CACHE_DIR`` (default ``$VLLM_CACHE_ROOT/fabric``, else
+``~/.cache/fabric``) by inode, size, mtime
+and ctime, so a restart costs a stat. A model rebuilt or updated under the
+same path gets a new identity, so its engine never hits chunks the old
+weights left on disk; two hosts with identical copies agree (paths and
+times are only the cache's lookup, never part of the digest).
+``model_revision`` in the connector config replaces the weight-file digest
+(for weights the engine cannot read as local files).
 
 Request (scheduler side, per request): :func:`request_identity` reads the
 fields vLLM 0.32's own prefix cache keys on (``vllm/v1/core/kv_cache_utils.py``,
@@ -24,9 +30,12 @@ gets ``None``: it bypasses fabric entirely.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
+import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,34 +50,64 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-_EDGE_BYTES = 1 << 20  # read in full at each end of a file (headers live there)
-_SAMPLES, _SAMPLE_BYTES = 14, 64 << 10  # evenly spaced reads in between
 # Config keys that name where a model was loaded from, not what it computes.
-_CONFIG_NOISE = ("_name_or_path", "transformers_version", "_commit_hash")
+_CONFIG_NOISE = frozenset(("_name_or_path", "transformers_version", "_commit_hash"))
+_LFS_BLOB = re.compile(r"[0-9a-f]{64}")  # an LFS blob is named by its content's SHA-256
+_READ_BYTES = 8 << 20
+_cache_lock = threading.Lock()
 
 
 def file_digest(path: Path) -> str:
-    """blake3 over a file's size, its first and last MiB and 14 spread 64 KiB
-    reads: any rebuild or update of real weights changes these bytes."""
-    size = path.stat().st_size
-    hasher = blake3.blake3(size.to_bytes(8, "little"))
+    """``sha256:`` + the SHA-256 of a file's content: the name of its LFS
+    blob when it links into a hub cache, else hashed once and cached (see
+    the module doc). The same bytes give the same digest either way."""
+    if path.is_symlink():
+        blob = Path(os.readlink(path)).name
+        if _LFS_BLOB.fullmatch(blob) and path.resolve().parent.name == "blobs":
+            return f"sha256:{blob}"
+    st = path.stat()
+    stamp = f"{path.resolve()}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    cache = _digest_cache()
+    if stamp in cache:
+        return cache[stamp]
+    hasher = hashlib.sha256()
     with path.open("rb") as f:
-        for offset, length in _sample_ranges(size):
-            f.seek(offset)
-            hasher.update(f.read(length))
-    return hasher.hexdigest()
+        while chunk := f.read(_READ_BYTES):
+            hasher.update(chunk)
+    digest = cache[stamp] = f"sha256:{hasher.hexdigest()}"
+    _save_digest_cache(cache)
+    return digest
 
 
-def _sample_ranges(size: int) -> list[tuple[int, int]]:
-    if size <= 2 * _EDGE_BYTES + _SAMPLES * _SAMPLE_BYTES:
-        return [(0, size)]
-    inner = size - 2 * _EDGE_BYTES - _SAMPLE_BYTES
-    spread = [_EDGE_BYTES + inner * (i + 1) // (_SAMPLES + 1) for i in range(_SAMPLES)]
-    return [
-        (0, _EDGE_BYTES),
-        *((o, _SAMPLE_BYTES) for o in spread),
-        (size - _EDGE_BYTES, _EDGE_BYTES),
-    ]
+def _cache_path() -> Path:
+    root = os.environ.get("FABRIC_CACHE_DIR")
+    if not root and os.environ.get("VLLM_CACHE_ROOT"):
+        root = os.path.join(os.environ["VLLM_CACHE_ROOT"], "fabric")
+    return Path(root or os.path.join(os.path.expanduser("~"), ".cache", "fabric")) / (
+        "file-digests.json"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _digest_cache() -> dict[str, str]:
+    try:
+        loaded = json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
+
+
+def _save_digest_cache(cache: dict[str, str]) -> None:
+    """Best effort: a cache that cannot be written only costs a rehash."""
+    path = _cache_path()
+    with _cache_lock:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.info("fabric: cannot write the file digest cache %s: %s", path, exc)
 
 
 def dir_digest(directory: Path, names: list[str]) -> str:
@@ -80,15 +119,18 @@ def dir_digest(directory: Path, names: list[str]) -> str:
 
 
 def weights_digest(model_dir: Path) -> str | None:
-    """Digest of a local model directory's weight files; None if it has none."""
+    """Digest of a local model's weight files (a directory, or one weights
+    file such as a GGUF); None if there are none."""
+    if model_dir.is_file():
+        return dir_digest(model_dir.parent, [model_dir.name])
     names = [p.name for p in model_dir.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
     return dir_digest(model_dir, names) if names else None
 
 
 def _local_model_dir(model: str, revision: str | None) -> Path | None:
-    """Where the weights of ``model`` are on this host (a directory, or the
-    Hugging Face cache snapshot of a hub id), or None."""
-    if os.path.isdir(model):
+    """Where the weights of ``model`` are on this host (a directory or file,
+    or the Hugging Face cache snapshot of a hub id), or None."""
+    if os.path.isdir(model) or os.path.isfile(model):
         return Path(model)
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -121,6 +163,13 @@ def _weights_id(model: str, revision: str | None) -> str:
     if digest is not None:
         return digest
     # NOTE: weights not readable here: the hub id and revision stand for them.
+    logger.warning(
+        "fabric: the weights of %s cannot be read as local files; chunk keys name them by "
+        "id and revision (%s) only. Set kv_connector_extra_config.model_revision when the "
+        "weights under that name can change (a disk tier or shared store outlives them)",
+        model,
+        revision or "unpinned",
+    )
     return f"{model}@{revision or 'unpinned'}"
 
 
@@ -129,16 +178,22 @@ def _config_doc(model: Any) -> Any:
     to_dict = getattr(config, "to_dict", None)
     if to_dict is None:
         return None
-    doc = to_dict()
-    for key in _CONFIG_NOISE:
-        doc.pop(key, None)
+    return _without_noise(to_dict())
+
+
+def _without_noise(doc: Any) -> Any:
+    """``doc`` without the keys that name a config's origin, at any depth."""
+    if isinstance(doc, dict):
+        return {k: _without_noise(v) for k, v in doc.items() if k not in _CONFIG_NOISE}
+    if isinstance(doc, list | tuple):
+        return [_without_noise(v) for v in doc]
     return doc
 
 
 @functools.lru_cache(maxsize=256)
-def _adapter_digest(path: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
+def _adapter_digest(path: str, stamp: tuple[tuple[str, int, int, int], ...]) -> str:
     """Digest of an adapter directory's files (``stamp`` keys the cache)."""
-    return dir_digest(Path(path), [name for name, _, _ in stamp])
+    return dir_digest(Path(path), [entry[0] for entry in stamp])
 
 
 def lora_identity(lora_request: Any) -> str | None:
@@ -148,11 +203,11 @@ def lora_identity(lora_request: Any) -> str | None:
         return None
     try:
         stamp = tuple(
-            (n, (st := os.stat(os.path.join(path, n))).st_size, st.st_mtime_ns)
+            (n, (st := os.stat(os.path.join(path, n))).st_ino, st.st_size, st.st_ctime_ns)
             for n in ADAPTER_FILES
             if os.path.isfile(os.path.join(path, n))
         )
-        if not any(n != "adapter_config.json" for n, _, _ in stamp):
+        if not any(entry[0] != "adapter_config.json" for entry in stamp):
             return None
         return f"{name}:{_adapter_digest(path, stamp)}"
     except OSError:

@@ -55,13 +55,15 @@ def unpack_slot(
     targets: list[int],
     chunk_blocks: int,
     first: int,
+    key: bytes,
 ) -> None:
-    """Unpack the chunk in ``slot`` into ``targets``, verifying its checksum
-    in the same pass; ChecksumMismatch when it does not (the targets then
-    hold garbage: the caller has vLLM recompute them)."""
-    digest = store.slot_digest(slot)
+    """Unpack the chunk ``key`` in ``slot`` into ``targets``, verifying its
+    checksum in the same pass; ChecksumMismatch when it does not, or when the
+    slot holds another key (the targets then hold garbage: the caller has
+    vLLM recompute them)."""
+    digest = store.slot_digest(slot, key)
     if digest is None:
-        raise ChecksumMismatch(f"slot {slot} holds no verified chunk")
+        raise ChecksumMismatch(f"slot {slot} holds no verified chunk {key.hex()}")
     unpack(
         store.pool.slot_view(slot),
         kv_caches,
@@ -72,6 +74,13 @@ def unpack_slot(
         checksum=digest.checksum,
         nbytes=digest.nbytes,
     )
+    first_layer = kv_caches[0] if kv_caches else None
+    if first_layer is not None and first_layer.device.type == "cuda":
+        import torch
+
+        # NOTE: the copies ran on this thread's stream, not vLLM's: they are
+        # complete before the load is reported (and the blocks read).
+        torch.cuda.current_stream(first_layer.device).synchronize()
 
 
 @dataclass
@@ -80,7 +89,6 @@ class _Load:
     started: float
     chunks: dict[int, tuple[int, int, list[int]]]  # index -> (first, count, block ids)
     keys: tuple[bytes, ...]  # what the transfer must carry
-    checked: bool = False  # the reservation's keys were compared with ``keys``
     done: set[int] = field(default_factory=set)
 
 
@@ -217,13 +225,10 @@ class Loader:
             if elapsed > self.unknown_grace_s:
                 self._finish(load, ok=False, why=f"no transfer {tid} reached this engine")
             return
-        if not load.checked:
-            why = self._foreign(load, res.keys)
-            if why:
-                self.counters.add(refused_transfers=1)
-                self._finish(load, ok=False, why=why)
-                return
-            load.checked = True
+        if res.keys != load.keys:  # NOTE: every step: a Reserve anew must match too
+            self.counters.add(refused_transfers=1)
+            self._finish(load, ok=False, why=self._foreign(load, res.keys))
+            return
         if not load.done:
             self.store.heartbeat(tid, self.lease_ms)  # we hold it while we wait
         if prog.failed or prog.expired:
@@ -236,6 +241,7 @@ class Loader:
             except ChecksumMismatch as exc:
                 self.counters.add(corrupt_chunks=1)
                 self._finish(load, ok=False, why=f"chunk {index} of {tid} at use: {exc}")
+                self.store.discard(load.keys[index])  # NOTE: once the release above let go
                 return
         if len(load.done) == len(load.chunks):
             self._finish(load, ok=True)
@@ -271,7 +277,16 @@ class Loader:
         (ChecksumMismatch: the target blocks hold garbage; vLLM recomputes)."""
         first, count, targets = load.chunks[index]
         counts = chunk_block_counts(load.plan.num_tokens, self.chunk_tokens, self.block_size)
-        unpack_slot(self.store, slot, self.kv_caches, self.layout, targets, counts[index], first)
+        unpack_slot(
+            self.store,
+            slot,
+            self.kv_caches,
+            self.layout,
+            targets,
+            counts[index],
+            first,
+            load.keys[index],
+        )
         load.done.add(index)
         self.counters.add(chunks_loaded=1, bytes_loaded=self.layout.chunk_nbytes(count))
         if load.plan.shared and fetched:

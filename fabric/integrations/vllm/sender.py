@@ -159,8 +159,6 @@ class PushSender:
             self.counters.add(thread_errors=1)
             logger.exception("%s: handling %s failed", self._thread.name, kind)
             job = self._job_of(payload)
-            if kind == "chunk" and isinstance(payload, tuple):
-                self.store.release_slots([payload[2]])
             if job is not None:
                 self._abandon(job, f"{type(exc).__name__}: {exc}")
 
@@ -172,10 +170,13 @@ class PushSender:
 
     def _abandon(self, job: PushJob, why: str) -> None:
         """Fail ``job`` and forget it, releasing every slot it still holds."""
-        for slot, push, _ in job.inflight:
+        for entry in list(job.inflight):
             with contextlib.suppress(Exception):
-                push.abort()
-            self.store.release_slots([slot])
+                entry[1].abort()
+            try:
+                self._drop_inflight(job, entry)
+            except Exception:
+                logger.exception("%s: releasing slot %d failed", self._thread.name, entry[0])
         job.inflight = []
         try:
             self._fail(job, why)
@@ -229,8 +230,10 @@ class PushSender:
             return
         try:
             push = job.link.write(job.res, [index], [slot])
-        except FabricError as exc:
-            self.store.release_slots([slot])
+        except Exception as exc:
+            self.store.release_slots([slot])  # NOTE: the one release of this slot
+            if not isinstance(exc, FabricError):
+                raise
             self._fail(job, f"write of chunk {index} failed: {exc}")
             return
         job.written += 1
@@ -247,26 +250,28 @@ class PushSender:
                 self._abandon(job, f"{type(exc).__name__}: {exc}")
 
     def _progress_job(self, job: PushJob, now: float) -> None:
-        still = []
-        for slot, push, started in job.inflight:
+        for entry in list(job.inflight):
+            _, push, started = entry
             try:
                 done = push.done()
             except FabricError as exc:
-                self.store.release_slots([slot])
+                self._drop_inflight(job, entry)
                 self._fail(job, f"write failed: {exc}")
                 continue
             if done:
-                self.store.release_slots([slot])
+                self._drop_inflight(job, entry)
                 self._count_sent(push.nbytes, now - started)
             elif now - started > self.push_timeout_s:
                 push.abort()  # NOTE: no more bytes from it; the receiver quarantines the rest
-                self.store.release_slots([slot])
+                self._drop_inflight(job, entry)
                 self._fail(job, f"write not done in {self.push_timeout_s} s")
-            else:
-                still.append((slot, push, started))
-        job.inflight = still
         self._heartbeat(job, now)
         self._maybe_drop(job)
+
+    def _drop_inflight(self, job: PushJob, entry: tuple[int, PendingPush, float]) -> None:
+        """Forget one posted write and release its slot: once, whatever raises."""
+        job.inflight.remove(entry)
+        self.store.release_slots([entry[0]])
 
     def _count_sent(self, nbytes: int, seconds: float) -> None:
         names = self.names
@@ -305,5 +310,5 @@ class PushSender:
         if job.link is not None and job.res is not None:
             try:
                 job.link.cancel(job.transfer_id)
-            except FabricError as exc:
+            except Exception as exc:  # NOTE: a failed cancel only delays the decoder's fallback
                 logger.info("cancel of %s failed too: %s", job.transfer_id, exc)

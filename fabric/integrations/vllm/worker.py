@@ -31,6 +31,17 @@ execute_model(N+1) after ``handle_preemptions``: so the chunks that step N's
 overwrite them. ``start_load_kv`` cannot be that join: it may run after the
 forward.
 
+Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``, vLLM's GPU default
+when Triton is present) calls ``update_requests`` (block zeroing and
+copy-on-write copies, :1255-1270) before ``handle_preemptions``
+(``gpu/kv_connector.py:81``), still before the forward. Neither writes a
+block in the KV caches fabric accepts (one full-attention group, see
+``connector.check_kv_cache_groups``): zeroing is only for Mamba or
+mixed-precision caches (``vllm/v1/kv_cache_interface.py``
+``needs_kv_cache_zeroing``), and copies only where the hash block size
+differs from the block size, which one group rules out
+(``vllm/v1/core/kv_cache_coordinator.py:565``).
+
 Per step:
 
 - ``before_step`` (``handle_preemptions``): join the previous step's packing;
@@ -307,29 +318,61 @@ class FabricWorker:
             self.loader.submit(plan)
 
     def _load_local(self, load: LocalLoad) -> None:
-        """Unpack the chunks the scheduler held for a request (before the forward)."""
-        assert self.layout is not None
-        slots = self.tier.take_hold(load.req_id) if self.tier is not None else None
-        if slots is None or len(slots) < load.num_chunks:
+        """Unpack the chunks the scheduler held for a request (before the forward).
+
+        Any failure -- the hold gone, a chunk corrupt at use, anything else --
+        marks the request's blocks as load errors: vLLM recomputes them. It
+        never raises into vLLM's ``execute_model``.
+        """
+        held = self.tier.take_held(load.req_id) if self.tier is not None else None
+        if held is None or len(held[0]) < load.num_chunks:
             logger.warning(
                 "fabric: the store chunks held for request %s are gone (%s of %d); "
                 "vLLM recomputes them",
                 load.req_id,
-                "none" if slots is None else len(slots),
+                "none" if held is None else len(held[0]),
                 load.num_chunks,
             )
             self._load_errors.update(load.block_ids)
             self.counters.add(store_load_failures=1)
-            if slots:
-                self.store.release_slots(slots)
+            if held is not None and held[0]:
+                self.store.release_slots(held[0])
             return
-        chunk_blocks = self.config.chunk_tokens // self.block_size
+        slots, keys = held
         started = time.monotonic()
         try:
-            for index in range(load.first_block // chunk_blocks, load.num_chunks):
-                first = max(load.first_block - index * chunk_blocks, 0)
-                start = index * chunk_blocks + first - load.first_block
-                targets = load.block_ids[start : start + chunk_blocks - first]
+            corrupt = self._unpack_held(load, slots, keys)
+        except Exception:
+            logger.exception("fabric: loading the store hit of %s failed", load.req_id)
+            self.counters.add(thread_errors=1)
+            corrupt = b""
+        self.store.release_slots(slots)
+        if corrupt is not None:
+            self._load_errors.update(load.block_ids)
+            self.counters.add(store_load_failures=1)
+            if corrupt:
+                self.counters.add(corrupt_chunks=1)
+                self.store.discard(corrupt)  # NOTE: later lookups miss it, not fail again
+            return
+        chunk_blocks = self.config.chunk_tokens // self.block_size
+        tokens = load.num_chunks * self.config.chunk_tokens - load.first_block * self.block_size
+        self.counters.observe("store_load_seconds", time.monotonic() - started)
+        self.counters.add(
+            store_hit_chunks=load.num_chunks - load.first_block // chunk_blocks,
+            store_hit_tokens=tokens,
+        )
+
+    def _unpack_held(self, load: LocalLoad, slots: list[int], keys: list[bytes]) -> bytes | None:
+        """Unpack held chunks into the request's blocks; the key of the first
+        chunk found corrupt at use (its checksum, or its slot holding another
+        key), or None when all verified."""
+        assert self.layout is not None
+        chunk_blocks = self.config.chunk_tokens // self.block_size
+        for index in range(load.first_block // chunk_blocks, load.num_chunks):
+            first = max(load.first_block - index * chunk_blocks, 0)
+            start = index * chunk_blocks + first - load.first_block
+            targets = load.block_ids[start : start + chunk_blocks - first]
+            try:
                 unpack_slot(
                     self.store,
                     slots[index],
@@ -338,22 +381,12 @@ class FabricWorker:
                     targets,
                     chunk_blocks,
                     first,
+                    keys[index],
                 )
-        except ChecksumMismatch as exc:
-            logger.error(
-                "fabric: a store chunk of request %s is corrupt at use: %s", load.req_id, exc
-            )
-            self._load_errors.update(load.block_ids)
-            self.counters.add(corrupt_chunks=1, store_load_failures=1)
-            return
-        finally:
-            self.store.release_slots(slots)
-        tokens = load.num_chunks * self.config.chunk_tokens - load.first_block * self.block_size
-        self.counters.observe("store_load_seconds", time.monotonic() - started)
-        self.counters.add(
-            store_hit_chunks=load.num_chunks - load.first_block // chunk_blocks,
-            store_hit_tokens=tokens,
-        )
+            except ChecksumMismatch as exc:
+                logger.error("fabric: a store chunk of %s is corrupt at use: %s", load.req_id, exc)
+                return keys[index]
+        return None
 
     def sync_tier_counters(self) -> None:
         """Add what the reuse tier's monotonic counters moved since the last call."""
@@ -388,13 +421,34 @@ class FabricWorker:
         next step. That join is what makes it safe: blocks it frees or hands
         to another request after this step (a finished or preempted request)
         still hold this step's KV until the pack is done.
+
+        On a GPU the forward is only enqueued when ``wait_for_save`` runs
+        (on vLLM's stream): the pack thread first waits for an event recorded
+        on that stream here, so it packs the KV the step computed.
         """
         if not meta.sends and not meta.saves:
             return
         if self._saver is None:
             self._save_now(meta)
         else:
-            self._submit(self._save_now, meta)
+            self._submit(self._save_after, (meta, self._forward_done()))
+
+    def _forward_done(self) -> Any:
+        """A CUDA event recorded on the caller's stream (None for CPU caches)."""
+        first = self.kv_caches[0] if self.kv_caches else None
+        if first is None or first.device.type != "cuda":
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(first.device))
+        return event
+
+    def _save_after(self, job: tuple[FabricMetadata, Any]) -> None:
+        meta, forward_done = job
+        if forward_done is not None:
+            forward_done.synchronize()
+        self._save_now(meta)
 
     def _save_now(self, meta: FabricMetadata) -> None:
         """Begin the step's pushes and pack its chunks; an exception fails the
