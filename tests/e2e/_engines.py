@@ -114,6 +114,30 @@ class EngineFactory:
             }
             return {name: future.result() for name, future in futures.items()}
 
+    def corrupt_at_use(self) -> dict[str, float]:
+        """Engines still running whose ``vllm:fabric_corrupt_chunks_total`` is
+        not 0 (a chunk failed its checksum when it was used): name -> count."""
+        import httpx
+
+        found = {}
+        with self._lock:
+            engines = list(self._engines)
+        for engine in engines:
+            if not engine.process.alive():
+                continue
+            try:
+                text = httpx.get(engine.url("/metrics"), timeout=30).text
+            except httpx.HTTPError:
+                continue
+            count = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:fabric_corrupt_chunks_total")
+            )
+            if count:
+                found[f"{engine.process.name} ({engine.base_url})"] = count
+        return found
+
     def stop_all(self) -> None:
         """Stop every engine this factory started (SIGTERM, then SIGKILL, by group)."""
         with self._lock:
