@@ -63,7 +63,10 @@ def test_request_identity_covers_salt_adapter_and_images(tmp_path: Path) -> None
     assert request_identity(VReq("a", [1], mm_features=[image])) == KeyIdentity(mm=(("h", 5, 3),))
 
 
-def test_an_adapter_is_named_by_its_files_not_its_path(tmp_path: Path) -> None:
+def test_an_adapter_is_named_by_its_files_not_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FABRIC_CACHE_DIR", str(tmp_path / "cache"))
     first = lora_identity(adapter(tmp_path / "a", "la", b"weights-1"))
     moved = lora_identity(adapter(tmp_path / "b", "la", b"weights-1"))
     retrained = lora_identity(adapter(tmp_path / "c", "la", b"weights-2"))
@@ -153,7 +156,10 @@ def model_config(model_dir: Path) -> Any:
     )
 
 
-def test_model_identity_follows_the_weights_not_the_path(tmp_path: Path) -> None:
+def test_model_identity_follows_the_weights_not_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FABRIC_CACHE_DIR", str(tmp_path / "cache"))
     first = make_tiny_model(tmp_path / "m")
     ident = model_identity(model_config(first))
     copy = Path(shutil.copytree(first, tmp_path / "elsewhere"))

@@ -67,7 +67,8 @@ def file_digest(path: Path) -> str:
             return f"sha256:{blob}"
     st = path.stat()
     stamp = f"{path.resolve()}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
-    cache = _digest_cache()
+    cache_path = _cache_path()
+    cache = _digest_cache(cache_path)
     if stamp in cache:
         return cache[stamp]
     hasher = hashlib.sha256()
@@ -75,7 +76,7 @@ def file_digest(path: Path) -> str:
         while chunk := f.read(_READ_BYTES):
             hasher.update(chunk)
     digest = cache[stamp] = f"sha256:{hasher.hexdigest()}"
-    _save_digest_cache(cache)
+    _save_digest_cache(cache_path, cache)
     return digest
 
 
@@ -88,18 +89,17 @@ def _cache_path() -> Path:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _digest_cache() -> dict[str, str]:
+@functools.lru_cache(maxsize=8)
+def _digest_cache(path: Path) -> dict[str, str]:
     try:
-        loaded = json.loads(_cache_path().read_text())
+        loaded = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
 
 
-def _save_digest_cache(cache: dict[str, str]) -> None:
+def _save_digest_cache(path: Path, cache: dict[str, str]) -> None:
     """Best effort: a cache that cannot be written only costs a rehash."""
-    path = _cache_path()
     with _cache_lock:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
