@@ -138,6 +138,11 @@ class Loader:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The load thread (for health: whether it still runs)."""
+        return self._thread
+
     # ---------------------------------------------------------- load thread
     def _run(self) -> None:
         while not self._stop.is_set():

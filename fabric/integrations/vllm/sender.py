@@ -123,6 +123,11 @@ class PushSender:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The push thread (for health: whether it still runs)."""
+        return self._thread
+
     # ---------------------------------------------------------- push thread
     def _run(self) -> None:
         while not self._stop.is_set():

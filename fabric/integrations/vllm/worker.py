@@ -242,14 +242,8 @@ class FabricWorker:
 
     def threads_down(self) -> list[str]:
         """Names of the fabric threads of this worker that are no longer running."""
-        threads = []
-        if self.loader is not None:
-            threads.append(self.loader._thread)
-        if self.sender is not None:
-            threads.append(self.sender._thread)
-        if self.shared is not None:
-            threads.append(self.shared.sender._thread)
-        return [t.name for t in threads if not t.is_alive()]
+        owners = [self.loader, self.sender, self.shared.sender if self.shared else None]
+        return [o.thread.name for o in owners if o is not None and not o.thread.is_alive()]
 
     def thread_health(self) -> dict[str, int]:
         """For Stats: a decoder with a thread down reports unhealthy (the proxy
