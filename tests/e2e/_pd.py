@@ -118,17 +118,19 @@ def _choice_logprobs(choice: dict[str, Any]) -> list[float]:
     return [entry["logprob"] for entry in logprobs.get("content") or []]  # chat
 
 
-def complete(url: str, payload: dict[str, Any]) -> tuple[list[int], list[float]]:
+def complete(
+    url: str, payload: dict[str, Any], *, timeout: float = 300
+) -> tuple[list[int], list[float]]:
     """Token ids and logprobs of the generated tokens (completions or chat,
     streamed or not)."""
     if not payload.get("stream"):
-        response = httpx.post(url, json=payload, timeout=300)
+        response = httpx.post(url, json=payload, timeout=timeout)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         return list(choice["token_ids"]), _choice_logprobs(choice)
     ids: list[int] = []
     lps: list[float] = []
-    with httpx.stream("POST", url, json=payload, timeout=300) as response:
+    with httpx.stream("POST", url, json=payload, timeout=timeout) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

@@ -189,7 +189,11 @@ def workload(seed: int) -> list[tuple[str, dict[str, Any]]]:
 def run_all(urls: dict[str, str], requests: list[tuple[str, dict[str, Any]]]) -> list[Output]:
     """Every request at once (one thread each) to ``urls[where]``; answers in order."""
     with ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(complete, urls[where], payload) for where, payload in requests]
+        # NOTE: 200 at once on a shared core: the last answer can take minutes
+        futures = [
+            pool.submit(complete, urls[where], payload, timeout=RUN_TIMEOUT_S)
+            for where, payload in requests
+        ]
         return [f.result(timeout=RUN_TIMEOUT_S) for f in futures]
 
 

@@ -104,18 +104,18 @@ def test_pushed_kv_lands_in_the_decoders_blocks(
 
 
 def test_unknown_transfer_fails_fast_and_is_counted(
-    pair: tuple[FabricWorker, FabricWorker],
+    pair: tuple[FabricWorker, FabricWorker], caplog: pytest.LogCaptureFixture
 ) -> None:
     _, d = pair
     d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "nobody", 0, [1, 2], 20, tokens(20))]))
-    t0 = time.monotonic()
     assert wait_results(d) == ({"d-req"}, {"d-req"})
-    assert time.monotonic() - t0 < 2
+    # NOTE: failed by the grace for unknown transfers, not the load timeout
+    assert "no transfer nobody reached this engine" in caplog.text
     assert d.counters.take()["load_failures"] == 1
 
 
 def test_missing_chunks_time_out_and_free_the_reservation(
-    pair: tuple[FabricWorker, FabricWorker],
+    pair: tuple[FabricWorker, FabricWorker], caplog: pytest.LogCaptureFixture
 ) -> None:
     p, d = pair
     assert d.node is not None
@@ -128,8 +128,9 @@ def test_missing_chunks_time_out_and_free_the_reservation(
         FabricMetadata(loads=[LoadPlan("d-req", "t2", 0, list(range(10)), 150, tokens(150))])
     )
     t0 = time.monotonic()
-    assert wait_results(d, timeout=10) == ({"d-req"}, {"d-req"})
-    assert 2.5 < time.monotonic() - t0 < 6
+    assert wait_results(d, timeout=30) == ({"d-req"}, {"d-req"})
+    assert time.monotonic() - t0 >= 3  # NOTE: never gives up before load_timeout_s
+    assert "not in after" in caplog.text
     assert d.store.reserved_count() == 0
 
 
