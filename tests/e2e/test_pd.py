@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.launch.process import free_port
 from tests.e2e._engines import EngineFactory
 from tests.e2e._pd import (
@@ -35,16 +36,25 @@ from tests.e2e._pd import (
 
 pytestmark = pytest.mark.e2e
 
+# NOTE: the other e2e modules raise the lookup bound to count hits; this one
+# runs the default
+DEFAULT_LOOKUP_MS = ConnectorConfig().lookup_timeout_ms
+
 
 class Cluster:
     def __init__(self, engines: EngineFactory, model_dir: Path) -> None:
         self.kv_port = free_port()
         specs = {
             "colocated": {"cpu_cores": "0"},
-            "prefill": {"cpu_cores": "0", "kv_transfer_config": kv_config("kv_producer")},
+            "prefill": {
+                "cpu_cores": "0",
+                "kv_transfer_config": kv_config("kv_producer", lookup_timeout_ms=DEFAULT_LOOKUP_MS),
+            },
             "decode": {
                 "cpu_cores": "1",
-                "kv_transfer_config": kv_config("kv_consumer", kv_port=self.kv_port),
+                "kv_transfer_config": kv_config(
+                    "kv_consumer", kv_port=self.kv_port, lookup_timeout_ms=DEFAULT_LOOKUP_MS
+                ),
             },
         }
         with ThreadPoolExecutor(len(specs)) as pool:

@@ -185,13 +185,11 @@ def test_a_dead_shared_store_never_blocks_saving_or_lookups() -> None:
         client = SharedTierClient(
             config, WorkerTierClient(config, tp_size=1, engine_id=w.engine_id), counters
         )
-        t0 = time.monotonic()
         assert client.fetch("t1", TOKENS[: 4 * CT], 0) == 0
-        assert time.monotonic() - t0 < 1.0
-        t0 = time.monotonic()
+        # nothing listens: a hard failure, so it backs off at once, saying why
+        assert client.backoff.skipping() and "no connection took Fetch" in client.backoff.reason
         assert client.fetch("t2", TOKENS[: 4 * CT], 0) == 0  # backing off: not asked
-        assert time.monotonic() - t0 < 0.05
-        assert counters.take() == {"shared_store_failures": 1}
+        assert counters.take() == {"shared_store_failures": 1, "lookup_backoffs": 1}
         client.close()
     finally:
         w.shutdown()

@@ -28,6 +28,13 @@ class ConnectorConfig:
     binds. ``model_revision``: names the weights in chunk keys instead of
     the digest of the model's weight files (for weights the engine does not
     read as local files; see :mod:`fabric.integrations.vllm.identity`).
+    ``lookup_timeout_ms``: how long vLLM's scheduler waits for its workers'
+    reuse tiers (all TP ranks at once) and, separately, for the shared store,
+    inside ``get_num_new_matched_tokens``, while the engine schedules nothing;
+    a late answer is a miss for that request (the prompt is computed). The
+    default, 50 ms, is far above a local round trip yet short enough that a
+    stalled worker does not stall the engine; raise it when hits come from
+    the disk tier (a hold reads them in before the worker answers).
 
     ``secret`` signs the control channel and notifications (HMAC-SHA256);
     ``secret_env`` names an environment variable to read it from instead, so
@@ -56,7 +63,7 @@ class ConnectorConfig:
     disk_path: str | None = None
     disk_gib: float = 16.0
     eviction: str = "lru"
-    lookup_timeout_ms: int = 2000
+    lookup_timeout_ms: int = 50
     shared_store: str | None = None
     secret: str | None = field(default=None, repr=False)
     secret_env: str | None = None

@@ -12,12 +12,27 @@ Scheduler side (EngineCore process): :class:`FabricScheduler`. Worker side
 (worker process): :class:`FabricWorker`. A prefiller pushes to the decoder
 named by the proxy in ``kv_transfer_params``; a decoder loads asynchronously
 and reports failures so vLLM recomputes rather than hangs.
+
+Scheduler hold: every scheduler-side hook runs on vLLM's scheduler thread,
+so the time spent in them delays the whole engine. The connector adds up
+the wall time of each (``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``build_connector_meta``,
+``request_finished``, and the scheduler's ``get_kv_connector_stats``) and
+observes the sum once per step into ``scheduler_hold_seconds``. A step ends
+with ``build_connector_meta``, called once per ``schedule()``
+(``vllm/v1/core/sched/scheduler.py:1529``); its sample covers what the
+previous step's ``update_from_output`` and any abort between the steps
+(``request_finished``) and this ``schedule()`` held. The lookups it waits
+for are bounded (:mod:`fabric.integrations.vllm.tier_client`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -29,6 +44,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.identity import model_identity
 from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
@@ -45,6 +61,25 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _holds_scheduler(
+    hook: Callable[Concatenate[FabricConnector, P], R],
+) -> Callable[Concatenate[FabricConnector, P], R]:
+    """Add the hook's wall time to the step's scheduler hold."""
+
+    @functools.wraps(hook)
+    def timed(self: FabricConnector, *args: P.args, **kwargs: P.kwargs) -> R:
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._hold_s += time.perf_counter() - start
+
+    return timed
 
 
 def _roles(kv_role: str | None) -> tuple[bool, bool]:
@@ -115,19 +150,27 @@ class FabricConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         self._tier_client: WorkerTierClient | None = None
         self._shared_client: SharedTierClient | None = None
+        self._hold_s = 0.0  # scheduler hold of the step so far
         if role == KVConnectorRole.SCHEDULER:
+            counters = FabricCounters()
             if config.reuse:
                 self._tier_client = WorkerTierClient(
-                    config, tp_size=parallel.tensor_parallel_size, engine_id=transfer.engine_id
+                    config,
+                    tp_size=parallel.tensor_parallel_size,
+                    engine_id=transfer.engine_id,
+                    counters=counters,
                 )
-            self._scheduler = FabricScheduler(
-                config, block_size, produce=produce, consume=consume, tier=self._tier_client
-            )
             if self._tier_client is not None and config.shared_store is not None:
-                self._shared_client = SharedTierClient(
-                    config, self._tier_client, self._scheduler.counters
-                )
-                self._scheduler.shared = self._shared_client
+                self._shared_client = SharedTierClient(config, self._tier_client, counters)
+            self._scheduler = FabricScheduler(
+                config,
+                block_size,
+                produce=produce,
+                consume=consume,
+                tier=self._tier_client,
+                shared=self._shared_client,
+                counters=counters,
+            )
         else:
             self._worker = FabricWorker(
                 config,
@@ -185,9 +228,7 @@ class FabricConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> FabricStats | None:
         if self._worker is None:
-            # NOTE: vLLM also asks the scheduler side (shared-store fetch failures).
-            counts = self._scheduler.counters.take() if self._scheduler is not None else {}
-            return FabricStats(data=dict(counts)) if counts else None
+            return self._scheduler_stats()
         self._worker.sync_tier_counters()
         counts = self._worker.counters.take()
         return FabricStats(data=dict(counts)) if counts else None
@@ -200,18 +241,32 @@ class FabricConnector(KVConnectorBase_V1):
         if self._shared_client is not None:
             self._shared_client.close()
 
+    @_holds_scheduler
+    def _scheduler_stats(self) -> FabricStats | None:
+        """The scheduler side's counts (lookups, fetches, hold, tables).
+
+        NOTE: vLLM asks in ``update_from_output`` after it freed the step's
+        finished requests (``vllm/v1/core/sched/scheduler.py:2342``): the
+        table sizes recorded here are the step's end."""
+        assert self._scheduler is not None
+        self._scheduler.report_tables()
+        counts = self._scheduler.counters.take()
+        return FabricStats(data=dict(counts)) if counts else None
+
     def _fabric_meta(self) -> FabricMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FabricMetadata)
         return meta
 
     # ------------------------------------------------------------ scheduler side
+    @_holds_scheduler
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_holds_scheduler
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -220,9 +275,16 @@ class FabricConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The step's metadata; ends the step's scheduler hold (observed once)."""
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        start = time.perf_counter()
+        try:
+            return self._scheduler.build_connector_meta(scheduler_output)
+        finally:
+            held, self._hold_s = self._hold_s + time.perf_counter() - start, 0.0
+            self._scheduler.counters.observe("scheduler_hold_seconds", held)
 
+    @_holds_scheduler
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 COUNTERS = {
     "chunks_sent": "chunks pushed to decoders",
@@ -35,6 +37,12 @@ COUNTERS = {
     "corrupt_chunks": "chunks whose checksum failed when they were used: recomputed",
     "thread_errors": "exceptions caught in a fabric thread (load, pack, push); the "
     "request(s) it served recompute, the thread keeps serving",
+    "lookup_timeouts": "reuse-tier lookups (one per TP rank) and shared-store fetches with no "
+    "answer within lookup_timeout_ms: a miss for that request, the prompt is computed",
+    "lookup_backoffs": "times the scheduler stopped asking its reuse tier or the shared store "
+    "for a while (a hard failure or repeated late answers; the log says why)",
+    "loads_ended": "loads given up because their request ended first (aborted while its KV "
+    "was on the way): released at once, not a load failure",
 }
 
 
@@ -42,21 +50,60 @@ HISTOGRAMS = {
     "load_seconds": "decoder: from a load's start until the pushed KV is in vLLM's blocks",
     "chunk_write_seconds": "prefiller: from posting one chunk's WRITE until it is done",
     "store_load_seconds": "loading a request's store hit into vLLM's blocks (before the forward)",
+    "scheduler_hold_seconds": "per scheduler step: time vLLM's scheduler spent inside fabric's "
+    "scheduler-side hooks (lookups, fetches, bookkeeping)",
 }
 # NOTE: a CPU load of a 4k-token KV-heavy prompt takes ~0.1-1 s; a GPU chunk write ~1 ms.
-BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BUCKETS = (
+    0.0001,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+TABLES_KEY = "tables"
+"""``take()``'s entry for table sizes: {source: {table: entries}}."""
 
 
 class FabricCounters:
-    """Thread-safe counters and latency samples, drained by ``take()``.
+    """Thread-safe counters, latency samples and table sizes, drained by ``take()``.
 
-    ``take()`` returns counter name -> int, and histogram name -> list of
-    seconds observed since the last call.
+    ``take()`` returns counter name -> int, histogram name -> list of
+    seconds observed since the last call, and (under ``TABLES_KEY``, only
+    when a size changed since the last call) {source: {table: entries}}: the
+    current sizes of per-request tables, set by :meth:`set_tables`.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, int | list[float]] = {}
+        self._tables: dict[str, dict[str, int]] = {}
+        self._tables_changed = False
+
+    def set_tables(self, source: str, sizes: Mapping[str, int]) -> None:
+        """The current entry counts of ``source``'s per-request tables
+        (``source``: one per process or rank, e.g. "scheduler", "worker0";
+        table names unique across components, e.g. "scheduler_sending").
+        Exported as the gauge ``vllm:fabric_table_entries{table=...}``, summed
+        over sources."""
+        sizes = {name: int(n) for name, n in sizes.items()}
+        with self._lock:
+            if self._tables.get(source) != sizes:
+                self._tables[source] = sizes
+                self._tables_changed = True
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -71,7 +118,25 @@ class FabricCounters:
             assert isinstance(samples, list)
             samples.append(seconds)
 
-    def take(self) -> dict[str, int | list[float]]:
+    def take(self) -> dict[str, Any]:
         with self._lock:
-            counts, self._counts = self._counts, {}
+            counts: dict[str, Any] = dict(self._counts)
+            self._counts = {}
+            if self._tables_changed:
+                counts[TABLES_KEY] = {src: dict(t) for src, t in self._tables.items()}
+                self._tables_changed = False
         return counts
+
+    def tables(self) -> dict[str, int]:
+        """The latest table sizes, summed over sources (table -> entries)."""
+        with self._lock:
+            return sum_tables(self._tables)
+
+
+def sum_tables(by_source: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """{source: {table: n}} -> {table: n summed over sources}."""
+    out: dict[str, int] = {}
+    for sizes in by_source.values():
+        for name, n in sizes.items():
+            out[name] = out.get(name, 0) + n
+    return out

@@ -41,6 +41,36 @@ request; a failed load makes vLLM recompute.
     store:    [ held    ]                               -> released
     shared:   [ held    ][ held   ][ held   ]           -> Fetch: chunks 1, 2 pushed
     vLLM:     (waits for the load)                  [ computes ] -> save chunk 3
+
+A lookup or fetch that fails or answers late (see
+:mod:`fabric.integrations.vllm.tier_client`) is a miss: vLLM computes the
+prompt. When a looked-up hit goes unused (a miss, a hit vLLM did not take,
+a request that ends first), the scheduler releases the request's hold in
+the next step's metadata, so a hold a late answer left on some rank does
+not wait for its lease.
+
+Per-request tables and when they are pruned (vLLM 0.32,
+``vllm/v1/core/sched/scheduler.py``):
+
+    _sending, _receiving, _attempted, _hits, _identities
+        request_finished. vLLM calls it for every request that ends, however:
+        finished (update_from_output -> _free_request, :2230), aborted or
+        client gone, running or still waiting without blocks
+        (finish_requests -> _free_request, :2710 -> _connector_finished,
+        :2723 -> request_finished, :3051), failed with an error (the same
+        finish_requests). A failed load (:3341) or a preemption only sends
+        the request back to the queue: it asks again, one load attempt
+        (``_attempted``), and ends through request_finished like any other.
+        ``_hits`` and ``_receiving`` are also dropped once vLLM allocated
+        the request (update_state_after_alloc).
+    _loads, _local_loads, _releases
+        drained by every build_connector_meta (once per schedule(), :1529).
+        After a request ends vLLM runs one more schedule() to tell the
+        workers (has_finished_requests, :2813), which drains what its end
+        queued.
+
+:meth:`FabricScheduler.report_tables` records their sizes once per step
+(``vllm:fabric_table_entries``); 0 when no request is in flight.
 """
 
 from __future__ import annotations
@@ -131,6 +161,8 @@ class _Receiving:
 class _Hit:
     tokens: int  # chunk-aligned prefix tokens the store holds for the request
     at: float  # when it was looked up (and held)
+    # NOTE: 0 tokens does not mean nothing is held: a rank may hold more
+    # than the smallest hit, or held before its answer came too late.
 
 
 class FabricScheduler:
@@ -146,6 +178,7 @@ class FabricScheduler:
         tier: TierClient | None = None,
         shared: SharedTier | None = None,
         clock: Any = time.monotonic,
+        counters: FabricCounters | None = None,
     ) -> None:
         if config.chunk_tokens % block_size:
             raise ConfigError(
@@ -161,7 +194,7 @@ class FabricScheduler:
         # asking again; one load attempt per request, then it computes.
         self._attempted: set[str] = set()
         self.tier, self.shared, self._clock = tier, shared, clock
-        self.counters = FabricCounters()
+        self.counters = counters if counters is not None else FabricCounters()
         self._hits: dict[str, _Hit] = {}
         # NOTE: None = a request fabric cannot key: it bypasses fabric.
         self._identities: dict[str, KeyIdentity | None] = {}
@@ -246,8 +279,8 @@ class FabricScheduler:
         return _Receiving(transfer_id, num_tokens, 0, identity, shared=True)
 
     def _drop_hit(self, rid: str) -> None:
-        hit = self._hits.pop(rid, None)
-        if hit is not None and hit.tokens:
+        """Forget the request's hit; release whatever any rank holds for it."""
+        if self._hits.pop(rid, None) is not None:
             self._releases.append(rid)
 
     # ------------------------------------------------------------ decoder
@@ -302,8 +335,8 @@ class FabricScheduler:
     ) -> None:
         rid = request.request_id
         hit = self._hits.pop(rid, None)
-        if hit is not None and hit.tokens:
-            if num_external_tokens > 0:
+        if hit is not None:
+            if hit.tokens and num_external_tokens > 0:
                 start = hit.tokens - num_external_tokens
                 first, last = start // self.block_size, hit.tokens // self.block_size
                 self._local_loads.append(
@@ -428,6 +461,24 @@ class FabricScheduler:
                 return  # blocks not allocated yet (cannot happen once computed)
             meta.saves.append(SaveChunk(send.req_id, index, block_ids))
             send.next_chunk += 1
+
+    # ------------------------------------------------------------ tables
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in each per-request table (all 0 when no request is in flight)."""
+        return {
+            "scheduler_sending": len(self._sending),
+            "scheduler_receiving": len(self._receiving),
+            "scheduler_loads": len(self._loads),
+            "scheduler_attempted": len(self._attempted),
+            "scheduler_hits": len(self._hits),
+            "scheduler_identities": len(self._identities),
+            "scheduler_local_loads": len(self._local_loads),
+            "scheduler_releases": len(self._releases),
+        }
+
+    def report_tables(self) -> None:
+        """Record the tables' sizes (once per step, after vLLM freed its requests)."""
+        self.counters.set_tables("scheduler", self.table_sizes())
 
     # ------------------------------------------------------------ finish
     def request_finished(self, request: RequestLike) -> dict[str, Any] | None:

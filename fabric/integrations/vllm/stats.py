@@ -4,8 +4,10 @@ The worker counts into :class:`FabricCounters`; every step vLLM asks for
 ``get_kv_connector_stats()``, which hands over the counts since the last
 call as a :class:`FabricStats`. vLLM aggregates them across workers, logs
 them, and feeds them to :class:`FabricPromMetrics`, which exports
-``vllm:fabric_<name>_total`` counters and ``vllm:fabric_<name>`` latency
-histograms (``*_seconds``) on the engine's ``/metrics``.
+``vllm:fabric_<name>_total`` counters, ``vllm:fabric_<name>`` latency
+histograms (``*_seconds``) and the gauge ``vllm:fabric_table_entries{table=}``
+(per-request table sizes, latest per source, summed over sources) on the
+engine's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -18,19 +20,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from fabric.integrations.vllm.counters import BUCKETS, COUNTERS, HISTOGRAMS
+from fabric.integrations.vllm.counters import (
+    BUCKETS,
+    COUNTERS,
+    HISTOGRAMS,
+    TABLES_KEY,
+    sum_tables,
+)
 
 
 @dataclass
 class FabricStats(KVConnectorStats):
-    """Since the last report: counter name -> int, histogram name -> [seconds]."""
+    """Since the last report: counter name -> int, histogram name -> [seconds],
+    and ``TABLES_KEY`` -> {source: {table: entries}} (latest sizes)."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            if isinstance(value, list):
+            if name == TABLES_KEY:  # NOTE: sizes, not deltas: the later report wins
+                tables = dict(self.data.get(TABLES_KEY, {}))
+                tables.update(value)
+                self.data[TABLES_KEY] = tables
+            elif isinstance(value, list):
                 self.data[name] = [*self.data.get(name, []), *value]
             else:
                 self.data[name] = self.data.get(name, 0) + value
@@ -39,7 +52,10 @@ class FabricStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
         for name, value in self.data.items():
-            if isinstance(value, list):
+            if name == TABLES_KEY:
+                for table, n in sorted(sum_tables(value).items()):
+                    out[f"table {table}"] = n
+            elif isinstance(value, list):
                 if value:
                     out[f"{name} (mean of {len(value)})"] = round(sum(value) / len(value), 4)
             else:
@@ -69,6 +85,14 @@ class FabricPromMetrics(KVConnectorPromMetrics):
             self._counters[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._tables: Any = self._gauge_cls(
+            name="vllm:fabric_table_entries",
+            documentation="entries in fabric's per-request tables (0 when no request is "
+            "in flight; growth means a leak)",
+            labelnames=[*labelnames, "table"],
+        )
+        self._labelvalues = per_engine_labelvalues
+        self._sources: dict[int, dict[str, dict[str, int]]] = {}
         self._histograms: dict[str, dict[int, Any]] = {}
         for name, doc in HISTOGRAMS.items():
             histogram = self._histogram_cls(  # type: ignore[call-arg]
@@ -83,6 +107,9 @@ class FabricPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            if name == TABLES_KEY:
+                self._observe_tables(value, engine_idx)
+                continue
             if isinstance(value, list):
                 per_engine = self._histograms.get(name)
                 for seconds in value if per_engine else ():
@@ -91,3 +118,10 @@ class FabricPromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(name)
             if counter and value:
                 counter[engine_idx].inc(value)
+
+    def _observe_tables(self, by_source: dict[str, dict[str, int]], engine_idx: int) -> None:
+        sources = self._sources.setdefault(engine_idx, {})
+        sources.update(by_source)
+        values = self._labelvalues.get(engine_idx, [])
+        for table, n in sum_tables(sources).items():
+            self._tables.labels(*values, table).set(n)
