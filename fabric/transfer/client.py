@@ -12,7 +12,21 @@ Typical push of chunks already packed into the local store::
 Every call is bounded: control requests by ``control_timeout_ms``
 (:class:`~fabric.errors.PeerUnreachable`), writes by the caller's timeout
 and, however they are driven, by ``write_timeout_ms``
-(:class:`~fabric.errors.TransferTimeout`; the write is aborted). A link
+(:class:`~fabric.errors.TransferTimeout`; the write is aborted).
+
+Peers are independent. ``connect`` does a handshake without holding the
+client's lock, so a receiver that accepts the connection and never answers
+delays only the caller connecting to it. A control socket never blocks a
+send: it queues only to a peer whose connection is up (``IMMEDIATE``), with
+small high-water marks, and a send that cannot leave before the deadline
+fails the call. A socket whose call timed out is closed (``LINGER`` 0) and
+rebuilt, so a request still queued in it never reaches the peer later and a
+late reply never answers a later request (``seq`` pairs replies with
+requests besides); the receiver sees a new identity and the link says
+Hello again. Per-request state is dropped when the request ends
+(``PeerLink.forget``; ``cancel`` too); :meth:`TransferClient.table_sizes`
+reports what is left. A link's data-plane peer is removed when the last
+link to it closes. A link
 posts no write once the lease it knows of has run out (by its own clock,
 from when it asked: never later than the receiver's) or was cancelled, and
 raises :class:`~fabric.errors.ReservationExpired` instead; so every byte it
@@ -156,29 +170,59 @@ class PendingPush:
             handle.abandon()
 
 
+# NOTE: one request is in flight per link (calls hold its lock), so a few
+# messages of queue is plenty; anything more would only be stale.
+CONTROL_HWM = 16
+MAX_LEASES = 256
+
+
 class PeerLink:
-    """Control channel and data-plane route to one receiver."""
+    """Control channel and data-plane route to one receiver.
+
+    Calls are serialized per link and each is bounded by
+    ``control_timeout_ms``; ``close`` may come from any thread (a call in
+    progress closes the socket when it ends).
+    """
 
     def __init__(self, client: TransferClient, endpoint: str) -> None:
         self.client, self.endpoint = client, endpoint
-        self._sock = client.ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        limit = client.config.max_message_bytes + proto.SOCKET_SLACK_BYTES
-        self._sock.setsockopt(zmq.MAXMSGSIZE, limit)
-        self._sock.connect(endpoint)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one call at a time
+        self._state = threading.Lock()  # guards _closed and _busy
+        self._closed = self._busy = False
+        self._sock = self._open_socket()
         self._seq = itertools.count(1)
         # request_id -> when its lease runs out by our clock (see ``_post_check``).
         self._leases: dict[str, float] = {}
         self._leases_lock = threading.Lock()
         try:
             ack = self._handshake()
+            self.peer_agent = client.plane.add_peer(ack.data_descriptor)
         except BaseException:
             self._sock.close(linger=0)
             raise
-        self.peer_agent = client.plane.add_peer(ack.data_descriptor)
         self.remote_slot_bytes = ack.slot_bytes
         self.remote_num_slots = ack.num_slots
+
+    def _open_socket(self) -> zmq.Socket[bytes]:
+        config = self.client.config
+        sock = self.client.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + proto.SOCKET_SLACK_BYTES)
+        # NOTE: queue only to a connection that is up, so a send to a dead or
+        # silent peer is refused (and times out) instead of waiting in a pipe
+        # to be delivered, stale, when the peer comes back.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, CONTROL_HWM)
+        sock.setsockopt(zmq.RCVHWM, CONTROL_HWM)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, config.control_timeout_ms)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, config.control_timeout_ms)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.connect(self.endpoint)
+        return sock
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _handshake(self) -> proto.HelloAck:
         plane = self.client.plane
@@ -196,37 +240,64 @@ class PeerLink:
 
     def _call_known(self, msg: proto.Message) -> proto.Message:
         """``_call`` for messages that need a Hello first: a receiver that
-        forgot this link (idle past its ``peer_idle_s``, or restarted on the
-        same endpoint) answers ``no_hello``; say Hello again and resend once."""
+        forgot this link (idle past its ``peer_idle_s``, restarted on the
+        same endpoint, or seeing a rebuilt socket) answers ``no_hello``; say
+        Hello again and resend once."""
         reply = self._call(msg)
         if isinstance(reply, proto.Refused) and reply.code == "no_hello":
             ack = self._handshake()
             # NOTE: a receiver restarted on the same endpoint has a new agent;
             # one that only forgot us has the same one, already loaded here.
             with contextlib.suppress(TransportFailed):
-                self.peer_agent = self.client.plane.add_peer(ack.data_descriptor)
+                agent = self.client.plane.add_peer(ack.data_descriptor)
+                old, self.peer_agent = self.peer_agent, agent
+                if old != agent:
+                    self.client.release_agent(old, self)
             reply = self._call(msg)
         return reply
 
     def _call(self, msg: proto.Message) -> proto.Message:
+        """Send ``msg`` and wait for the reply with its ``seq``; PeerUnreachable
+        (socket rebuilt) when none comes within ``control_timeout_ms``."""
         timeout_ms = self.client.config.control_timeout_ms
-        seq = msg.seq  # type: ignore[union-attr]
-        codec = self.client.codec
+        frame = self.client.codec.encode(msg)
         with self._lock:
-            self._sock.send(codec.encode(msg))
-            deadline = time.monotonic() + timeout_ms / 1000
-            while (left := deadline - time.monotonic()) > 0:
-                if not self._sock.poll(max(1, int(left * 1000))):
-                    break
-                reply = decode_reply(codec, self._sock.recv(), self.endpoint)
-                if getattr(reply, "seq", None) == seq:
-                    return reply
-                if isinstance(reply, proto.Refused) and reply.seq == -1:
-                    raise_refused(reply, self.endpoint)
-                # a stale reply to an earlier call that timed out: drop it
-        raise PeerUnreachable(
-            f"{self.endpoint}: no answer to {type(msg).__name__} in {timeout_ms} ms"
-        )
+            with self._state:
+                if self._closed:
+                    raise PeerUnreachable(f"{self.endpoint}: link closed")
+                self._busy = True
+            try:
+                return self._exchange(msg, frame, time.monotonic() + timeout_ms / 1000)
+            except PeerUnreachable:
+                self._sock.close(linger=0)
+                self._sock = self._open_socket()
+                raise
+            finally:
+                with self._state:
+                    self._busy, closed = False, self._closed
+                if closed:  # NOTE: closed by another thread during the call
+                    self._sock.close(linger=0)
+
+    def _exchange(self, msg: proto.Message, frame: bytes, deadline: float) -> proto.Message:
+        seq = msg.seq  # type: ignore[union-attr]
+        name, timeout_ms = type(msg).__name__, self.client.config.control_timeout_ms
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            if not self._sock.poll(left_ms, zmq.POLLOUT):
+                raise PeerUnreachable(f"{self.endpoint}: not connected in {timeout_ms} ms ({name})")
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise PeerUnreachable(f"{self.endpoint}: cannot send {name}") from exc
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(max(1, int(left * 1000))):
+                break
+            reply = decode_reply(self.client.codec, self._sock.recv(), self.endpoint)
+            if getattr(reply, "seq", None) == seq:
+                return reply
+            if isinstance(reply, proto.Refused) and reply.seq == -1:
+                raise_refused(reply, self.endpoint)
+            # a stale reply to an earlier call that timed out: drop it
+        raise PeerUnreachable(f"{self.endpoint}: no answer to {name} in {timeout_ms} ms")
 
     def reserve(
         self,
@@ -290,7 +361,7 @@ class PeerLink:
             if extend:
                 expires_at = max(expires_at, self._leases.get(request_id, expires_at))
             self._leases[request_id] = expires_at
-            if len(self._leases) > 256:  # NOTE: finished pushes are never cancelled
+            if len(self._leases) > MAX_LEASES:  # NOTE: a backstop for owners that never forget
                 now = time.monotonic()
                 self._leases = {r: t for r, t in self._leases.items() if t > now}
 
@@ -402,13 +473,31 @@ class PeerLink:
             self._forget_lease(request_id)
         return ok
 
+    def forget(self, request_id: str) -> None:
+        """The request is over (done, failed or given up): drop its lease
+        here, so no write for it is posted any more. Sends nothing."""
+        self._forget_lease(request_id)
+
     def _forget_lease(self, request_id: str) -> None:
         with self._leases_lock:
             self._leases.pop(request_id, None)
 
+    @property
+    def num_leases(self) -> int:
+        with self._leases_lock:
+            return len(self._leases)
+
     def close(self) -> None:
-        self.client.plane.remove_peer(self.peer_agent)
-        self._sock.close(linger=0)
+        """Close the socket and, unless another link uses it, the data-plane
+        peer. From any thread: a call in progress ends first (bounded), then
+        its thread closes the socket."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed, busy = True, self._busy
+        self.client.release_agent(self.peer_agent, self)
+        if not busy:
+            self._sock.close(linger=0)
 
 
 class TransferClient:
@@ -426,18 +515,48 @@ class TransferClient:
         self._lock = threading.Lock()
 
     def connect(self, endpoint: str) -> PeerLink:
-        """The link to ``endpoint``, doing the handshake on first use."""
+        """The link to ``endpoint``, doing the handshake on first use.
+
+        NOTE: the handshake runs outside the client's lock: a silent
+        endpoint delays only the threads connecting to it. Two threads may
+        both say Hello to a new endpoint; the second link is closed.
+        """
         with self._lock:
             link = self._links.get(endpoint)
-            if link is None:
-                link = self._links[endpoint] = PeerLink(self, endpoint)
+        if link is not None:
             return link
+        fresh = PeerLink(self, endpoint)
+        with self._lock:
+            link = self._links.setdefault(endpoint, fresh)
+        if link is not fresh:
+            fresh.close()
+        return link
 
     def disconnect(self, endpoint: str) -> None:
+        """Drop the link to ``endpoint`` (if any); the next ``connect`` says Hello."""
         with self._lock:
             link = self._links.pop(endpoint, None)
         if link is not None:
             link.close()
+
+    def release_agent(self, agent: str, link: PeerLink) -> None:
+        """``link`` no longer uses data-plane peer ``agent``: remove it unless
+        another of our links still does."""
+        with self._lock:
+            shared = any(o is not link and o.peer_agent == agent for o in self._links.values())
+        if not shared:
+            self.plane.remove_peer(agent)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of the per-peer and per-request tables: links, the leases
+        they track, and the data plane's peers."""
+        with self._lock:
+            links = list(self._links.values())
+        return {
+            "links": len(links),
+            "leases": sum(link.num_leases for link in links),
+            "data_peers": self.plane.peer_count(),
+        }
 
     def close(self) -> None:
         with self._lock:

@@ -192,6 +192,10 @@ class DataPlane(ABC):
     def remove_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget a peer."""
 
+    def peer_count(self) -> int:
+        """Peers this plane keeps state for (connections, loaded metadata)."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release registrations, sockets and threads."""
 

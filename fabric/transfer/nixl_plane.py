@@ -164,6 +164,9 @@ class NixlDataPlane(DataPlane):
             with self.lock:
                 self.agent.remove_remote_agent(peer)
 
+    def peer_count(self) -> int:
+        return len(self._peers)
+
     def post_write(
         self,
         peer: str,

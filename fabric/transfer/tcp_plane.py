@@ -18,6 +18,15 @@ the write against its live reservations before a byte is copied into the
 pool, and holds the slots while the payload arrives. A refused write's
 payload is read and dropped (the connection stays in step), and so is its
 notification.
+
+Peers are independent: each has its own connection and send thread, so a
+peer that stops reading stalls only the writes queued to it. Every socket
+operation is bounded: a connect by ``CONNECT_TIMEOUT_S``, each send or
+receive by ``IO_TIMEOUT_S`` (a write whose bytes stop moving fails), and
+idle connections are probed by TCP keepalive. A failed connect fails the
+writes that start within ``RETRY_S`` after it at once rather than each
+waiting out its own connect. ``remove_peer`` stops the peer's thread; the
+writes still queued to it that have not started fail at once.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -103,6 +113,8 @@ Job = tuple[Sequence[Segment], bytes, WriteFence | None, _TcpWriteHandle]
 # not hold a slot or a send thread for ever: a write's bytes must keep moving
 # within IO_TIMEOUT_S, and idle connections are probed by TCP keepalive.
 IO_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5.0
+RETRY_S = 1.0
 _KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
 
 
@@ -138,11 +150,25 @@ class _PeerSender:
         self.plane, self.info = plane, info
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.sock: socket.socket | None = None
+        self.stopping = False
+        self._connect_failed_at = -RETRY_S
         self.thread = threading.Thread(target=self._run, name=f"tcp-send-{info.name}", daemon=True)
         self.thread.start()
 
+    def stop(self) -> None:
+        """End the thread; queued writes that have not started fail at once."""
+        self.stopping = True
+        self.jobs.put(None)
+
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.info.host, self.info.port), timeout=10)
+        if time.monotonic() - self._connect_failed_at < RETRY_S:
+            raise ConnectionError(f"connect failed less than {RETRY_S} s ago; not retried yet")
+        address = (self.info.host, self.info.port)
+        try:
+            sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+        except OSError:
+            self._connect_failed_at = time.monotonic()
+            raise
         sock.settimeout(IO_TIMEOUT_S)  # NOTE: a send that makes no progress fails the write
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         keep_alive(sock)
@@ -154,6 +180,8 @@ class _PeerSender:
             if not handle.start():
                 continue
             try:
+                if self.stopping:
+                    raise ConnectionError("peer removed")
                 self.sock = self.sock or self._connect()
                 self._send(self.sock, segments, notif, fence)
             except OSError as exc:
@@ -195,6 +223,7 @@ class TcpDataPlane(DataPlane):
         self._host, self._port = host, self._listener.getsockname()[1]
         self._notifs: deque[tuple[str, bytes]] = deque()
         self._senders: dict[str, _PeerSender] = {}
+        self._senders_lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._closed = False
         self.bad_frames = 0
@@ -222,14 +251,19 @@ class TcpDataPlane(DataPlane):
             info = msgspec.msgpack.decode(descriptor, type=TcpDescriptor)
         except msgspec.DecodeError as exc:
             raise TransportFailed(f"bad TCP peer descriptor: {exc}") from exc
-        if info.name not in self._senders:
-            self._senders[info.name] = _PeerSender(self, info)
+        with self._senders_lock:
+            if info.name not in self._senders:
+                self._senders[info.name] = _PeerSender(self, info)
         return info.name
 
     def remove_peer(self, peer: str) -> None:
-        sender = self._senders.pop(peer, None)
+        with self._senders_lock:
+            sender = self._senders.pop(peer, None)
         if sender is not None:
-            sender.jobs.put(None)
+            sender.stop()
+
+    def peer_count(self) -> int:
+        return len(self._senders)
 
     def post_write(
         self,
@@ -317,11 +351,13 @@ class TcpDataPlane(DataPlane):
 
     def close(self) -> None:
         self._closed = True
-        for sender in self._senders.values():
-            sender.jobs.put(None)
-        for sender in self._senders.values():
+        with self._senders_lock:
+            senders = list(self._senders.values())
+            self._senders.clear()
+        for sender in senders:
+            sender.stop()
+        for sender in senders:
             sender.thread.join(timeout=5)
-        self._senders.clear()
         self._listener.close()
         for conn in self._conns:
             with contextlib.suppress(OSError):

@@ -1,17 +1,50 @@
-"""Prefiller's push thread: reserve on the decoder, WRITE chunks as packed.
+"""Prefiller's push threads: reserve on the decoder, WRITE chunks as packed.
 
 The model thread packs a chunk into a store slot at the end of the step
-that computed it and hands (request, chunk index, slot) over; this thread
-owns every network call, so a slow or dead decoder never blocks a model
-step. Failures are logged and counted; the decoder then times out (or is
-told by a Cancel) and recomputes. An exception while serving one event or
-job fails that job only (counted as ``thread_errors``, its slots released);
-the thread keeps serving the others.
+that computed it and hands (request, chunk index, slot) over; the push
+threads own every network call, so a slow or dead decoder never blocks a
+model step. Failures are logged and counted; the decoder then times out
+(or is told by a Cancel) and recomputes.
+
+Pushes to different receivers are independent: a dispatcher thread routes
+each request's events to the thread of its receiver's endpoint, which
+reserves, writes, polls, heartbeats and cancels for that endpoint only::
+
+    model thread --begin/chunk/finished/fail--> dispatcher (``name``)
+                                                 | one queue per endpoint
+                          +----------------------+---------------+
+                          v                      v               v
+                  "name:tcp://d1"        "name:tcp://d2"       ...
+                  (its jobs: Reserve, WRITE, poll, Heartbeat, Cancel)
+
+A receiver that accepts the connection and never answers stalls only its
+own thread (each call bounded by the client's control timeout), never the
+pushes to the others, which reach their decoders within its grace.
+
+A receiver that failed (no answer, a failed write or handshake; not a
+refusal, which is a live answer) is backed off: for a while every push to it
+fails at once, counted as a failure, its slots released here as its chunks
+come, and nothing about the request is kept (the decoder falls back to
+computing after its grace). The backoff starts at ``FIRST_BACKOFF_S`` and
+doubles up to ``backoff_s``; a completed push resets it. A link whose
+control call timed out is dropped (said Hello again next time). At most
+``max_waiting`` pushes per receiver wait for their Reserve; more fail at
+once, so a stalled receiver holds few of this store's slots. At most
+``MAX_PEERS`` endpoints have a thread at a time; a push to another fails at
+once.
+
+Every table is pruned when its request ends however it ends (pushed,
+failed, timed out, finished early); an endpoint's thread ends, and its link
+is dropped, once it has had nothing to do for ``peer_idle_s`` (its backoff
+forgotten then). :meth:`PushSender.table_sizes` reports the sizes.
+
+An exception while serving one event or job fails that job only (counted as
+``thread_errors``, its slots released); the thread keeps serving the others.
 
 A second instance pushes the same chunks into the host's shared store
-(:class:`SenderCounters` names its counters, ``prepare`` attaches before the
-first Reserve, ``backoff_s`` skips a dead store for a while): on its own
-thread, so a slow shared store never delays a push to a decoder.
+(:class:`SenderCounters` names its counters and tables, ``prepare``
+attaches before the first Reserve): on its own threads, so a slow shared
+store never delays a push to a decoder.
 """
 
 from __future__ import annotations
@@ -25,7 +58,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fabric.errors import FabricError, ReservationRefused
+from fabric.errors import (
+    FabricError,
+    PeerUnreachable,
+    ReservationExpired,
+    ReservationRefused,
+    TransferTimeout,
+)
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.counters import FabricCounters
@@ -34,18 +73,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+FIRST_BACKOFF_S = 1.0
+MAX_WAITING = 64
+MAX_PEERS = 256
+PEER_IDLE_S = 60.0
+_TEND_EVERY_S = 0.5
+
 
 @dataclass(frozen=True)
 class SenderCounters:
-    """Which counters a sender adds to. ``count_present``: a chunk the
-    receiver already had counts as sent (a decoder push) or not (the shared
-    store, where only the chunks it lacked are news)."""
+    """Which counters a sender adds to and how its tables are named.
+
+    ``count_present``: a chunk the receiver already had counts as sent (a
+    decoder push) or not (the shared store, where only the chunks it lacked
+    are news). ``tables``: prefix of the names in ``table_sizes``;
+    ``client_tables``: whether they include the transfer client's (links,
+    leases, data-plane peers), which senders sharing a client report once.
+    """
 
     sent: str = "chunks_sent"
     bytes: str = "bytes_sent"
     failures: str = "push_failures"
     count_present: bool = True
     write_seconds: str | None = "chunk_write_seconds"
+    tables: str = "sender"
+    client_tables: bool = True
 
 
 SHARED_STORE_COUNTERS = SenderCounters(
@@ -54,10 +106,12 @@ SHARED_STORE_COUNTERS = SenderCounters(
     failures="shared_store_failures",
     count_present=False,
     write_seconds=None,
+    tables="shared_sender",
+    client_tables=False,
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class PushJob:
     req_id: str
     transfer_id: str
@@ -71,14 +125,57 @@ class PushJob:
     finished: bool = False  # the scheduler is done with the request
     inflight: list[tuple[int, PendingPush, float]] = field(default_factory=list)
     last_heartbeat: float = 0.0
+    dropped: bool = False  # forgotten by its endpoint's thread
 
     @property
     def complete(self) -> bool:
         return self.written == len(self.keys) and not self.inflight
 
 
+Event = tuple[str, object]
+
+
+class _Peer:
+    """One receiver endpoint: its queue, thread, jobs and backoff.
+
+    The dispatcher writes ``admitted``; the endpoint's thread everything
+    else (the dispatcher only reads).
+    """
+
+    def __init__(self, endpoint: str, target: Callable[[_Peer], None], name: str) -> None:
+        self.endpoint = endpoint
+        self.events: queue.Queue[Event | None] = queue.Queue()
+        self.jobs: dict[int, PushJob] = {}  # id(job) -> job
+        self.admitted = self.settled = self.dropped = 0
+        self.backoff_s, self.backoff_until = 0.0, 0.0
+        self.last_active = time.monotonic()
+        self.stopped = self.saturated = False
+        self.thread = threading.Thread(target=target, args=(self,), name=name, daemon=True)
+
+    @property
+    def waiting(self) -> int:
+        """Jobs handed over whose Reserve has not been answered yet."""
+        return self.admitted - self.settled
+
+    def backed_off(self, now: float) -> bool:
+        return now < self.backoff_until
+
+    def back_off(self, now: float, max_s: float) -> None:
+        self.backoff_s = min(max_s, 2 * self.backoff_s or FIRST_BACKOFF_S)
+        self.backoff_until = now + self.backoff_s
+
+    def idle(self, now: float, idle_s: float) -> bool:
+        return (
+            self.admitted == self.dropped
+            and self.events.empty()
+            and now - self.last_active > idle_s
+            and not self.backed_off(now)
+        )
+
+
 class PushSender:
-    """Single thread that reserves, writes and tracks every push."""
+    """Reserves, writes and tracks every push: a dispatcher thread and one
+    thread per receiver endpoint (see the module docstring)."""
 
     def __init__(
         self,
@@ -90,15 +187,21 @@ class PushSender:
         push_timeout_s: float,
         names: SenderCounters = SenderCounters(),
         prepare: Callable[[str], None] | None = None,
-        backoff_s: float = 0.0,
+        backoff_s: float = 30.0,
+        max_waiting: int = MAX_WAITING,
+        peer_idle_s: float = PEER_IDLE_S,
         name: str = "fabric-push",
     ) -> None:
         self.client, self.store, self.counters = client, store, counters
         self.lease_ms, self.push_timeout_s = lease_ms, push_timeout_s
         self.names, self.prepare, self.backoff_s = names, prepare, backoff_s
-        self._skip_until = 0.0
-        self._events: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._jobs: dict[str, PushJob] = {}
+        self.max_waiting, self.peer_idle_s, self.name = max_waiting, peer_idle_s, name
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._jobs: dict[str, PushJob] = {}  # req_id -> its live job (for routing)
+        self._jobs_lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}  # endpoint -> its thread's state
+        self._peers_lock = threading.Lock()
+        self._next_tend = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -121,59 +224,210 @@ class PushSender:
 
     def close(self) -> None:
         self._stop.set()
+        self._events.put(("stop", None))  # NOTE: wakes the dispatcher now
         self._thread.join(timeout=10)
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.events.put(None)
+        deadline = time.monotonic() + 10
+        for peer in peers:
+            peer.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     @property
     def thread(self) -> threading.Thread:
-        """The push thread (for health: whether it still runs)."""
+        """The dispatcher thread (for health: whether it still runs)."""
         return self._thread
 
-    # ---------------------------------------------------------- push thread
+    def table_sizes(self) -> dict[str, int]:
+        """Current entries of the per-request and per-peer tables (any thread)."""
+        with self._jobs_lock:
+            jobs = len(self._jobs)
+        with self._peers_lock:
+            peers = list(self._peers.values())
+        prefix = self.names.tables
+        sizes = {
+            f"{prefix}_jobs": jobs,
+            f"{prefix}_queued": self._events.qsize() + sum(p.events.qsize() for p in peers),
+            f"{prefix}_peers": len(peers),
+        }
+        if self.names.client_tables and self.client is not None:
+            for table, n in self.client.table_sizes().items():
+                sizes[f"sender_{table}"] = n
+        return sizes
+
+    # ---------------------------------------------------------- dispatcher
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._round()
+                event = self._events.get(timeout=_TEND_EVERY_S)
+            except queue.Empty:
+                event = None
+            try:
+                if event is not None:
+                    self._dispatch(*event)
+                self._tend()
+            except Exception:  # NOTE: the routing of one event; keep serving
+                self.counters.add(thread_errors=1)
+                kind = event[0] if event is not None else "housekeeping"
+                logger.exception("%s: dispatching %s failed; continuing", self.name, kind)
+
+    def _dispatch(self, kind: str, payload: object) -> None:
+        if kind == "stop":
+            return
+        if kind == "begin":
+            assert isinstance(payload, PushJob)
+            self._admit(payload)
+            return
+        rid = payload[0] if isinstance(payload, tuple) else payload
+        with self._jobs_lock:
+            job = self._jobs.get(str(rid))
+        if job is None:  # failed at once, or over: nothing kept for it
+            if kind == "chunk":
+                assert isinstance(payload, tuple)
+                self.store.release_slots([payload[2]])
+            return
+        rest = payload[1:] if isinstance(payload, tuple) else ()
+        self._peer(job.endpoint).events.put((kind, (job, *rest)))
+
+    def _admit(self, job: PushJob) -> None:
+        """Hand ``job`` to its endpoint's thread, or fail it at once."""
+        with self._jobs_lock:
+            old = self._jobs.pop(job.req_id, None)
+        if old is not None:
+            self._peer(old.endpoint).events.put(("fail", (old, "replaced by a new push")))
+        with self._peers_lock:
+            known, full = job.endpoint in self._peers, len(self._peers) >= MAX_PEERS
+        if not known and full:
+            self._fail_at_once(job, f"pushing to {MAX_PEERS} endpoints already", quiet=False)
+            return
+        peer = self._peer(job.endpoint)
+        if peer.backed_off(time.monotonic()):
+            self._fail_at_once(job, f"{job.endpoint} failed recently", quiet=True)
+        elif peer.waiting >= self.max_waiting:
+            why = f"{peer.waiting} pushes to {job.endpoint} wait for their Reserve already"
+            self._fail_at_once(job, why, quiet=peer.saturated)
+            peer.saturated = True
+        else:
+            peer.saturated = False
+            with self._jobs_lock:
+                self._jobs[job.req_id] = job
+            peer.admitted += 1
+            peer.events.put(("begin", job))
+
+    def _fail_at_once(self, job: PushJob, why: str, *, quiet: bool) -> None:
+        """Count ``job`` failed without keeping it (its chunks are released as they come)."""
+        self.counters.add(**{self.names.failures: 1})
+        log = logger.debug if quiet else logger.warning
+        log("fabric push %s (request %s): %s; not tried", job.transfer_id, job.req_id, why)
+
+    def _peer(self, endpoint: str) -> _Peer:
+        with self._peers_lock:
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                peer = _Peer(endpoint, self._serve, f"{self.name}:{endpoint}")
+                self._peers[endpoint] = peer
+                peer.thread.start()
+            return peer
+
+    def _tend(self) -> None:
+        """Stop the threads of endpoints idle for ``peer_idle_s``; replace dead ones."""
+        now = time.monotonic()
+        if now < self._next_tend:
+            return
+        self._next_tend = now + _TEND_EVERY_S
+        with self._peers_lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            dead = not peer.thread.is_alive()
+            if not dead and not peer.idle(now, self.peer_idle_s):
+                continue
+            with self._peers_lock:
+                self._peers.pop(peer.endpoint, None)
+            peer.events.put(None)
+            # NOTE: here, before a new thread for the endpoint can connect; an
+            # idle endpoint's thread uses its link no more.
+            self.client.disconnect(peer.endpoint)
+            if dead:
+                self.counters.add(thread_errors=1)
+                logger.error("%s: the thread of %s died", self.name, peer.endpoint)
+                self._retire(peer)
+
+    # ---------------------------------------------------------- endpoint thread
+    def _serve(self, peer: _Peer) -> None:
+        while not peer.stopped:
+            try:
+                self._round(peer)
             except Exception:  # NOTE: outside any one job; keep serving
                 self.counters.add(thread_errors=1)
-                logger.exception("%s: a round failed; continuing", self._thread.name)
-                self._stop.wait(0.01)
+                logger.exception("%s: a round failed; continuing", peer.thread.name)
+                time.sleep(0.01)
+        self._retire(peer)
 
-    def _round(self) -> None:
-        busy = any(job.inflight for job in self._jobs.values())
-        self._drain(timeout=None if busy else 0.05)
-        self._progress()
+    def _retire(self, peer: _Peer) -> None:
+        """The endpoint's thread ends: fail its jobs, release what is still queued."""
+        for job in list(peer.jobs.values()):
+            self._abandon(peer, job, "the sender stopped")
+        while True:
+            try:
+                event = peer.events.get_nowait()
+            except queue.Empty:
+                break
+            if event is not None and event[0] == "chunk":
+                assert isinstance(event[1], tuple)
+                self.store.release_slots([event[1][2]])
+
+    def _round(self, peer: _Peer) -> None:
+        busy = any(job.inflight for job in peer.jobs.values())
+        self._drain(peer, timeout=None if busy else 0.05)
+        self._progress(peer)
         if busy:
             time.sleep(5e-5)
+        if peer.jobs:
+            peer.last_active = time.monotonic()
 
-    def _drain(self, timeout: float | None) -> None:
+    def _drain(self, peer: _Peer, timeout: float | None) -> None:
         try:
-            event = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
+            event = peer.events.get(timeout=timeout) if timeout else peer.events.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._handle_guarded(*event)
+        while event is not None:
+            peer.last_active = time.monotonic()
+            self._handle_guarded(peer, *event)
             try:
-                event = self._events.get_nowait()
+                event = peer.events.get_nowait()
             except queue.Empty:
                 return
+        peer.stopped = True
 
-    def _handle_guarded(self, kind: str, payload: object) -> None:
+    def _handle_guarded(self, peer: _Peer, kind: str, payload: object) -> None:
         try:
-            self._handle(kind, payload)
+            self._handle(peer, kind, payload)
         except Exception as exc:
             self.counters.add(thread_errors=1)
-            logger.exception("%s: handling %s failed", self._thread.name, kind)
-            job = self._job_of(payload)
-            if job is not None:
-                self._abandon(job, f"{type(exc).__name__}: {exc}")
+            logger.exception("%s: handling %s failed", peer.thread.name, kind)
+            job = payload[0] if isinstance(payload, tuple) else payload
+            if isinstance(job, PushJob) and not job.dropped:
+                self._abandon(peer, job, f"{type(exc).__name__}: {exc}")
 
-    def _job_of(self, payload: object) -> PushJob | None:
-        if isinstance(payload, PushJob):
-            return payload
-        rid = payload[0] if isinstance(payload, tuple) else payload
-        return self._jobs.get(str(rid))
+    def _handle(self, peer: _Peer, kind: str, payload: object) -> None:
+        if kind == "begin":
+            assert isinstance(payload, PushJob)
+            peer.jobs[id(payload)] = payload
+            self._reserve(peer, payload)
+            return
+        assert isinstance(payload, tuple) and isinstance(payload[0], PushJob)
+        job = payload[0]
+        if kind == "chunk":
+            self._write(job, payload[1], payload[2])
+        elif kind == "finished":
+            job.finished = True
+            self._maybe_drop(peer, job)
+        elif kind == "fail":
+            self._fail(job, payload[1])
+            self._maybe_drop(peer, job)
 
-    def _abandon(self, job: PushJob, why: str) -> None:
+    def _abandon(self, peer: _Peer, job: PushJob, why: str) -> None:
         """Fail ``job`` and forget it, releasing every slot it still holds."""
         for entry in list(job.inflight):
             with contextlib.suppress(Exception):
@@ -181,56 +435,48 @@ class PushSender:
             try:
                 self._drop_inflight(job, entry)
             except Exception:
-                logger.exception("%s: releasing slot %d failed", self._thread.name, entry[0])
+                logger.exception("%s: releasing slot %d failed", self.name, entry[0])
         job.inflight = []
         try:
             self._fail(job, why)
         except Exception:
-            logger.exception("%s: failing %s failed too", self._thread.name, job.req_id)
-        self._jobs.pop(job.req_id, None)
+            logger.exception("%s: failing %s failed too", self.name, job.req_id)
+        self._drop(peer, job)
 
-    def _handle(self, kind: str, payload: object) -> None:
-        if kind == "begin":
-            assert isinstance(payload, PushJob)
-            self._jobs[payload.req_id] = payload
-            self._reserve(payload)
-        elif kind == "chunk":
-            assert isinstance(payload, tuple)
-            self._write(*payload)
-        elif kind == "finished":
-            job = self._jobs.get(str(payload))
-            if job is not None:
-                job.finished = True
-                self._maybe_drop(job)
-        elif kind == "fail":
-            assert isinstance(payload, tuple)
-            job = self._jobs.get(payload[0])
-            if job is not None:
-                self._fail(job, payload[1])
-                self._maybe_drop(job)
-
-    def _reserve(self, job: PushJob) -> None:
-        if time.monotonic() < self._skip_until:
-            job.failed = True  # the receiver failed recently: skip, quietly
-            self._maybe_drop(job)
-            return
+    def _reserve(self, peer: _Peer, job: PushJob) -> None:
         try:
-            if self.prepare is not None:
-                self.prepare(job.endpoint)
-            job.link = self.client.connect(job.endpoint)
-            job.res = job.link.reserve(job.transfer_id, job.keys, job.nbytes, self.lease_ms)
-            job.last_heartbeat = time.monotonic()
-        except FabricError as exc:
-            self._skip_until = time.monotonic() + self.backoff_s
-            if self.backoff_s and not isinstance(exc, ReservationRefused):
-                # NOTE: a shared store may come back (restarted) with a new
-                # data plane: handshake again next time.
-                self.client.disconnect(job.endpoint)
-            self._fail(job, f"reserve on {job.endpoint} failed: {exc}")
+            if peer.backed_off(time.monotonic()):
+                self._fail(job, f"{job.endpoint} failed recently", quiet=True)
+                return
+            try:
+                if self.prepare is not None:
+                    self.prepare(job.endpoint)
+                job.link = self.client.connect(job.endpoint)
+                job.res = job.link.reserve(job.transfer_id, job.keys, job.nbytes, self.lease_ms)
+                job.last_heartbeat = time.monotonic()
+            except FabricError as exc:
+                self._peer_failed(peer, exc, control=True)
+                self._fail(job, f"reserve on {job.endpoint} failed: {exc}")
+        finally:
+            peer.settled += 1
+            self._maybe_drop(peer, job)
 
-    def _write(self, req_id: str, index: int, slot: int) -> None:
-        job = self._jobs.get(req_id)
-        if job is None or job.failed or job.link is None or job.res is None:
+    def _peer_failed(self, peer: _Peer, exc: FabricError, *, control: bool) -> None:
+        """Back off an endpoint that failed (a refusal is an answer, not a failure)."""
+        if isinstance(exc, ReservationRefused | ReservationExpired) or not self.backoff_s:
+            return
+        peer.back_off(time.monotonic(), self.backoff_s)
+        logger.warning(
+            "fabric: %s failed (%s); pushes to it fail at once for %.0f s",
+            peer.endpoint,
+            exc,
+            peer.backoff_s,
+        )
+        if control and isinstance(exc, PeerUnreachable):
+            self.client.disconnect(peer.endpoint)  # NOTE: a dead peer keeps no link
+
+    def _write(self, job: PushJob, index: int, slot: int) -> None:
+        if job.dropped or job.failed or job.link is None or job.res is None:
             self.store.release_slots([slot])
             return
         try:
@@ -239,28 +485,33 @@ class PushSender:
             self.store.release_slots([slot])  # NOTE: the one release of this slot
             if not isinstance(exc, FabricError):
                 raise
+            with self._peers_lock:
+                peer = self._peers.get(job.endpoint)
+            if peer is not None:
+                self._peer_failed(peer, exc, control=False)
             self._fail(job, f"write of chunk {index} failed: {exc}")
             return
         job.written += 1
         job.inflight.append((slot, push, time.monotonic()))
 
-    def _progress(self) -> None:
+    def _progress(self, peer: _Peer) -> None:
         now = time.monotonic()
-        for job in list(self._jobs.values()):
+        for job in list(peer.jobs.values()):
             try:
-                self._progress_job(job, now)
+                self._progress_job(peer, job, now)
             except Exception as exc:
                 self.counters.add(thread_errors=1)
-                logger.exception("%s: progressing %s failed", self._thread.name, job.req_id)
-                self._abandon(job, f"{type(exc).__name__}: {exc}")
+                logger.exception("%s: progressing %s failed", self.name, job.req_id)
+                self._abandon(peer, job, f"{type(exc).__name__}: {exc}")
 
-    def _progress_job(self, job: PushJob, now: float) -> None:
+    def _progress_job(self, peer: _Peer, job: PushJob, now: float) -> None:
         for entry in list(job.inflight):
             _, push, started = entry
             try:
                 done = push.done()
             except FabricError as exc:
                 self._drop_inflight(job, entry)
+                self._peer_failed(peer, exc, control=False)
                 self._fail(job, f"write failed: {exc}")
                 continue
             if done:
@@ -269,9 +520,13 @@ class PushSender:
             elif now - started > self.push_timeout_s:
                 push.abort()  # NOTE: no more bytes from it; the receiver quarantines the rest
                 self._drop_inflight(job, entry)
-                self._fail(job, f"write not done in {self.push_timeout_s} s")
-        self._heartbeat(job, now)
-        self._maybe_drop(job)
+                timeout = TransferTimeout(f"write not done in {self.push_timeout_s} s")
+                self._peer_failed(peer, timeout, control=False)
+                self._fail(job, str(timeout))
+        if job.complete and not job.failed:
+            peer.backoff_s = peer.backoff_until = 0.0  # NOTE: a push landed: the peer serves
+        self._heartbeat(peer, job, now)
+        self._maybe_drop(peer, job)
 
     def _drop_inflight(self, job: PushJob, entry: tuple[int, PendingPush, float]) -> None:
         """Forget one posted write and release its slot: once, whatever raises."""
@@ -285,7 +540,7 @@ class PushSender:
         if names.write_seconds is not None:
             self.counters.observe(names.write_seconds, seconds)
 
-    def _heartbeat(self, job: PushJob, now: float) -> None:
+    def _heartbeat(self, peer: _Peer, job: PushJob, now: float) -> None:
         # NOTE: a long prefill (tens of seconds on a CPU) must not let the
         # decoder's reservation expire while chunks are still to come.
         if job.failed or job.complete or job.link is None:
@@ -293,25 +548,43 @@ class PushSender:
         if now - job.last_heartbeat > self.lease_ms / 3000:
             job.last_heartbeat = now
             try:
-                job.link.heartbeat(job.transfer_id, self.lease_ms)
+                held = job.link.heartbeat(job.transfer_id, self.lease_ms)
             except FabricError as exc:
+                self._peer_failed(peer, exc, control=True)
                 self._fail(job, f"heartbeat failed: {exc}")
+                return
+            if not held:
+                self._fail(job, "the receiver no longer holds the reservation")
 
-    def _maybe_drop(self, job: PushJob) -> None:
-        if job.inflight:
+    def _maybe_drop(self, peer: _Peer, job: PushJob) -> None:
+        if job.inflight or job.dropped:
             return
         if job.complete or job.failed:
-            self._jobs.pop(job.req_id, None)
+            self._drop(peer, job)
         elif job.finished:
             self._fail(job, "request finished before every chunk was computed")
-            self._jobs.pop(job.req_id, None)
+            self._drop(peer, job)
 
-    def _fail(self, job: PushJob, why: str) -> None:
+    def _drop(self, peer: _Peer, job: PushJob) -> None:
+        """Forget ``job`` everywhere: its endpoint's jobs, the routing table, its lease."""
+        if job.dropped:
+            return
+        job.dropped = True
+        peer.jobs.pop(id(job), None)
+        with self._jobs_lock:
+            if self._jobs.get(job.req_id) is job:
+                del self._jobs[job.req_id]
+        if job.link is not None:
+            job.link.forget(job.transfer_id)
+        peer.dropped += 1
+
+    def _fail(self, job: PushJob, why: str, *, quiet: bool = False) -> None:
         if job.failed:
             return
         job.failed = True
         self.counters.add(**{self.names.failures: 1})
-        logger.warning("fabric push %s (request %s): %s", job.transfer_id, job.req_id, why)
+        log = logger.debug if quiet else logger.warning
+        log("fabric push %s (request %s): %s", job.transfer_id, job.req_id, why)
         if job.link is not None and job.res is not None:
             try:
                 job.link.cancel(job.transfer_id)

@@ -8,22 +8,26 @@ own, off the model step: one Reserve per request (the store answers which
 chunks it already has, so a prefix pushed by any engine before is not
 written again), one WRITE per chunk as it is packed.
 
-A shared store that does not answer, refuses, or fails a write costs the
-push thread one bounded call; the failure is counted
-(``shared_store_failures``) and the store skipped for ``BACKOFF_S``. A store
-that refuses this engine's layout is logged as an error once and never asked
-again. Requests never wait for any of it.
+A shared store that does not answer or fails a write costs the push thread
+one bounded call; the failure is counted (``shared_store_failures``, as is
+every push skipped meanwhile) and the store skipped for 1 s, doubling up to
+``BACKOFF_S`` (a refusal is an answer, not a failure). A store that refuses
+this engine's layout is logged as an error once and never asked again. The
+worker attaches again every ``REATTACH_S`` before a push, so a store that
+restarted on the same endpoint serves it again. Requests never wait for any
+of it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING
 
 from fabric.errors import LayoutMismatch, TransferError
 from fabric.integrations.vllm.sender import SHARED_STORE_COUNTERS, PushJob, PushSender
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.lookup import DEFAULT_TIMEOUT_MS, StoreClient
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.config import ConnectorConfig
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKOFF_S = 10.0
+REATTACH_S = 10.0
 
 
 class SharedSaver:
@@ -54,6 +59,7 @@ class SharedSaver:
         self.fingerprint, self.chunk_bytes = fingerprint, chunk_bytes
         self.own_endpoint = own_endpoint
         self._attached: str | None = None
+        self._attached_at = 0.0
         self.refused = False
         self.sender = PushSender(
             client,
@@ -93,16 +99,21 @@ class SharedSaver:
         self.sender.close()
 
     def _attach(self, endpoint: str | None) -> None:
-        """Attach once per endpoint (push thread, or at start); raises TransferError."""
+        """Attach (push thread, or at start), again every ``REATTACH_S``: a
+        store restarted on the same endpoint starts empty and unattached
+        (Attach is idempotent); raises TransferError."""
         if endpoint is None:
             raise TransferError(f"shared store endpoint file {self.config.shared_store} is missing")
-        if self._attached == endpoint:
+        now = time.monotonic()
+        if self._attached == endpoint and now - self._attached_at < REATTACH_S:
             return
         if self.refused:
             raise TransferError("the shared store refused this engine's layout")
+        # NOTE: off vLLM's scheduler loop: the control channel's usual bound,
+        # not the scheduler's tens-of-milliseconds lookup bound
         client = StoreClient(
             endpoint,
-            timeout_ms=self.config.lookup_timeout_ms,
+            timeout_ms=max(self.config.lookup_timeout_ms, DEFAULT_TIMEOUT_MS),
             secret=self.config.resolved_secret(),
         )
         try:
@@ -115,7 +126,9 @@ class SharedSaver:
             raise TransferError(str(exc)) from exc
         finally:
             client.close()
-        self._attached = endpoint
+        again, self._attached, self._attached_at = self._attached == endpoint, endpoint, now
+        if again:
+            return
         logger.info(
             "fabric: attached to the shared store at %s (%d slots of %.1f MiB)",
             endpoint,
