@@ -41,7 +41,9 @@ fails its size or checksum check on the next start or read, and costs only a
 recompute. ``fsync=True`` makes each put durable before it returns (slow).
 
 Thread safety: one lock guards the index and counters. Payload reads, writes and
-hashing happen outside it; unlinks happen under it (see ``_unlink``).
+hashing happen outside it; unlinks happen under it (see ``_unlink``), except
+those of ``clear``, which hold each key's writer slot instead (so a put of
+that key waits for its unlink).
 """
 
 from __future__ import annotations
@@ -267,15 +269,37 @@ class DiskTier:
             return True
 
     def clear(self) -> int:
-        """Delete every chunk file; returns how many there were."""
+        """Delete every chunk file; returns how many there were.
+
+        The index is emptied at once; the files are unlinked after, outside
+        the lock (thousands of unlinks must not stall ``contains``, ``stats``
+        or a ``put`` of another key). Each key being unlinked holds its
+        writer slot meanwhile, so a ``put`` of it waits and a new file of it
+        is never deleted.
+        """
         with self._lock:
             self._check_open()
-            count = len(self._index)
-            for key in self._index:
-                self._unlink(self._path(key.hex()))
+            keys = list(self._index)
             self._index.clear()
             self._used = 0
-            return count
+            removing = threading.Event()
+            for key in keys:
+                # NOTE: a key in the index has no writer (put indexes it last).
+                self._writers[key] = removing
+        try:
+            for key in keys:
+                _remove_file(self._path(key.hex()))
+        finally:
+            with self._lock:
+                for key in keys:
+                    del self._writers[key]
+            removing.set()
+        return len(keys)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Puts (and clears) in flight, by key (name -> entries)."""
+        with self._lock:
+            return {"disk_writers": len(self._writers)}
 
     # --- reads
 
@@ -361,12 +385,7 @@ class DiskTier:
         NOTE: under the lock on purpose: an unlink done after releasing it could
         delete the file of a put of the same key that landed in between.
         """
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("disk tier: cannot delete %s: %s", path, exc)
+        _remove_file(path)
 
     def _write(
         self, key: bytes, name: str, view: memoryview, checksum: int, done: threading.Event
@@ -453,6 +472,16 @@ class DiskTier:
 
 
 # --- files and headers
+
+
+def _remove_file(path: Path) -> None:
+    """Delete a chunk file; a missing one is fine, another failure is logged."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("disk tier: cannot delete %s: %s", path, exc)
 
 
 def _prepare_root(path: str | os.PathLike[str]) -> Path:

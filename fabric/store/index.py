@@ -47,6 +47,11 @@ Slot states::
   decoder can never deadlock a prefiller that waits on it (pain point 1), and
   leases guarantee aborted requests give their slots back (pain point 2).
 
+Every lease ends (``release``, ``cancel``, or ``expire`` at its deadline),
+and every ref a reader takes is dropped by ``release_slots``:
+``table_sizes`` counts live leases, RESERVED slots and referenced slots,
+which all return to 0 once every request ended.
+
 Thread safety: one lock guards all bookkeeping. It is never held while a
 slot is hashed; ``commit``/``fill`` hash outside it and re-check the slot's
 generation afterwards.
@@ -151,6 +156,21 @@ class ChunkStore:
                 expired_reservations=c.expired_reservations,
                 cancelled_reservations=c.cancelled_reservations,
             )
+
+    def has_reservation(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds a live reservation (cheaper than ``reservation``)."""
+        with self._lock:
+            return request_id in self._leases
+
+    def table_sizes(self) -> dict[str, int]:
+        """Live reservations and slots that requests hold now (name -> entries):
+        all go back to 0 once every request ended, whichever way."""
+        with self._lock:
+            return {
+                "store_leases": len(self._leases),
+                "store_reserved_slots": self._slots.counts[SlotState.RESERVED],
+                "store_referenced_slots": self._slots.referenced,
+            }
 
     def reserved_count(self) -> int:
         """Slots currently RESERVED, by local allocations and reservations."""

@@ -27,11 +27,13 @@ tokens or chunk bytes differ is refused with ``layout_mismatch`` naming the
 field; chunks are only ever pushed to engines that attached, so a Fetch can
 never write a foreign layout into an engine.
 
-Fetches are served off the control loop: the loop looks the prompt up and
-holds the hit chunks (reading disk hits back in), and a fetch thread
-reserves, writes and waits on the engine, bounded by ``push_timeout_s``.
-A failure is logged and counted; the engine's Loader then times out and
-vLLM recomputes.
+Fetches are served off the control loop: an offload thread of the server
+(:meth:`TransferServer.defer`) looks the prompt up and holds the hit chunks
+(reading disk hits back in), and a fetch thread reserves, writes and waits
+on the engine, bounded by ``push_timeout_s``. A failure is logged and
+counted; the engine's Loader then times out and vLLM recomputes. A hold
+ends when the fetch thread takes it, or by its lease; a push's reservation
+here is released as soon as it is finished.
 """
 
 from __future__ import annotations
@@ -330,11 +332,13 @@ class _SharedServer(TransferServer):
         super().__init__(store, plane, config, fingerprint)
         self.service = service
 
-    def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message:
+    def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message | None:
         if isinstance(msg, proto.Attach):
             return self.service.on_attach(msg)
         if isinstance(msg, proto.Fetch):
-            return self.service.on_fetch(msg)
+            # NOTE: its lookup reads disk hits back in: off the loop.
+            fetch = msg
+            return self.defer(identity, msg.seq, lambda: self.service.on_fetch(fetch))
         if isinstance(msg, proto.Hello) and self.service.geometry is None:
             self.stats.refused += 1
             reason = "the shared store has no layout yet: an engine must Attach first"

@@ -8,7 +8,10 @@ in :mod:`fabric.store.index` and keeps four structures consistent:
   present only once its bytes are verified);
 - ``lru``: FILLED slots with no refs, oldest first (the eviction order);
 - ``free_slots``: FREE slots, used as a stack;
-- ``quarantine``: a heap of (due time, slot) of QUARANTINED slots.
+- ``quarantine``: a heap of (due time, slot) of QUARANTINED slots;
+
+and ``referenced``, the number of slots with refs (a reader's, a hold's or
+a reservation's), which every path that ends a request brings back down.
 
 A data plane that sees every write arrive (TCP, loopback) brackets each one
 with ``begin_write``/``end_write``: a slot being written is never freed (a
@@ -67,6 +70,7 @@ class SlotTable:
         self.counts = dict.fromkeys(SlotState, 0)
         self.counts[SlotState.FREE] = num_slots
         self.evictions = 0
+        self.referenced = 0  # slots with refs > 0 (held by a reader or a reservation)
 
     # --- queries
 
@@ -120,6 +124,7 @@ class SlotTable:
         self._set_state(meta, SlotState.FILLED)
         meta.key, meta.nbytes, meta.checksum = key, nbytes, checksum
         meta.refs, meta.owner = refs, None
+        self.referenced += refs > 0
         self.index[key] = slot
         if refs == 0:
             self.lru[slot] = None
@@ -181,6 +186,7 @@ class SlotTable:
         """One more reader of a present slot; it leaves the LRU while held."""
         meta = self.slots[slot]
         assert meta.state in _PRESENT
+        self.referenced += meta.refs == 0
         meta.refs += 1
         self.lru.pop(slot, None)
 
@@ -189,6 +195,7 @@ class SlotTable:
         meta = self.slots[slot]
         assert meta.state in _PRESENT and meta.refs > 0
         meta.refs -= 1
+        self.referenced -= meta.refs == 0
         if meta.refs == 0 and meta.state is SlotState.FILLED:
             self.lru[slot] = None
 

@@ -20,12 +20,23 @@ a ref, so a chunk evicted from memory later is still on disk, and a
 restarted engine finds what its predecessor computed. A chunk evicted before
 the writer reached it is skipped and counted (``disk_skipped``).
 
+Every hold ends: the worker takes it (``take_held``), the scheduler lets
+it go (``release_hold``), a newer lookup for the same request replaces it
+(the old refs are dropped, even when two lookups race), its lease runs out
+(``expire_holds``, called by the transfer server's loop), or ``close``. A
+lookup that raises midway (a disk read failing) drops the refs it took and
+aborts the slot it was reading into. ``table_sizes`` reports the holds, the
+disk writes queued and the disk tier's writers in flight.
+
 Thread safety: holds are guarded by one lock; the store and the disk tier
 have their own. Disk reads and writes never run under the holds lock.
+Lookups that hold, pins and clears read or delete files: the transfer
+server runs them off its loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -34,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fabric.errors import CapacityError, ConfigError
+from fabric.errors import CapacityError, ConfigError, SlotStateError
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.kv.keys import chunk_keys
 
@@ -140,20 +151,28 @@ class TieredStore:
         corrupt file) ends the hit there.
         """
         keys = self.keys(token_ids, identity)
-        self.counters.lookups += 1
         if hold is None:
             hit = self._count(keys)
         else:
             self.release_hold(hold)
             hit = self._acquire(keys)
             if hit.slots:
-                with self._lock:
-                    expires = self._clock() + lease_ms / 1000
-                    held_keys = keys[: len(hit.slots)]
-                    self._holds[hold] = _Hold(list(hit.slots), expires, held_keys)
-        self.counters.hit_chunks += hit.chunks
-        self.counters.disk_hit_chunks += hit.disk
+                self._hold(hold, _Hold(list(hit.slots), 0.0, keys[: len(hit.slots)]), lease_ms)
+        with self._lock:  # NOTE: lookups run on several threads of the server at once
+            self.counters.lookups += 1
+            self.counters.hit_chunks += hit.chunks
+            self.counters.disk_hit_chunks += hit.disk
         return hit
+
+    def _hold(self, request_id: str, hold: _Hold, lease_ms: int) -> None:
+        """Keep ``hold`` for ``request_id``, releasing one that raced in meanwhile
+        (two lookups of one request id must not leave the first one's refs)."""
+        with self._lock:
+            hold.expires_at = self._clock() + lease_ms / 1000
+            previous = self._holds.get(request_id)
+            self._holds[request_id] = hold
+        if previous is not None:
+            self.store.release_slots(previous.slots)
 
     def take_hold(self, request_id: str) -> list[int] | None:
         """The slots held for ``request_id`` (the caller now owns their refs)."""
@@ -190,6 +209,15 @@ class TieredStore:
         """Requests with a hold now."""
         with self._lock:
             return len(self._holds)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Holds, disk writes queued and the disk tier's writers (name -> entries)."""
+        with self._writer.idle:
+            pending = self._writer.pending
+        sizes = {"tier_holds": self.held_count(), "tier_disk_queue": pending}
+        if self.disk is not None:
+            sizes |= self.disk.table_sizes()
+        return sizes
 
     # ------------------------------------------------------------ admin
     def pin(
@@ -253,21 +281,27 @@ class TieredStore:
         return Hit(chunks, disk)
 
     def _acquire(self, keys: list[bytes]) -> Hit:
-        """Reference the leading present chunks, reading disk-only ones in."""
+        """Reference the leading present chunks, reading disk-only ones in.
+
+        On an exception the refs taken so far are dropped before it propagates."""
         slots: list[int] = []
         disk = 0
-        for key in keys:
-            got = self.store.acquire([key])
-            if got:
-                slots.append(got[0])
-                continue
-            if self.disk is None or not self.disk.contains(key):
-                break
-            slot = self._read_in(key)
-            if slot is None:
-                break
-            slots.append(slot)
-            disk += 1
+        try:
+            for key in keys:
+                got = self.store.acquire([key])
+                if got:
+                    slots.append(got[0])
+                    continue
+                if self.disk is None or not self.disk.contains(key):
+                    break
+                slot = self._read_in(key)
+                if slot is None:
+                    break
+                slots.append(slot)
+                disk += 1
+        except BaseException:
+            self.store.release_slots(slots)
+            raise
         return Hit(len(slots), disk, tuple(slots))
 
     def _read_in(self, key: bytes) -> int | None:
@@ -278,12 +312,19 @@ class TieredStore:
         except CapacityError as exc:
             logger.info("fabric: no slot to read a chunk back from disk: %s", exc)
             return None
-        nbytes = self.disk.read_into(key, self.store.pool.slot_view(slot))
+        try:
+            nbytes = self.disk.read_into(key, self.store.pool.slot_view(slot))
+            if nbytes is not None:
+                self.store.commit(slot, key, nbytes)
+        except BaseException:
+            # NOTE: not committed (or committed never): the slot must not stay RESERVED.
+            with contextlib.suppress(SlotStateError):
+                self.store.abort(slot)
+            raise
         if nbytes is None:
             self.store.abort(slot)
             self.counters.disk_read_failures += 1
             return None
-        self.store.commit(slot, key, nbytes)
         got = self.store.acquire([key])
         return got[0] if got else None
 

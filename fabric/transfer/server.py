@@ -16,6 +16,24 @@ every ``idle_poll_interval_ms`` otherwise, never busy-spinning. It also
 expires leases. A verifier thread hashes landed chunks, so the loop keeps
 serving while large chunks are checked.
 
+The loop never runs long blocking work. A request whose answer reads or
+deletes disk files or waits for the disk writer (a Lookup that holds, a
+Pin, a Clear, when the tier has a disk; a subclass's own through
+:meth:`TransferServer.defer`) runs on an :class:`~fabric.transfer.offload.Offload`
+thread; the loop sends its reply when it is done, and answers
+``Refused("busy")`` at once when that queue is full. Notifications,
+heartbeats, Reserves and lease expiry go on meanwhile.
+
+Per-request tables stay bounded: a reservation's progress goes when its
+consumer releases it or its sender cancels it, and otherwise once the
+store no longer holds its reservation (expired by its lease, e.g. a
+transfer nobody loads, or one that landed after its request ended): it is
+then marked expired, kept ``ENDED_LINGER_S`` for a consumer still polling
+it, and dropped. Peers are bounded by ``peer_idle_s``; warnings by their
+kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
+the tier's and the owner's ``extra_tables``), also in ``Stats`` as
+``tables.<name>``.
+
 Bad frames are answered with ``Refused``, counted in ``stats``, and never
 stop the server: an undecodable, oversized or wrongly typed frame is
 ``bad_message``, a missing or wrong HMAC tag ``bad_signature`` (checked
@@ -38,7 +56,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import zmq
@@ -46,17 +64,17 @@ import zmq
 from fabric.errors import (
     CapacityError,
     ChecksumMismatch,
-    FabricError,
     ProtocolError,
     ReservationExpired,
     SignatureError,
     SlotStateError,
 )
-from fabric.kv.identity import KeyIdentity
 from fabric.transfer import protocol as proto
 from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
+from fabric.transfer.offload import Offload
 from fabric.transfer.progress import RequestProgress, ServerStats
+from fabric.transfer.tier_requests import TierRequest, blocks, tier_reply
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
@@ -68,10 +86,15 @@ logger = logging.getLogger(__name__)
 
 MAX_REASON_CHARS = 512
 WARN_EVERY_S = 10.0
+ENDED_LINGER_S = 1.0  # an ended reservation's progress, kept for a consumer still polling
+TABLES_PREFIX = "tables."  # Stats keys of table sizes: tables.<name> -> entries
 
 
 class TransferServer:
-    """Serves reservations on a ZMQ ROUTER and verifies chunks as they land."""
+    """Serves reservations on a ZMQ ROUTER and verifies chunks as they land.
+
+    ``offload``: runs the blocking requests (default: two threads, 64 queued).
+    """
 
     def __init__(
         self,
@@ -81,11 +104,14 @@ class TransferServer:
         fingerprint: str,
         *,
         tier: TieredStore | None = None,
+        offload: Offload | None = None,
     ) -> None:
         self.store, self.plane, self.config, self.tier = store, plane, config, tier
         # NOTE: the owner's own numbers for Stats (the connector reports its
         # threads' health here, which the proxy's health probe reads).
         self.extra_stats: list[Callable[[], dict[str, int]]] = []
+        # NOTE: and the sizes of its per-request tables (``table_sizes``).
+        self.extra_tables: list[Callable[[], Mapping[str, int]]] = []
         self.fingerprint = fingerprint
         self.stats = ServerStats()
         self.codec = config.codec()
@@ -104,6 +130,8 @@ class TransferServer:
         self._peer_seen: dict[bytes, float] = {}
         self._next_prune = 0.0
         self._progress: dict[str, RequestProgress] = {}
+        self._ended: dict[str, float] = {}  # request -> when its reservation was found gone
+        self._offload = offload if offload is not None else Offload()
         self._cond = threading.Condition()
         self._verify_q: queue.Queue[proto.WriteDone | None] = queue.Queue()
         self._stop = threading.Event()
@@ -114,6 +142,7 @@ class TransferServer:
         check_quarantine(store, plane, config.write_timeout_ms)
 
     def start(self) -> TransferServer:
+        self._offload.start()
         self._loop.start()
         self._verifier.start()
         return self
@@ -152,7 +181,37 @@ class TransferServer:
         """The consumer is done with a reservation's chunks."""
         with self._cond:
             self._progress.pop(request_id, None)
+            self._ended.pop(request_id, None)
         self.store.release(request_id)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in the per-request tables of this server, its store, its
+        tier and its owner's ``extra_tables`` (name -> entries; names are
+        prefixed by component)."""
+        with self._cond:
+            sizes = {"server_progress": len(self._progress), "server_ended": len(self._ended)}
+        sizes["server_peers"] = len(self._peer_seen)
+        sizes["server_offload"] = self._offload.pending()
+        sizes |= self.store.table_sizes()
+        if self.tier is not None:
+            sizes |= self.tier.table_sizes()
+        for extra in self.extra_tables:
+            sizes |= extra()
+        return sizes
+
+    def defer(
+        self, identity: bytes, seq: int, work: Callable[[], proto.Message]
+    ) -> proto.Message | None:
+        """Answer request ``seq`` of ``identity`` with ``work()``, run off the
+        loop (it may block on disk or on other threads): None when queued (the
+        loop sends the reply when it is done), ``Refused("busy")`` when full."""
+        if self._offload.submit(identity, seq, work):
+            return None
+        self.stats.refused += 1
+        self._warn(
+            "busy", "refused a request: %d blocking requests queued", self._offload.pending()
+        )
+        return proto.Refused(seq, "", "busy", "the server's queue of blocking work is full")
 
     def close(self) -> None:
         self._stop.set()
@@ -161,6 +220,7 @@ class TransferServer:
             self._loop.join(timeout=5)
         if self._verifier.is_alive():
             self._verifier.join(timeout=5)
+        self._offload.close()
         if not self._sock.closed:
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
@@ -171,6 +231,7 @@ class TransferServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._offload.wake_fd, zmq.POLLIN)
         next_expire = 0.0
         while not self._stop.is_set():
             try:
@@ -187,6 +248,8 @@ class TransferServer:
             self._drain_control()
         if self._monitor in ready:
             self._drain_monitor()
+        if self._offload.wake_fd in ready:
+            self._send_offloaded()
         for peer, msg in self.plane.take_notifs():
             self._on_notif(peer, msg)
         if (now := time.monotonic()) >= next_expire:
@@ -194,7 +257,7 @@ class TransferServer:
             next_expire = now + self.config.expire_interval_ms / 1000
         return next_expire
 
-    def _wait(self, poller: zmq.Poller, *, busy: bool) -> dict[zmq.Socket[bytes], int]:
+    def _wait(self, poller: zmq.Poller, *, busy: bool) -> dict[zmq.Socket[bytes] | int, int]:
         """Wait for a control message at most one polling period.
 
         NOTE: zmq's poll truncates its timeout to whole milliseconds, so the
@@ -206,6 +269,15 @@ class TransferServer:
             return dict(ready)
         time.sleep(self.config.poll_interval_ms / 1000)
         return dict(poller.poll(0))
+
+    def _send_offloaded(self) -> None:
+        for identity, reply in self._offload.take_done():
+            if isinstance(reply, proto.Refused):
+                if reply.code == "internal_error":
+                    self.stats.internal_errors += 1
+                else:
+                    self.stats.refused += 1
+            self._reply(identity, reply)
 
     def _drain_monitor(self) -> None:
         while True:
@@ -229,10 +301,11 @@ class TransferServer:
             if len(frames) != 2:
                 self.stats.protocol_errors += 1
                 reason = f"{len(frames) - 1} message parts, expected 1"
-                reply: proto.Message = proto.Refused(-1, "", "bad_message", reason)
+                reply: proto.Message | None = proto.Refused(-1, "", "bad_message", reason)
             else:
                 reply = self._handle(identity, frames[1])
-            self._reply(identity, reply)
+            if reply is not None:  # NOTE: None: deferred, the loop replies when done
+                self._reply(identity, reply)
 
     def _reply(self, identity: bytes, reply: proto.Message) -> None:
         try:
@@ -245,7 +318,7 @@ class TransferServer:
         except zmq.ZMQError as exc:  # the peer went away or its queue is full
             logger.debug("reply to a control peer dropped: %s", exc)
 
-    def _handle(self, identity: bytes, frame: bytes) -> proto.Message:
+    def _handle(self, identity: bytes, frame: bytes) -> proto.Message | None:
         try:
             msg = self.codec.decode(frame)
         except SignatureError as exc:
@@ -266,11 +339,12 @@ class TransferServer:
             reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
             return proto.Refused(getattr(msg, "seq", -1), "", "internal_error", reason)
 
-    def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message:
+    def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message | None:
+        """The reply to ``msg``; None when it was deferred (see ``defer``)."""
         if isinstance(msg, proto.Hello):
             return self._on_hello(identity, msg)
         if isinstance(msg, proto.Lookup | proto.Release | proto.Clear | proto.Pin):
-            return self._on_tier(msg)
+            return self._on_tier(identity, msg)
         if isinstance(msg, proto.Stats):
             return proto.StatsReply(msg.seq, self.snapshot())
         if identity not in self._peers:
@@ -340,6 +414,7 @@ class TransferServer:
         expected = frozenset(i for i, hit in enumerate(res.already_present) if not hit)
         with self._cond:
             self._progress[msg.request_id] = RequestProgress(msg.request_id, expected)
+            self._ended.pop(msg.request_id, None)
             self._cond.notify_all()
         return proto.Reserved(
             msg.seq,
@@ -360,6 +435,8 @@ class TransferServer:
         out |= {f"server_{k}": int(v) for k, v in dataclasses.asdict(self.stats).items()}
         for extra in self.extra_stats:
             out |= extra()
+        out["server_offload_busy"] = self._offload.busy
+        out |= {TABLES_PREFIX + name: n for name, n in self.table_sizes().items()}
         tier = self.tier
         if tier is not None:
             out["holds"] = tier.held_count()
@@ -369,41 +446,22 @@ class TransferServer:
                 out |= {f"disk_{k}": int(v) for k, v in disk.items()}
         return out
 
-    def _on_tier(
-        self, msg: proto.Lookup | proto.Release | proto.Clear | proto.Pin
-    ) -> proto.Message:
+    def _on_tier(self, identity: bytes, msg: TierRequest) -> proto.Message | None:
         """Lookups and admin for the reuse tier: asked by this engine's
-        scheduler and by the proxy, so no Hello is needed."""
+        scheduler and by the proxy, so no Hello is needed. What may touch the
+        disk runs off the loop."""
         tier = self.tier
         if tier is None:
             self.stats.refused += 1
             return proto.Refused(msg.seq, "", "no_tier", "this engine keeps no reuse tier")
-        try:
-            if isinstance(msg, proto.Lookup):
-                self.stats.lookups += 1
-                hit = tier.lookup(
-                    msg.token_ids,
-                    hold=msg.request_id if msg.hold else None,
-                    lease_ms=msg.lease_ms,
-                    identity=KeyIdentity.decode(msg.identity),
-                )
-                return proto.LookupResult(
-                    msg.seq,
-                    msg.request_id,
-                    tier.chunk_tokens,
-                    hit.chunks,
-                    hit.disk,
-                    bool(hit.slots),
-                )
-            if isinstance(msg, proto.Release):
-                return proto.Done(msg.seq, int(tier.release_hold(msg.request_id)))
-            if isinstance(msg, proto.Clear):
-                return proto.Done(msg.seq, tier.clear(msg.tier))
-            identity = KeyIdentity.decode(msg.identity)
-            return proto.Done(msg.seq, tier.pin(msg.token_ids, pin=msg.pin, identity=identity))
-        except (ValueError, FabricError) as exc:
-            self.stats.refused += 1
-            return proto.Refused(msg.seq, "", "bad_request", str(exc))
+        if isinstance(msg, proto.Lookup):
+            self.stats.lookups += 1
+        if not blocks(tier, msg):
+            reply = tier_reply(tier, msg)
+            if isinstance(reply, proto.Refused):
+                self.stats.refused += 1
+            return reply
+        return self.defer(identity, msg.seq, lambda: tier_reply(tier, msg))
 
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:
@@ -461,20 +519,29 @@ class TransferServer:
         self.stats.expired += self.store.expire()
         if self.tier is not None:
             self.tier.expire_holds()
+        self._end_gone(now)
+
+    def _end_gone(self, now: float) -> None:
+        """Progress whose reservation the store no longer holds (its lease ran
+        out: nobody loaded it, or it landed after its request ended): mark it
+        expired at once, drop it ``ENDED_LINGER_S`` later."""
         with self._cond:
-            gone = [
-                rid
-                for rid, prog in self._progress.items()
-                if not prog.finished and self.store.reservation(rid) is None
-            ]
+            gone = [rid for rid in self._progress if not self.store.has_reservation(rid)]
+            changed = False
             for rid in gone:
-                self._progress[rid].expired = True
-            if gone:
+                prog = self._progress[rid]
+                if not prog.finished:
+                    prog.expired = changed = True
+                if now - self._ended.setdefault(rid, now) >= ENDED_LINGER_S:
+                    del self._progress[rid], self._ended[rid]
+                    changed = True
+            if changed:
                 self._cond.notify_all()
 
     def _forget(self, request_id: str, *, expired: bool) -> None:
         with self._cond:
             prog = self._progress.pop(request_id, None)
+            self._ended.pop(request_id, None)
             if prog is not None and expired:
                 prog.expired = True
             self._cond.notify_all()

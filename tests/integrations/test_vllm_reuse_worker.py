@@ -72,7 +72,7 @@ def test_saved_chunks_load_into_other_blocks(worker: FabricWorker) -> None:
     assert_blocks_equal(worker, src, dst)
     counts = worker.counters.take()
     assert counts["store_hit_chunks"] == 4 and counts["store_hit_tokens"] == 4 * CT
-    [seconds] = counts["store_load_seconds"]  # type: ignore[misc]
+    [seconds] = counts["store_load_seconds"]
     assert 0 < seconds < 10
     assert worker.tier is not None and worker.tier.held_count() == 0
     assert worker.store.stats().filled == 4  # refs dropped: all evictable again

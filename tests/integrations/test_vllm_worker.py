@@ -258,17 +258,17 @@ def test_an_exception_in_the_pack_thread_fails_that_push_only(
 def test_an_exception_in_the_push_thread_fails_that_push_only(
     pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fabric.integrations.vllm.sender import PushSender
+    from fabric.integrations.vllm.sender import PushJob, PushSender
 
     p, d = pair
     assert d.node is not None and p.sender is not None
     real_write, calls = PushSender._write, []
 
-    def write_failing_once(self: PushSender, req_id: str, index: int, slot: int) -> None:
+    def write_failing_once(self: PushSender, job: PushJob, index: int, slot: int) -> None:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected")
-        real_write(self, req_id, index, slot)
+        real_write(self, job, index, slot)
 
     monkeypatch.setattr(PushSender, "_write", write_failing_once)
     push(p, d.node.endpoint, 64, [3, 4, 5, 6])

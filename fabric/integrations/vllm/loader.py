@@ -20,6 +20,23 @@ exception while serving a load fails that load only (counted as
 A fetch from the host's shared store (``LoadPlan.shared``) is the same kind
 of transfer, pushed by the shared store instead of a prefiller; it is
 counted as ``shared_store_*`` rather than as a PD load.
+
+Every load ends, and is reported to vLLM exactly once (``take_results``),
+whichever way: loaded, failed (checksum, lease, foreign keys, timeout, an
+exception), or ended by its request (``finished``: vLLM names a request
+aborted while it waits for its KV in the ``finished_req_ids`` of the next
+step, ``vllm/v1/core/sched/scheduler.py:2736`` in ``_free_request``,
+shipped at :1514 and handed to the worker at
+``vllm/v1/worker/kv_connector_model_runner_mixin.py:94-96``; the scheduler
+keeps that request's blocks until the load is reported, ``scheduler.py``
+:2702-2710 in ``finish_requests`` and :3229-3231). A load so ended is
+released at once (no more bytes are unpacked into its blocks) and reported
+failed, which vLLM ignores for a finished request (``scheduler.py``
+:3341-3354).
+Each end releases the transfer's reservation (``TransferServer.release``);
+a transfer that arrives after its load ended is never released by anyone,
+so it runs out its lease and the server forgets it. ``table_sizes`` counts
+what is still tracked: 0 once every request ended.
 """
 
 from __future__ import annotations
@@ -120,12 +137,30 @@ class Loader:
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fabric-load", daemon=True)
         self._thread.start()
 
     def submit(self, plan: LoadPlan) -> None:
         self._plans.put(plan)
+
+    def finished(self, req_ids: set[str]) -> None:
+        """vLLM is done with these requests (``finished_req_ids``): a load
+        still active for one is ended (released, reported failed)."""
+        for rid in req_ids:
+            self._ended.put(rid)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Loads queued, active, and finished but not yet reported (name -> entries)."""
+        with self._lock:
+            finished, failed = len(self._finished), len(self._failed)
+        return {
+            "loader_plans": self._plans.qsize() + self._ended.qsize(),
+            "loader_active": len(self._active),
+            "loader_finished": finished,
+            "loader_failed": failed,
+        }
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids since the last call; failed ⊆ finished."""
@@ -155,6 +190,7 @@ class Loader:
 
     def _round(self) -> None:
         self._take_plans(block=not self._active)
+        self._take_ended()  # NOTE: after the plans: a plan always comes before its end
         for load in list(self._active.values()):
             try:
                 self._step(load)
@@ -177,6 +213,16 @@ class Loader:
             with self._lock:
                 self._finished.add(load.plan.req_id)
                 self._failed.add(load.plan.req_id)
+
+    def _take_ended(self) -> None:
+        while True:
+            try:
+                rid = self._ended.get_nowait()
+            except queue.Empty:
+                return
+            load = self._active.get(rid)
+            if load is not None:
+                self._finish(load, ok=False, ended=True)
 
     def _take_plans(self, *, block: bool) -> None:
         try:
@@ -297,12 +343,26 @@ class Loader:
         if load.plan.shared and fetched:
             self.counters.add(shared_store_loaded_chunks=1)
 
-    def _finish(self, load: _Load, *, ok: bool, why: str = "") -> None:
-        rid, tid = load.plan.req_id, load.plan.transfer_id
+    def _finish(self, load: _Load, *, ok: bool, why: str = "", ended: bool = False) -> None:
+        """End ``load``: release its transfer, count it, report it (even if
+        the first two raise). ``ended``: its request ended first."""
+        rid = load.plan.req_id
         self._active.pop(rid, None)
-        self.server.release(tid)
-        shared = load.plan.shared
-        if ok:
+        try:
+            self.server.release(load.plan.transfer_id)
+            self._count(load, ok=ok, why=why, ended=ended)
+        finally:
+            with self._lock:
+                self._finished.add(rid)
+                if not ok:
+                    self._failed.add(rid)
+
+    def _count(self, load: _Load, *, ok: bool, why: str, ended: bool) -> None:
+        rid, shared = load.plan.req_id, load.plan.shared
+        if ended:
+            self.counters.add(loads_ended=1)
+            logger.info("fabric load for request %s: the request ended first", rid)
+        elif ok:
             tokens = load.plan.num_tokens - load.plan.first_block * self.block_size
             if shared:
                 self.counters.add(shared_store_loaded_tokens=tokens)
@@ -314,7 +374,3 @@ class Loader:
             logger.warning(
                 "fabric load for request %s failed: %s; vLLM recomputes the prompt", rid, why
             )
-        with self._lock:
-            self._finished.add(rid)
-            if not ok:
-                self._failed.add(rid)

@@ -51,7 +51,35 @@ Per step:
 - ``save`` (``wait_for_save``): pack the chunks this step completed into
   store slots (on the pack thread with ``async_save``) and hand the
   prefiller's to the push thread;
-- ``get_results``: requests whose load finished (and which of them failed).
+- ``get_results``: requests whose load finished (and which of them failed);
+  then the sizes of this rank's per-request tables are gauged.
+
+Per-request tables (``table_sizes``: this worker's, its load and push
+threads', its server's, store's and tier's; gauged every step through
+``FabricCounters.set_tables`` and live in the server's ``Stats`` as
+``tables.<name>``) empty themselves however a request ends:
+
+- ``_keys``, ``_save_only`` and ``_shared_chunks`` (a request being saved)
+  go with its last chunk, when packing it fails, or when vLLM names it
+  finished. vLLM names every request it finishes -- done, stopped or
+  aborted -- exactly once, in the ``finished_req_ids`` of the next step:
+  every finish path goes through ``_free_request``
+  (``vllm/v1/core/sched/scheduler.py:2736``), the set ships with the next
+  ``SchedulerOutput`` (:1514) and is reset after it (:1647); that step runs
+  even with nothing else to do (``vllm/v1/engine/core.py:665`` asks
+  ``has_requests``, true while finished ids wait, ``scheduler.py:2832``),
+  and without tokens the runner still calls the connector
+  (``vllm/v1/worker/gpu_model_runner.py:3989-4005``, then
+  ``kv_connector_model_runner_mixin.py:94-96``). A request finished before
+  it ever reached the worker left nothing here to prune.
+- Loads end by bounded waits, or at once when their request is named
+  finished (:class:`~fabric.integrations.vllm.loader.Loader`); vLLM keeps
+  an aborted request's blocks until its load is reported.
+- ``_load_errors`` is drained every step (``mixin.py:100``); ``_saving``
+  holds only futures not yet done.
+- Slot refs go back on every error path: a failed pack aborts its slot, a
+  chunk handed to a push thread is released by it, a store hit is released
+  after its unpack whatever happened.
 """
 
 from __future__ import annotations
@@ -239,6 +267,7 @@ class FabricWorker:
 
         if self.node.server is not None:
             self.node.server.extra_stats.append(self.thread_health)
+            self.node.server.extra_tables.append(self.own_table_sizes)
 
     def threads_down(self) -> list[str]:
         """Names of the fabric threads of this worker that are no longer running."""
@@ -249,6 +278,47 @@ class FabricWorker:
         """For Stats: a decoder with a thread down reports unhealthy (the proxy
         stops sending it work; see ``fabric.router.engines.probe``)."""
         return {"threads_down": len(self.threads_down())}
+
+    def own_table_sizes(self) -> dict[str, int]:
+        """Entries in the per-request tables of this worker, its load thread
+        and its push threads (name -> entries)."""
+        sizes = {
+            "worker_keys": len(self._keys),
+            "worker_save_only": len(self._save_only),
+            "worker_shared_chunks": len(self._shared_chunks),
+            "worker_load_errors": len(self._load_errors),
+            "worker_saving": sum(not f.done() for f in list(self._saving)),
+        }
+        if self.loader is not None:
+            sizes |= self.loader.table_sizes()
+        # NOTE: each push thread names its own (``sender_*``, ``shared_sender_*``).
+        for sender in (self.sender, self.shared.sender if self.shared else None):
+            sender_sizes = getattr(sender, "table_sizes", None)
+            if sender_sizes is not None:
+                sizes |= sender_sizes()
+        return sizes
+
+    def table_sizes(self) -> dict[str, int]:
+        """Every per-request table of this rank: its own, the server's, the
+        store's and the tier's (what the server's Stats reply holds too)."""
+        server = self.node.server if self.node is not None else None
+        if server is not None:
+            return server.table_sizes()  # NOTE: which includes own_table_sizes
+        sizes = self.own_table_sizes()
+        if getattr(self, "store", None) is not None:
+            sizes |= self.store.table_sizes()
+        if self.tier is not None:
+            sizes |= self.tier.table_sizes()
+        return sizes
+
+    def report_tables(self) -> None:
+        """Gauge this rank's table sizes (once per step, from ``get_results``);
+        a failure is logged and counted, never raised into vLLM's step."""
+        try:
+            self.counters.set_tables(f"worker{self.tp_rank}", self.table_sizes())
+        except Exception:
+            self.counters.add(thread_errors=1)
+            logger.exception("fabric: reading the table sizes failed")
 
     def _publish_endpoint(self, endpoint: str) -> None:
         assert self.engine_id is not None
@@ -461,6 +531,7 @@ class FabricWorker:
             logger.exception("fabric: packing for request %s failed", req_id)
             self._keys.pop(req_id, None)  # NOTE: its later chunks are skipped
             self._save_only.discard(req_id)
+            self._shared_chunks.pop(req_id, None)
             if self.sender is not None:
                 self.sender.fail(req_id, f"packing failed: {type(exc).__name__}: {exc}")
 
@@ -515,13 +586,22 @@ class FabricWorker:
         self.sender.begin(PushJob(plan.req_id, plan.transfer_id, endpoint, keys, nbytes))
 
     def _save_chunk(self, chunk: SaveChunk) -> None:
-        assert self.layout is not None
         keys = self._keys.get(chunk.req_id)
         if keys is None:
             return
-        if chunk.req_id in self._save_only:
-            self._save_local(chunk, keys)
-            return
+        try:
+            if chunk.req_id in self._save_only:
+                self._save_local(chunk, keys)
+            else:
+                self._push_chunk(chunk, keys)
+        finally:
+            if chunk.index == len(keys) - 1:  # NOTE: its last chunk: nothing more to save
+                self._keys.pop(chunk.req_id, None)
+                self._save_only.discard(chunk.req_id)
+                self._shared_chunks.pop(chunk.req_id, None)
+
+    def _push_chunk(self, chunk: SaveChunk, keys: list[bytes]) -> None:
+        """Pack a computed chunk (unless the store has it) and hand it to the push thread."""
         assert self.sender is not None
         key = keys[chunk.index]
         slots = self.store.acquire([key])  # packed before (same prefix): reuse it
@@ -537,10 +617,8 @@ class FabricWorker:
             self._pack_into(slot, key, chunk.block_ids)
             slots = self.store.acquire([key])
         if slots:
+            self.sender.chunk(chunk.req_id, chunk.index, slots[0])  # NOTE: it owns the ref now
             self._share(chunk.req_id, chunk.index, key)
-            self.sender.chunk(chunk.req_id, chunk.index, slots[0])
-        if chunk.index == len(keys) - 1:
-            self._keys.pop(chunk.req_id, None)
 
     def _pack_into(self, slot: int, key: bytes, block_ids: list[int]) -> int:
         """Pack ``block_ids`` into the allocated ``slot`` and commit it as
@@ -565,16 +643,18 @@ class FabricWorker:
         if self.shared is None or index >= self._shared_chunks.get(req_id, 0):
             return
         slots = self.store.acquire([key])  # a ref of its own; the push thread releases it
-        if slots:
+        if not slots:
+            return
+        try:
             self.shared.chunk(req_id, index, slots[0])
+        except BaseException:
+            self.store.release_slots(slots)
+            raise
 
     def _save_local(self, chunk: SaveChunk, keys: list[bytes]) -> None:
         """Reuse tier: pack a computed chunk into the store unless it is there."""
         assert self.layout is not None
         key = keys[chunk.index]
-        if chunk.index == len(keys) - 1:
-            self._keys.pop(chunk.req_id, None)
-            self._save_only.discard(chunk.req_id)
         if self.store.contains(key):
             self._share(chunk.req_id, chunk.index, key)
             return
@@ -588,15 +668,24 @@ class FabricWorker:
         self._share(chunk.req_id, chunk.index, key)
 
     def get_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(finished receiving, failed receiving) since the last step."""
+        """(finished receiving, failed receiving) since the last step.
+
+        ``finished_req_ids``: the requests vLLM finished (done, aborted,
+        stopped) since the previous step; see the module docstring for why
+        every request the worker saw is named here once.
+        """
         if finished_req_ids:
             if self._saver is None:
                 self._forget(finished_req_ids)
             else:  # after the saves of the same step, on the same thread
                 self._submit(self._forget, set(finished_req_ids))
-        if self.loader is None:
-            return set(), set()
-        return self.loader.take_results()
+            if self.loader is not None:
+                self.loader.finished(set(finished_req_ids))
+        results: tuple[set[str], set[str]] = (set(), set())
+        if self.loader is not None:
+            results = self.loader.take_results()
+        self.report_tables()
+        return results
 
     def _forget(self, finished_req_ids: set[str]) -> None:
         if self.sender is not None and finished_req_ids:

@@ -1,0 +1,56 @@
+"""How a transfer server answers the reuse tier's control messages.
+
+Lookup, Release, Clear and Pin need no Hello: this engine's scheduler and
+the proxy ask them. :func:`blocks` says which of them may read or delete
+disk files or wait for the disk writer, which the server runs off its loop
+(:mod:`fabric.transfer.offload`); :func:`tier_reply` answers any of them,
+on whichever thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fabric.errors import FabricError
+from fabric.kv.identity import KeyIdentity
+from fabric.transfer import protocol as proto
+
+if TYPE_CHECKING:
+    from fabric.store.tier import TieredStore
+
+TierRequest = proto.Lookup | proto.Release | proto.Clear | proto.Pin
+
+
+def blocks(tier: TieredStore, msg: proto.Message) -> bool:
+    """Whether answering ``msg`` may read or delete disk files, or wait for
+    the disk writer (a Clear flushes it first)."""
+    if tier.disk is None:
+        return False
+    if isinstance(msg, proto.Lookup):
+        return msg.hold
+    if isinstance(msg, proto.Pin):
+        return msg.pin
+    return isinstance(msg, proto.Clear)
+
+
+def tier_reply(tier: TieredStore, msg: TierRequest) -> proto.Message:
+    """The answer of the reuse tier to ``msg`` (on the loop or off it)."""
+    try:
+        if isinstance(msg, proto.Lookup):
+            hit = tier.lookup(
+                msg.token_ids,
+                hold=msg.request_id if msg.hold else None,
+                lease_ms=msg.lease_ms,
+                identity=KeyIdentity.decode(msg.identity),
+            )
+            return proto.LookupResult(
+                msg.seq, msg.request_id, tier.chunk_tokens, hit.chunks, hit.disk, bool(hit.slots)
+            )
+        if isinstance(msg, proto.Release):
+            return proto.Done(msg.seq, int(tier.release_hold(msg.request_id)))
+        if isinstance(msg, proto.Clear):
+            return proto.Done(msg.seq, tier.clear(msg.tier))
+        identity = KeyIdentity.decode(msg.identity)
+        return proto.Done(msg.seq, tier.pin(msg.token_ids, pin=msg.pin, identity=identity))
+    except (ValueError, FabricError) as exc:
+        return proto.Refused(msg.seq, "", "bad_request", str(exc))
