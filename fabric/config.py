@@ -153,7 +153,14 @@ class ProxyConfig(_Frozen):
     next when its package is not installed. ``max_body_bytes``:
     the largest request body the proxy accepts; a larger one gets a 413
     JSON error as soon as its ``Content-Length`` (or the bytes received so
-    far) pass the bound, without being buffered.
+    far) pass the bound, without being buffered. ``max_answer_bytes``: the
+    largest non-streamed engine answer the proxy reads (past it: a 502 JSON
+    error, or for a prefill a fallback; the engine connection is dropped).
+    ``pool_timeout_s``: the longest a request waits for a free pooled
+    connection to an engine (None: ``connect_timeout_s``; past it a 503, or
+    for a prefill a fallback). ``drain_timeout_s``: on SIGTERM, ``fabric
+    up`` (and each engine it started) answers new requests 503 and waits this
+    long for the ones in flight before it stops.
 
     ``policy`` picks prefillers and decoders (:mod:`fabric.router.policy`);
     ``prefill_policy`` / ``decode_policy`` override it for one role.
@@ -181,6 +188,9 @@ class ProxyConfig(_Frozen):
     max_connections: PositiveInt = 1024
     http_pool: Literal["httptools", "aiohttp", "httpx"] = "httptools"
     max_body_bytes: PositiveInt = 32 * 1024 * 1024
+    max_answer_bytes: PositiveInt = 64 * 1024 * 1024
+    pool_timeout_s: Seconds | None = None
+    drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     lookup_timeout_ms: PositiveInt = 500
     cache_aware_max_imbalance: Annotated[int, Field(strict=True, ge=0)] = 4
 

@@ -2,12 +2,20 @@
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (the PD flow
 of :mod:`fabric.router.pd`), ``GET /v1/models`` (from the first healthy
-decoder), ``GET /health`` (200 when at least one prefiller and one decoder
-answer their ``/health``, else 503 with per-engine details) and
-``GET /metrics`` (Prometheus text: counters, engine health and load) and
-``GET /fabric/status`` (the same as JSON, for ``fabric status``), and
-``POST /fabric/lookup|clear|pin`` (the engines' reuse tiers, see
-:mod:`fabric.router.controller`).
+decoder), ``GET /health`` (readiness: 200 once every engine answers its
+``/health`` and every P->D pair passed its canary, else 503 whose
+``missing`` says what is not there yet; see :mod:`fabric.router.ready`),
+``GET /metrics`` (Prometheus text: counters, readiness, engine state and
+load, per-request table sizes) and ``GET /fabric/status`` (the same as
+JSON, for ``fabric status``), and ``POST /fabric/lookup|clear|pin`` (the
+engines' reuse tiers, see :mod:`fabric.router.controller`).
+
+The app's lifespan opens the clients and, with ``health_interval_s`` > 0,
+runs the background health loop: every interval it probes every engine
+and starts the due canaries (once readiness is watched). The running
+proxy's :class:`~fabric.router.state.ProxyState` (``app.state.proxy``)
+is the control API for whoever runs the engines (drain, mark down, wait
+until ready).
 
 NOTE: per-request overhead is what limits a Python proxy (see
 ``notes/peers.md``): the two generation routes are plain ASGI calls that
@@ -21,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -36,10 +43,10 @@ from fabric.config import TopologyConfig
 from fabric.errors import FabricError
 from fabric.router import controller, pd
 from fabric.router.asgi import error_answer
-from fabric.router.engines import Engine, EnginePool, describe, health_loop, probe_all
+from fabric.router.engines import Engine, EnginePool, EngineState, describe
 from fabric.router.errors import INTERNAL, INVALID_REQUEST, UNAVAILABLE, ProxyError, error_response
 from fabric.router.policy import Routing
-from fabric.router.prefix import call_store, endpoint_client, fabric_threads_down
+from fabric.router.prefix import call_store
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from fabric.router.state import ProxyState
 from fabric.transfer.lookup import resolve_endpoint
@@ -111,17 +118,10 @@ def _lifespan(
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = state.open_client()
+        state.open_client()
         task = None
         if state.config.health_interval_s > 0:
-            loop = health_loop(
-                client,
-                state.pool,
-                state.config.health_interval_s,
-                state.config.health_timeout_s,
-                functools.partial(fabric_threads_down, state),
-            )
-            task = asyncio.create_task(loop, name="fabric-proxy-health")
+            task = asyncio.create_task(_health_loop(state), name="fabric-proxy-health")
         try:
             yield
         finally:
@@ -132,6 +132,17 @@ def _lifespan(
             await state.close_client()
 
     return lifespan
+
+
+async def _health_loop(state: ProxyState) -> None:
+    """Every ``health_interval_s``: probe every engine, start the due canaries."""
+    while True:
+        await asyncio.sleep(state.config.health_interval_s)
+        try:
+            await state.probe_engines()
+            state.readiness.tick()
+        except Exception:  # NOTE: the loop outlives any one round's failure
+            logger.exception("proxy health round failed")
 
 
 def _generation(state: ProxyState, endpoint: Endpoint) -> Generation:
@@ -190,44 +201,66 @@ async def _models(state: ProxyState) -> Response:
 
 
 async def _health(state: ProxyState) -> Response:
-    """200 when at least one prefiller and one decoder answer ``/health`` now."""
-    check = functools.partial(fabric_threads_down, state)
-    await probe_all(state.client, state.pool, state.config.health_timeout_s, check)
-    ok = bool(state.pool.healthy_prefillers()) and any(e.healthy for e in state.pool.decoders)
+    """Readiness: probe every engine now, start the due canaries (in the
+    background), then 200 if nothing is missing, else 503 saying what is."""
+    await state.probe_engines()
+    readiness = state.readiness
+    readiness.kick()
+    missing = readiness.missing()
     body = {
-        "status": "ok" if ok else "unavailable",
+        "status": "unavailable" if missing else "ok",
+        "ready": not missing,
+        "missing": missing,
         "prefill": {e.name: _engine_health(e) for e in state.pool.prefillers},
         "decode": {e.name: _engine_health(e) for e in state.pool.decoders},
+        "pairs": [pair.as_dict() for pair in readiness.pairs],
     }
-    return JSONResponse(body, 200 if ok else 503)
+    return JSONResponse(body, 503 if missing else 200)
 
 
 def _engine_health(engine: Engine) -> dict[str, object]:
-    return {"url": engine.url, "healthy": engine.healthy, "error": engine.last_error}
+    return {
+        "url": engine.url,
+        "healthy": engine.healthy,
+        "state": engine.state.value,
+        "since": engine.since,
+        "error": engine.last_error,
+    }
 
 
 async def _metrics(state: ProxyState) -> Response:
-    """Prometheus text format: counters, then per-engine health and load."""
+    """Prometheus text format: counters, readiness, per-engine state and load, tables."""
     lines = []
-    for name, value in state.counters.as_dict().items():
+    for name, value in state.counter_values().items():
         metric = f"fabric_proxy_{name}_total"
         lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
     lines += ["# TYPE fabric_proxy_in_flight gauge", f"fabric_proxy_in_flight {state.in_flight}"]
-    for gauge in ("healthy", "outstanding"):
+    ready = int(state.readiness.ready)
+    lines += ["# TYPE fabric_proxy_ready gauge", f"fabric_proxy_ready {ready}"]
+    for gauge in ("healthy", "draining", "outstanding"):
         metric = f"fabric_proxy_engine_{gauge}"
         lines.append(f"# TYPE {metric} gauge")
         for e in state.pool.engines:
             value = int(getattr(e, gauge))
             lines.append(f'{metric}{{engine="{e.name}",role="{e.role}"}} {value}')
+    lines.append("# TYPE fabric_proxy_pair_ok gauge")
+    for pair in state.readiness.pairs:
+        labels = f'prefill="{pair.prefill.name}",decode="{pair.decode.name}"'
+        lines.append(f"fabric_proxy_pair_ok{{{labels}}} {int(pair.state.value == 'ok')}")
+    lines.append("# TYPE fabric_proxy_table_entries gauge")
+    for table, entries in state.tables().items():
+        lines.append(f'fabric_proxy_table_entries{{table="{table}"}} {entries}')
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
 async def _status(state: ProxyState) -> Response:
-    """What the proxy knows (no health probes): engines with their store
-    occupancy (asked over each kv_port, bounded), the shared store's,
-    policies, counters, in-flight."""
+    """What the proxy knows (no health probes): engines with their state and
+    store occupancy (asked over each kv_port, bounded; None for a down
+    engine: no stale numbers), the shared store's, readiness and P->D
+    pairs, policies, counters, per-request tables, in-flight."""
     shared = asyncio.ensure_future(_shared_store_status(state))
     stores = await asyncio.gather(*(_store_status(state, e) for e in state.pool.engines))
+    readiness = state.readiness
     body = {
         "engines": [
             {
@@ -235,6 +268,8 @@ async def _status(state: ProxyState) -> Response:
                 "role": e.role,
                 "url": e.url,
                 "healthy": e.healthy,
+                "state": e.state.value,
+                "since": e.since,
                 "outstanding": e.outstanding,
                 "error": e.last_error,
                 "store": store,
@@ -242,10 +277,15 @@ async def _status(state: ProxyState) -> Response:
             for e, store in zip(state.pool.engines, stores, strict=True)
         ],
         "shared_store": await shared,
+        "ready": readiness.ready,
+        "missing": readiness.missing(),
+        "pairs": [pair.as_dict() for pair in readiness.pairs],
         "policies": {"prefill": state.policy.prefill.name, "decode": state.policy.decode.name},
         "disaggregate_min_prompt_tokens": state.config.disaggregate_min_prompt_tokens,
-        "counters": state.counters.as_dict(),
+        "counters": state.counter_values(),
+        "tables": state.tables(),
         "in_flight": state.in_flight,
+        "oldest_request_s": state.oldest_request_s(),
     }
     return JSONResponse(body)
 
@@ -283,7 +323,7 @@ async def _shared_store_status(state: ProxyState) -> dict[str, object] | None:
     if endpoint is None:
         return {"endpoint": state.shared_store, "error": "endpoint file missing"}
     try:
-        stats = await asyncio.to_thread(endpoint_client(state, endpoint).stats)
+        stats = await state.stores.call(endpoint, "stats")
     except (FabricError, OSError) as exc:
         return {"endpoint": endpoint, "error": str(exc)}
     keys = STORE_STATUS_KEYS + SHARED_STORE_STATUS_KEYS
@@ -291,8 +331,9 @@ async def _shared_store_status(state: ProxyState) -> dict[str, object] | None:
 
 
 async def _store_status(state: ProxyState, engine: Engine) -> dict[str, object] | None:
-    """The engine's store occupancy, or ``{"error": ...}``; None without a kv_port."""
-    if engine.kv_endpoint is None:
+    """The engine's store occupancy, or ``{"error": ...}``; None without a
+    kv_port, and for a down engine (its numbers are unknown, not stale)."""
+    if engine.kv_endpoint is None or engine.state is EngineState.DOWN:
         return None
     try:
         stats = await call_store(state, engine, "stats")

@@ -1,21 +1,46 @@
-"""The engines the proxy routes to, and their health.
+"""The engines the proxy routes to, their health and their state.
 
 An :class:`Engine` is what the proxy knows of an engine: a name, its base
-URL, its fabric control endpoint, whether it answered its last health probe
-and how many requests it is serving (for load-aware policies).
+URL, its fabric control endpoint, its state and how many requests it is
+serving (for load-aware policies, and for draining).
+
+States (:class:`EngineState`), from two separate flags: ``healthy`` (probes
+and failures seen on requests) and ``draining`` (set by whoever runs the
+engine)::
+
+             set_draining(True)
+        up  -------------------->  draining
+        ^   <--------------------     |
+        |    set_draining(False)      |  mark_down(reason), from up too
+        |                             v
+        +------ mark_up() ---------- down    (back to draining if it was draining)
+
+- ``down``: not picked, its store not asked (its numbers are unknown);
+  ``since`` says when it went down, ``last_error`` why. The health probe
+  brings it back (``mark_up``) once it answers ``/health`` again; each such
+  return starts a new ``epoch`` (its P->D canaries run again, see
+  :mod:`fabric.router.ready`).
+- ``draining``: policies never pick it; requests already on it continue.
+  ``outstanding`` is exact (taken when a request or canary is routed to the
+  engine, released however it ends), so ``await engine.wait_idle(timeout_s)``
+  is a correct drain.
 
 Health has two sources: a background probe of every engine's ``/health``
 every ``health_interval_s`` (which also brings engines back), and failures
 seen while serving requests (a refused connection marks the engine down at
 once, so the next requests skip it instead of waiting on it).
+
+Everything here runs on the proxy's event loop (not thread-safe).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -29,33 +54,112 @@ SLOW_PROBES_DOWN = 3
 """Timed-out health probes in a row that mark an engine down (refused: one)."""
 
 
-@dataclass(eq=False)
+class EngineState(enum.Enum):
+    """What the proxy may do with an engine."""
+
+    UP = "up"
+    DRAINING = "draining"  # serves what it has, gets nothing new
+    DOWN = "down"  # gets nothing
+
+
 class Engine:
     """One engine as the proxy sees it."""
 
-    name: str
-    role: str
-    url: str
-    kv_endpoint: str | None
-    healthy: bool = True
-    outstanding: int = 0
-    last_error: str | None = field(default=None, repr=False)
-    slow_probes: int = field(default=0, repr=False)
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        url: str,
+        kv_endpoint: str | None,
+        healthy: bool = True,
+        outstanding: int = 0,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.url = url
+        self.kv_endpoint = kv_endpoint
+        self.healthy = healthy
+        self.draining = False
+        self.last_error: str | None = None
+        self.slow_probes = 0
+        self.answered = False  # a health probe succeeded since it was last down
+        self.epoch = 0  # +1 each time it comes back up
+        self.since = time.time()  # wall clock of the last state change
+        self._outstanding = outstanding
+        self._idle: list[asyncio.Future[None]] = []
+
+    def __repr__(self) -> str:
+        return f"Engine({self.name!r}, {self.role!r}, {self.url!r}, {self.state.value})"
+
+    @property
+    def state(self) -> EngineState:
+        if not self.healthy:
+            return EngineState.DOWN
+        return EngineState.DRAINING if self.draining else EngineState.UP
+
+    @property
+    def routable(self) -> bool:
+        """Whether a policy may pick it: healthy and not draining."""
+        return self.healthy and not self.draining
+
+    @property
+    def outstanding(self) -> int:
+        """Requests (and canaries) on this engine now; exact."""
+        return self._outstanding
+
+    @outstanding.setter
+    def outstanding(self, value: int) -> None:
+        assert value >= 0, f"{self.name}: outstanding would be {value}"
+        self._outstanding = value
+        if value == 0 and self._idle:
+            waiters, self._idle = self._idle, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Until nothing is outstanding on it (True), or ``timeout_s`` passed (False)."""
+        if self._outstanding == 0:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._idle.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            return self._outstanding == 0
+        finally:
+            if waiter in self._idle:
+                self._idle.remove(waiter)
+        return True
 
     def mark_down(self, reason: str) -> None:
         """Record a failure; logged once per transition."""
         if self.healthy:
             logger.warning("engine %s (%s) marked down: %s", self.name, self.url, reason)
+            self.since = time.time()
         self.healthy = False
+        self.answered = False
         self.last_error = reason
 
     def mark_up(self) -> None:
         """Record a successful probe; logged once per transition."""
         if not self.healthy:
             logger.warning("engine %s (%s) is back", self.name, self.url)
+            self.epoch += 1
+            self.since = time.time()
         self.healthy = True
+        self.answered = True
         self.last_error = None
         self.slow_probes = 0
+
+    def set_draining(self, draining: bool) -> None:
+        """Stop (True) or resume (False) routing new requests to it; logged on change."""
+        if draining != self.draining:
+            logger.warning(
+                "engine %s (%s) %s", self.name, self.url, "draining" if draining else "resumed"
+            )
+            self.draining = draining
+            self.since = time.time()
 
 
 @dataclass
@@ -83,13 +187,24 @@ class EnginePool:
         """Every engine, prefillers first."""
         return [*self.prefillers, *self.decoders]
 
+    def find(self, name_or_url: str) -> Engine:
+        """The engine named ``name_or_url`` (or with that base URL); LookupError if none."""
+        for engine in self.engines:
+            if name_or_url in (engine.name, engine.url, engine.url + "/"):
+                return engine
+        known = [e.name for e in self.engines]
+        raise LookupError(f"no engine named {name_or_url!r} (nor with that URL); engines: {known}")
+
     def healthy_prefillers(self) -> list[Engine]:
-        """Prefillers that answered their last probe (maybe none)."""
-        return [e for e in self.prefillers if e.healthy]
+        """Prefillers a policy may pick: healthy, not draining (maybe none)."""
+        return [e for e in self.prefillers if e.routable]
 
     def candidate_decoders(self) -> list[Engine]:
-        """Healthy decoders; all of them when none is healthy (one may be back)."""
-        return [e for e in self.decoders if e.healthy] or self.decoders
+        """Healthy decoders that are not draining; when none is healthy, every
+        decoder that is not draining (one may be back); maybe none."""
+        return [e for e in self.decoders if e.routable] or [
+            e for e in self.decoders if not e.draining
+        ]
 
 
 FabricCheck = Callable[[Engine], Awaitable[str | None]]
@@ -134,19 +249,6 @@ async def probe_all(
 ) -> None:
     """Probe every engine concurrently."""
     await asyncio.gather(*(probe(client, e, timeout_s, fabric_check) for e in pool.engines))
-
-
-async def health_loop(
-    client: httpx.AsyncClient,
-    pool: EnginePool,
-    interval_s: float,
-    timeout_s: float,
-    fabric_check: FabricCheck | None = None,
-) -> None:
-    """Probe every engine every ``interval_s`` until cancelled."""
-    while True:
-        await asyncio.sleep(interval_s)
-        await probe_all(client, pool, timeout_s, fabric_check)
 
 
 def describe(exc: BaseException) -> str:

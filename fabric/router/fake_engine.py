@@ -9,9 +9,18 @@ without remote KV). A prefiller that gets ``kv_transfer_params`` with
     {"do_remote_prefill": true, "do_remote_decode": false,
      "transfer_id": ..., "num_tokens": N, "prefill_kv_endpoint": "tcp://..."}
 
+A decoder that gets a prefiller's params counts the "load" on ``/metrics``
+as a fabric decoder does (``vllm:fabric_loads_ok_total``, or
+``vllm:fabric_load_failures_total`` when the push "failed": a prefiller
+with ``push_fails`` or a decoder with ``load_fails``), so the proxy's
+readiness canaries (:mod:`fabric.router.ready`) can pass or fail.
+
 It records the requests it saw (``GET /fake/requests``, ``DELETE`` clears),
-so tests can check what P and D were sent. Knobs inject failures: a delay
-before answering, a fixed error status, a prefiller without params.
+so tests can check what P and D were sent; canaries (header
+``x-fabric-canary``) are recorded apart, in ``FakeEngineState.canaries``.
+Knobs inject failures: a delay before answering, a fixed error status, a
+prefiller without params, failed pushes or loads, an answer padded to a
+size, no fabric metrics.
 
 Run it: ``python -m fabric.router.fake_engine --port N --role prefill|decode``.
 """
@@ -32,9 +41,10 @@ from uuid import uuid4
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 DEFAULT_MAX_TOKENS = 16
+CANARY_HEADER = "x-fabric-canary"
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,11 @@ class FakeEngineConfig:
     ``token_delay_s``: wait between streamed tokens. ``fail_status``: answer
     every generation request with this HTTP status. ``kv_params``: False makes
     a prefiller that returns no ``kv_transfer_params`` (no connector).
+    ``push_fails``: a prefiller whose params say its push failed (its
+    decoders count a load failure). ``load_fails``: a decoder that counts
+    every load as failed. ``fabric_metrics``: False leaves the fabric
+    counters off ``/metrics`` (an engine without the connector).
+    ``pad_bytes``: a non-streamed answer carries this many extra bytes.
     """
 
     role: Literal["prefill", "decode", "both"] = "decode"
@@ -55,23 +70,57 @@ class FakeEngineConfig:
     token_delay_s: float = 0.0
     fail_status: int | None = None
     kv_params: bool = True
+    push_fails: bool = False
+    load_fails: bool = False
+    fabric_metrics: bool = True
+    pad_bytes: int = 0
     max_recorded: int = 1000
 
 
 @dataclass
 class FakeEngineState:
-    """The config and the requests seen (newest last, bounded)."""
+    """The config, the requests seen (newest last, bounded) and the load counters."""
 
     config: FakeEngineConfig
     seen: deque[dict[str, Any]] = field(default_factory=deque)
+    canaries: deque[dict[str, Any]] = field(default_factory=deque)
+    loads_ok: int = 0
+    load_failures: int = 0
 
     def record(self, path: str, request: Request, body: Any) -> None:
-        """Remember one generation request."""
-        if len(self.seen) >= self.config.max_recorded:
-            self.seen.popleft()
-        self.seen.append(
-            {"path": path, "request_id": request.headers.get("x-request-id"), "body": body}
-        )
+        """Remember one generation request (a canary apart)."""
+        seen = self.canaries if request.headers.get(CANARY_HEADER) else self.seen
+        if len(seen) >= self.config.max_recorded:
+            seen.popleft()
+        seen.append({"path": path, "request_id": request.headers.get("x-request-id"), "body": body})
+
+    def count_load(self, body: Any) -> None:
+        """A decoder given a prefiller's params: count its "load"."""
+        if self.config.role == "prefill" or not isinstance(body, dict):
+            return
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        if self.config.load_fails or params.get("fake_push_failed"):
+            self.load_failures += 1
+        else:
+            self.loads_ok += 1
+
+    def metrics(self) -> str:
+        """``/metrics``: the fabric load counters, as a fabric decoder exports them."""
+        if not self.config.fabric_metrics:
+            return "# no fabric connector\n"
+        lines = []
+        for name, value in (
+            ("loads_ok", self.loads_ok),
+            ("load_failures", self.load_failures),
+        ):
+            metric = f"vllm:fabric_{name}_total"
+            lines += [
+                f"# TYPE {metric} counter",
+                f'{metric}{{engine="0",model_name="{self.config.model}"}} {float(value)}',
+            ]
+        return "\n".join(lines) + "\n"
 
 
 def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
@@ -101,6 +150,9 @@ def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(state.metrics())
+
     async def requests(request: Request) -> Response:
         if request.method == "DELETE":
             state.seen.clear()
@@ -110,6 +162,7 @@ def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
     app.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
+    app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/fake/requests", requests, methods=["GET", "DELETE"])
     return app
 
@@ -129,12 +182,16 @@ async def _generate(state: FakeEngineState, request: Request, *, chat: bool) -> 
         return _error(400, "the body must be a JSON object")
     if body.get("model") != config.model:
         return _error(404, f"The model `{body.get('model')}` does not exist.")
+    state.count_load(body)
     answer = _Answer.of(state.config, body, chat)
     if body.get("stream"):
         return StreamingResponse(
             _stream(answer, config.token_delay_s), media_type="text/event-stream"
         )
-    return JSONResponse(answer.full())
+    full = answer.full()
+    if config.pad_bytes:
+        full["padding"] = "x" * config.pad_bytes
+    return JSONResponse(full)
 
 
 @dataclass
@@ -254,13 +311,16 @@ def _returned_params(
         return None
     if not params.get("do_remote_decode"):
         return None
-    return {
+    returned = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "transfer_id": params.get("transfer_id"),
         "num_tokens": num_tokens,
         "prefill_kv_endpoint": config.kv_endpoint,
     }
+    if config.push_fails:
+        returned["fake_push_failed"] = True
+    return returned
 
 
 def _error(status: int, message: str) -> Response:
@@ -288,6 +348,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay-s", type=float, default=0.0)
     p.add_argument("--fail-status", type=int)
     p.add_argument("--no-kv-params", action="store_true", help="a prefiller without the connector")
+    p.add_argument("--push-fails", action="store_true", help="a prefiller whose pushes fail")
+    p.add_argument("--load-fails", action="store_true", help="a decoder whose loads fail")
     return p.parse_args(argv)
 
 
@@ -303,6 +365,8 @@ def config_from_args(ns: argparse.Namespace) -> FakeEngineConfig:
         token_delay_s=ns.token_delay_s,
         fail_status=ns.fail_status,
         kv_params=not ns.no_kv_params,
+        push_fails=ns.push_fails,
+        load_fails=ns.load_fails,
     )
 
 

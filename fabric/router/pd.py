@@ -12,11 +12,18 @@
                        |--- body + P's kv_transfer_params -----------------> D
     client <-----------|<-- JSON or SSE stream, relayed as it comes -------- D
 
-If the prefill fails (unreachable, timeout, non-2xx) or P returns no
-``kv_transfer_params``, D gets the body without params and computes the
-prompt itself; the fallback is logged and counted. A decoder failure is an
-OpenAI-style 502 (unreachable) or 504 (timeout) JSON error; after a stream
-has started, an error event ends it.
+If the prefill fails (unreachable, timeout, non-2xx, no free connection,
+an answer past ``max_answer_bytes``) or P returns no ``kv_transfer_params``,
+D gets the body without params and computes the prompt itself; the
+fallback is logged and counted. The same happens when no prefiller may
+serve with the chosen D (none healthy, all draining, or every pair with D
+failed its canary, see :mod:`fabric.router.ready`). A decoder failure is
+an OpenAI-style JSON error (see :mod:`fabric.router.relay`); after a
+stream has started, an error event ends it. When every decoder is
+draining, the request gets a 503 at once.
+
+Each request is in ``state.requests`` (the ``requests`` table) from its
+arrival until its answer ends, however it ends.
 
 A prompt shorter than ``disaggregate_min_prompt_tokens`` skips P: D gets the
 body without params and computes it (counted as a local decode). P and D get
@@ -57,9 +64,15 @@ from fabric.router.asgi import (
     send_stream,
 )
 from fabric.router.engines import Engine, describe
-from fabric.router.errors import INTERNAL, ProxyError, error_body
+from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_body
 from fabric.router.prefix import body_identity, lookup_all, prompt_token_ids
-from fabric.router.relay import Relay, deadline_exceeded, decode_failure, relay_stream
+from fabric.router.relay import (
+    Relay,
+    count_transport_error,
+    deadline_exceeded,
+    decode_failure,
+    relay_stream,
+)
 from fabric.router.requests import (
     Endpoint,
     decode_content,
@@ -70,7 +83,7 @@ from fabric.router.requests import (
     parse_body,
     prefill_body,
 )
-from fabric.router.state import ProxyState
+from fabric.router.state import InFlight, ProxyState
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +102,24 @@ async def serve_generation(
     state.counters.requests += 1
     head = RequestHead.from_scope(scope)
     transfer_id = new_transfer_id(head.request_id)
+    record = state.requests[transfer_id] = InFlight(
+        endpoint.path, asyncio.get_running_loop().time()
+    )
+    try:
+        await _serve_request(state, endpoint, head, transfer_id, record, receive, send)
+    finally:
+        del state.requests[transfer_id]
+
+
+async def _serve_request(
+    state: ProxyState,
+    endpoint: Endpoint,
+    head: RequestHead,
+    transfer_id: str,
+    record: InFlight,
+    receive: Receive,
+    send: Send,
+) -> None:
     request_id = head.request_id or transfer_id
     try:
         raw = await read_body(receive, head, state.config.max_body_bytes)
@@ -101,7 +132,7 @@ async def serve_generation(
         return
     with DisconnectWatch(receive) as watch:
         try:
-            result = await _flow(state, endpoint, head, raw, transfer_id)
+            result = await _flow(state, endpoint, head, raw, transfer_id, record)
         except asyncio.CancelledError:
             if not watch.absorb():
                 raise
@@ -126,13 +157,18 @@ def new_transfer_id(client_id: str | None) -> str:
 
 
 async def _flow(
-    state: ProxyState, endpoint: Endpoint, head: RequestHead, raw: bytes, transfer_id: str
+    state: ProxyState,
+    endpoint: Endpoint,
+    head: RequestHead,
+    raw: bytes,
+    transfer_id: str,
+    record: InFlight,
 ) -> Answer | Relay:
     """The PD flow within the request's deadline; failures as OpenAI-style answers."""
     deadline = asyncio.get_running_loop().time() + state.config.request_deadline_s
     try:
         async with asyncio.timeout_at(deadline):
-            return await _serve(state, endpoint, head, raw, transfer_id, deadline)
+            return await _serve(state, endpoint, head, raw, transfer_id, deadline, record)
     except TimeoutError:
         return error_answer(deadline_exceeded(state))
     except ProxyError as exc:
@@ -165,6 +201,7 @@ async def _serve(
     raw: bytes,
     transfer_id: str,
     deadline: float,
+    record: InFlight,
 ) -> Answer | Relay:
     try:
         body = parse_body(raw, endpoint)
@@ -174,8 +211,12 @@ async def _serve(
     local = _too_short(state, body, endpoint)
     prefillers = [] if local else state.pool.healthy_prefillers()
     decoders = state.pool.candidate_decoders()
+    if not decoders:
+        raise ProxyError(503, "no decode engine to route to: every one is draining", UNAVAILABLE)
     hints = await _prefix_hints(state, body, endpoint, [*prefillers, *decoders])
-    prefill, decode = state.policy.pick(prefillers, decoders, body, hints)
+    prefill, decode = state.policy.pick(prefillers, decoders, body, hints, state.readiness.usable)
+    record.prefill = prefill.name if prefill is not None else None
+    record.decode = decode.name
     headers = _forward_headers(head, transfer_id)
     # NOTE: D counts the request from its pick (its prefill included), so
     # load-aware policies see requests that are still prefilling; _decode
@@ -210,6 +251,7 @@ async def _serve(
         transfer_id, decode.name, retry.name,
     )  # fmt: skip
     retry.outstanding += 1
+    record.prefill, record.decode = None, retry.name
     content = decode_content(raw, body, None)
     return await _send_decode(state, None, retry, endpoint, body, content, headers, deadline)
 
@@ -232,8 +274,8 @@ async def _send_decode(
 
 
 def _other_decoder(state: ProxyState, failed: Engine) -> Engine | None:
-    """The least loaded healthy decoder other than ``failed``, if any."""
-    others = [e for e in state.pool.decoders if e is not failed and e.healthy]
+    """The least loaded routable decoder other than ``failed``, if any."""
+    others = [e for e in state.pool.decoders if e is not failed and e.routable]
     return min(others, key=lambda e: e.outstanding, default=None)
 
 
@@ -270,7 +312,12 @@ async def _prefill_or_none(
     """P's ``kv_transfer_params``, or None (counted as a fallback) when there are none."""
     if prefill is None:
         state.counters.fallbacks += 1
-        logger.debug("%s: no healthy prefiller; %s computes the prompt", transfer_id, decode.name)
+        logger.debug(
+            "%s: no prefiller may serve with %s (down, draining or failed canary); "
+            "it computes the prompt",
+            transfer_id,
+            decode.name,
+        )
         return None
     assert decode.kv_endpoint is not None  # EnginePool checks decoders have one
     content = dump_json(prefill_body(body, transfer_id, decode.kv_endpoint))
@@ -292,10 +339,11 @@ async def _call_prefill(
     try:
         url = prefill.url + endpoint.path
         response, payload = await state.engines.post_read(
-            url, content, headers, state.prefill_timeouts
+            url, content, headers, state.prefill_timeouts, state.max_answer_bytes
         )
     except httpx.HTTPError as exc:
         state.counters.prefill_errors += 1
+        count_transport_error(state, exc)
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
             prefill.mark_down(describe(exc))
         return None, describe(exc)
@@ -332,7 +380,7 @@ async def _decode(
     ok = False
     try:
         response, payload = await state.engines.post_read(
-            url, content, headers, state.decode_timeouts
+            url, content, headers, state.decode_timeouts, state.max_answer_bytes
         )
         ok = response.is_success
     except httpx.HTTPError as exc:

@@ -4,8 +4,10 @@ A :class:`Policy` chooses one engine of one role among candidates (healthy
 ones) for a request body. Each role has its own policy instance
 (``proxy.prefill_policy`` / ``proxy.decode_policy``, both defaulting to
 ``proxy.policy``), combined by :class:`Routing` into the (P, D) pair; P is
-None when no prefiller is a candidate (no healthy one, or the prompt is too
-short to disaggregate), and the decoder then computes the prompt itself.
+None when no prefiller is a candidate (no healthy one, none whose pair with
+the chosen decoder may be used, or the prompt is too short to
+disaggregate), and the decoder then computes the prompt itself. A draining
+engine is never picked (:class:`Routing` drops it from the candidates).
 
 Load is ``Engine.outstanding``: a decoder counts a request from the moment
 it is picked until its answer ends (its prefill included), a prefiller
@@ -22,7 +24,7 @@ chunk the decoder holds is not pushed again).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fabric.config import ProxyConfig
@@ -31,6 +33,9 @@ from fabric.router.engines import Engine
 
 Hints = Mapping[str, int] | None
 """Engine name -> prompt tokens its store holds (cache-aware routing)."""
+
+Pairable = Callable[[Engine, Engine], bool]
+"""Whether (prefiller, decoder) may serve a request together."""
 
 
 class Policy(ABC):
@@ -145,9 +150,17 @@ class Routing:
         decoders: Sequence[Engine],
         body: Mapping[str, Any],
         hints: Hints = None,
+        pairable: Pairable | None = None,
     ) -> tuple[Engine | None, Engine]:
-        """The pair for ``body``: P None when ``prefillers`` is empty; ``decoders`` is not."""
+        """The pair for ``body``, never a draining engine: P None when no
+        prefiller is left (none pairable with D); ValueError when no decoder is."""
+        decoders = [e for e in decoders if not e.draining]
+        if not decoders:
+            raise ValueError("no decoder to pick: every candidate is draining")
         decode = self.decode.pick(decoders, body, hints)
+        prefillers = [
+            e for e in prefillers if not e.draining and (pairable is None or pairable(e, decode))
+        ]
         prefill = self.prefill.pick(prefillers, body, hints) if prefillers else None
         return prefill, decode
 

@@ -14,11 +14,16 @@ What it supports is what engines need: ``POST`` with a body, answers with
 connections are reused newest first and dropped after ``KEEPALIVE_S``
 (below the engines' own idle timeout, see :mod:`fabric.router.transport`);
 at most ``proxy.max_connections`` are open per engine (later calls wait for
-one to come back or close).
+one to come back or close, at most ``Timeouts.pool`` seconds: then
+``httpx.PoolTimeout``).
 
-Timeouts: ``connect`` bounds opening a connection, ``read`` each wait for
-bytes (the head, then every part of the body). Failures raise httpx's
-exceptions like the other pools: ``ConnectError`` / ``ConnectTimeout``,
+Timeouts: ``pool`` bounds the wait for a free connection, ``connect``
+opening one, ``read`` each wait for bytes (the head, then every part of
+the body). A body read whole (``read(limit)``) past ``limit`` bytes fails
+with :class:`~fabric.router.transport.AnswerTooLarge` as soon as the
+declared length or the bytes received pass it (nothing more is buffered,
+the connection is dropped). Failures raise httpx's exceptions like the
+other pools: ``ConnectError`` / ``ConnectTimeout``, ``PoolTimeout``,
 ``ReadTimeout``, ``RemoteProtocolError`` (the engine closed the connection
 or sent something that is not HTTP).
 
@@ -43,7 +48,14 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
-from fabric.router.transport import KEEPALIVE_S, EngineHTTP, EngineResponse, Timeouts
+from fabric.router.transport import (
+    KEEPALIVE_S,
+    AnswerTooLarge,
+    EngineHTTP,
+    EngineResponse,
+    Timeouts,
+    check_length,
+)
 
 HIGH_WATER = 256 * 1024
 """Bytes of an answer buffered before reading from its connection pauses."""
@@ -88,7 +100,7 @@ class HttptoolsEngines(EngineHTTP):
             pool = self._pools[target.key] = _Pool(target.key, self._per_engine)
         head = _request_head(target.prefix, headers, len(content))
         for attempt in range(2):
-            connection = await pool.acquire(timeouts.connect)
+            connection = await pool.acquire(timeouts.connect, timeouts.pool_s)
             reused = connection.idle_since > 0
             response = _Response(pool, connection, timeouts.read)
             try:
@@ -114,6 +126,14 @@ class HttptoolsEngines(EngineHTTP):
             pool.close()
         self._pools.clear()
 
+    def tables(self) -> dict[str, int]:
+        """Calls waiting for a connection, connections with an answer in flight."""
+        pools = self._pools.values()
+        return {
+            "pool_waiters": sum(len(p.waiters) for p in pools),
+            "pool_busy": sum(p.open - len(p.idle) for p in pools),
+        }
+
 
 def _request_head(prefix: bytes, headers: Mapping[str, str], length: int) -> bytes:
     lines = [prefix]
@@ -132,36 +152,45 @@ class _Pool:
         self.key = key
         self.size = size
         self.open = 0
-        self._idle: list[_Connection] = []
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.idle: list[_Connection] = []
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def acquire(self, connect_timeout: float) -> _Connection:
-        """The newest usable idle connection, or a new one (waiting while ``size`` are open)."""
+    async def acquire(self, connect_timeout: float, pool_timeout: float) -> _Connection:
+        """The newest usable idle connection, or a new one (waiting while ``size``
+        are open, at most ``pool_timeout`` seconds in all: then ``httpx.PoolTimeout``)."""
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + pool_timeout
         while True:
             now = loop.time()
-            while self._idle:
-                connection = self._idle.pop()
+            while self.idle:
+                connection = self.idle.pop()
                 if connection.usable(now):
                     return connection
                 connection.abort()
             if self.open < self.size:
                 return await self._connect(loop, connect_timeout)
             waiter = loop.create_future()
-            self._waiters.append(waiter)
+            self.waiters.append(waiter)
             try:
-                await waiter
-            except BaseException:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except BaseException as exc:
+                if waiter in self.waiters:
+                    self.waiters.remove(waiter)
                 elif waiter.done() and not waiter.cancelled():
-                    self._wake_one()  # woken, then cancelled: the turn passes on
+                    self._wake_one()  # woken, then gave up: the turn passes on
+                if isinstance(exc, TimeoutError):
+                    _, host, port = self.key
+                    raise httpx.PoolTimeout(
+                        f"no free connection to {host}:{port} within {pool_timeout:g} s "
+                        f"({self.size} in use, proxy.max_connections)"
+                    ) from None
                 raise
 
     def release(self, connection: _Connection) -> None:
         """Take ``connection`` back after a complete answer."""
         connection.idle_since = asyncio.get_running_loop().time()
-        self._idle.append(connection)
+        self.idle.append(connection)
         self._wake_one()
 
     def lost(self) -> None:
@@ -170,13 +199,13 @@ class _Pool:
         self._wake_one()
 
     def close(self) -> None:
-        for connection in self._idle:
+        for connection in self.idle:
             connection.abort()
-        self._idle.clear()
+        self.idle.clear()
 
     def _wake_one(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        while self.waiters:
+            waiter = self.waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
@@ -310,6 +339,9 @@ class _Response(EngineResponse):
         self._buffered = 0
         self._paused = False
         self._whole = False  # read() takes the body whole: never pause reading
+        self._limit: int | None = None  # read(limit): bytes it may buffer
+        self._length: str | None = None  # the declared Content-Length
+        self._overflow = False  # past the limit: later bytes are dropped
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
 
@@ -322,8 +354,17 @@ class _Response(EngineResponse):
         while not self._head:
             await self._wait()
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        if limit is not None:
+            try:
+                check_length(self._length, limit)
+                if self._buffered > limit:
+                    raise AnswerTooLarge(limit)
+            except AnswerTooLarge:
+                self._overflow = True  # NOTE: close() drops the connection
+                raise
         self._whole = True
+        self._limit = limit
         if self._paused:
             self._paused = False
             self._connection.pause(False)
@@ -353,7 +394,7 @@ class _Response(EngineResponse):
         self._closed = True
         connection = self._connection
         connection.done()
-        if self._complete and self._keep_alive and not connection.closed:
+        if self._complete and self._keep_alive and not connection.closed and not self._overflow:
             if self._paused:
                 connection.pause(False)
             self._pool.release(connection)
@@ -404,6 +445,8 @@ class _Response(EngineResponse):
             name == b"transfer-encoding" and b"chunked" in value.lower()
         ):
             self._until_close = False
+            if name == b"content-length":
+                self._length = value.decode("latin-1")
 
     def on_head(self, status: int, keep_alive: bool) -> None:
         self.status = status
@@ -412,6 +455,18 @@ class _Response(EngineResponse):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        limit = self._limit
+        if limit is not None and self._buffered + len(body) > limit:
+            # NOTE: nothing more is kept, nor read; close() drops the connection
+            self._chunks.clear()
+            self._buffered = 0
+            self._limit = None
+            self._overflow = True
+            self._connection.pause(True)
+            self.fail(AnswerTooLarge(limit))
+            return
+        if self._overflow:
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if not self._paused and not self._whole and self._buffered > HIGH_WATER:

@@ -5,9 +5,11 @@ Used by the cache-aware policy and the ``/fabric/lookup|pin`` admin routes:
 1. the prompt's token ids: given as ids, or from an engine's ``/tokenize``
    (vLLM's endpoint: the same tokenizer and chat template the engine
    applies to the request);
-2. one ``Lookup`` per engine over its fabric control channel (a
-   :class:`~fabric.transfer.lookup.StoreClient`, run in a worker thread),
-   all at once, each bounded by ``proxy.lookup_timeout_ms``.
+2. one ``Lookup`` per engine over its fabric control channel, all at once,
+   each bounded by ``proxy.lookup_timeout_ms`` in all, never on the event
+   loop and never queued behind another request's lookup; a store that
+   keeps not answering is skipped for a while (see
+   :mod:`fabric.router.stores`).
 
 Nothing here is required to serve a request: a prompt that cannot be
 tokenized or an engine that does not answer counts as no hit.
@@ -26,7 +28,6 @@ import httpx
 from fabric.errors import FabricError
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.router.engines import Engine, describe
-from fabric.transfer.lookup import StoreClient
 
 if TYPE_CHECKING:
     from fabric.router.requests import Endpoint
@@ -115,9 +116,8 @@ async def lookup_one(
 ) -> EngineHit:
     if engine.kv_endpoint is None:
         return EngineHit(engine, error="no kv_port: its store cannot be asked")
-    client = store_client(state, engine)
     try:
-        result = await asyncio.to_thread(client.lookup, token_ids, identity=identity)
+        result = await state.stores.call(engine.kv_endpoint, "lookup", token_ids, identity=identity)
     except (FabricError, OSError) as exc:
         return EngineHit(engine, error=str(exc))
     tokens = result.chunk_tokens
@@ -131,7 +131,7 @@ async def fabric_threads_down(state: ProxyState, engine: Engine) -> str | None:
     if engine.kv_endpoint is None:
         return None
     try:
-        stats = await asyncio.to_thread(store_client(state, engine).stats)
+        stats = await state.stores.call(engine.kv_endpoint, "stats")
     except (FabricError, OSError):
         return None
     down = stats.get("threads_down", 0)
@@ -139,27 +139,10 @@ async def fabric_threads_down(state: ProxyState, engine: Engine) -> str | None:
 
 
 async def call_store(state: ProxyState, engine: Engine, method: str, *args: Any, **kw: Any) -> Any:
-    """Run ``StoreClient.<method>`` for ``engine`` in a thread (admin routes)."""
+    """``StoreClient.<method>`` on ``engine``'s store, bounded (admin routes, status)."""
     if engine.kv_endpoint is None:
         raise FabricError(f"{engine.name} has no kv_port: its store cannot be reached")
-    return await asyncio.to_thread(getattr(store_client(state, engine), method), *args, **kw)
-
-
-def store_client(state: ProxyState, engine: Engine) -> StoreClient:
-    assert engine.kv_endpoint is not None
-    return endpoint_client(state, engine.kv_endpoint)
-
-
-def endpoint_client(state: ProxyState, endpoint: str) -> StoreClient:
-    """The proxy's one StoreClient for ``endpoint`` (bounded by ``lookup_timeout_ms``)."""
-    clients: dict[str, StoreClient] = state.store_clients
-    client = clients.get(endpoint)
-    if client is None:
-        timeout = state.config.lookup_timeout_ms
-        client = clients[endpoint] = StoreClient(
-            endpoint, timeout_ms=timeout, secret=state.store_secret
-        )
-    return client
+    return await state.stores.call(engine.kv_endpoint, method, *args, **kw)
 
 
 def _is_ids(value: Any) -> bool:

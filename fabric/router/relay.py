@@ -5,7 +5,12 @@ bookkeeping (D's outstanding count, the policy's ``on_finish``, closing D's
 response) runs exactly once, however the stream ends: D finished, D failed
 (the client gets an error event), the client left (the disconnect watch
 cancels the request's task; closing D's response drops the connection and
-vLLM aborts the request), or the stream never started.
+vLLM aborts the request), or the stream never started. Open relays are
+the ``streams`` table of :meth:`fabric.router.state.ProxyState.tables`.
+
+Decoder errors reach the client as OpenAI-style JSON: 502 (unreachable,
+failed, or an answer past ``max_answer_bytes``), 503 (no free pooled
+connection to it in time) or 504 (timed out).
 """
 
 from __future__ import annotations
@@ -17,17 +22,41 @@ import httpx
 
 from fabric.router.asgi import Answer
 from fabric.router.engines import Engine, describe
-from fabric.router.errors import UPSTREAM_ERROR, UPSTREAM_TIMEOUT, ProxyError, sse_error
+from fabric.router.errors import (
+    UNAVAILABLE,
+    UPSTREAM_ERROR,
+    UPSTREAM_TIMEOUT,
+    ProxyError,
+    sse_error,
+)
 from fabric.router.state import ProxyState
-from fabric.router.transport import EngineResponse
+from fabric.router.transport import AnswerTooLarge, EngineResponse
 
 EVENT_STREAM = b"text/event-stream"
+
+
+def count_transport_error(state: ProxyState, exc: httpx.HTTPError) -> None:
+    """Count the engine call failures that have counters of their own."""
+    if isinstance(exc, httpx.PoolTimeout):
+        state.counters.pool_timeouts += 1
+    elif isinstance(exc, AnswerTooLarge):
+        state.counters.answers_too_large += 1
 
 
 def decode_failure(state: ProxyState, decode: Engine, exc: httpx.HTTPError) -> ProxyError:
     """The client-facing error for a failed decode; marks D down if unreachable."""
     state.counters.decode_errors += 1
+    count_transport_error(state, exc)
     what = f"decode engine {decode.name} ({decode.url})"
+    if isinstance(exc, httpx.PoolTimeout):
+        return ProxyError(503, f"{what}: {exc}", UNAVAILABLE)
+    if isinstance(exc, AnswerTooLarge):
+        return ProxyError(
+            502,
+            f"{what} answered more than {exc.limit} bytes (proxy.max_answer_bytes); "
+            "the answer was dropped",
+            UPSTREAM_ERROR,
+        )
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         decode.mark_down(describe(exc))
         error = ProxyError(502, f"{what} is unreachable: {describe(exc)}", UPSTREAM_ERROR)
@@ -77,7 +106,7 @@ async def relay_stream(
     if response.is_success:
         return relay
     try:
-        body = await response.read()
+        body = await response.read(state.max_answer_bytes)
     except httpx.HTTPError as exc:
         raise decode_failure(state, decode, exc) from exc
     finally:
@@ -106,6 +135,7 @@ class Relay:
         self.content_type = content_type.encode("latin-1") if content_type else EVENT_STREAM
         self.ok = False
         self._closed = False
+        state.streams += 1
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """D's bytes as they arrive; an error event if D fails mid-stream or
@@ -133,6 +163,7 @@ class Relay:
         if self._closed:
             return
         self._closed = True
+        self.state.streams -= 1
         self.decode.outstanding -= 1
         self.state.policy.on_finish(self.prefill, self.decode, self.ok)
         await self.response.close()

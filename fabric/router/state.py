@@ -1,23 +1,54 @@
-"""What one proxy app holds: config, engines, policy, HTTP client, counters.
+"""What one proxy app holds: config, engines, policy, clients, counters, tables.
 
-Kept on ``app.state.proxy``; nothing lives in module globals, so two proxies
-can run in one process (tests do).
+Kept on ``app.state.proxy`` (a :class:`ProxyState`); nothing lives in module
+globals, so two proxies can run in one process (tests do).
+
+Control API, for whoever runs the engines in the proxy's process (``fabric
+up``'s supervisor). Call it on the proxy's event loop (``state.loop`` while
+the app runs; from another thread: ``loop.call_soon_threadsafe`` /
+``asyncio.run_coroutine_threadsafe(..., state.loop)``). Engines are named
+by name (``decode-0``) or base URL; an unknown one raises ``LookupError``::
+
+    state = app.state.proxy                       # app = create_app(topology)
+    state.set_draining("decode-0", True)          # no new requests; in-flight ones go on
+    drained = await state.wait_drained("decode-0", timeout_s=60)   # outstanding == 0
+    state.mark_down("decode-0", "restarting")     # not routed to; status shows down, since
+    state.set_draining("decode-0", False)         # (the health probe brings it back up
+                                                  #  once it answers /health; or mark_up)
+    missing = await state.wait_ready(timeout_s=300)   # [] once ready, else what is missing
+
+Per-request state, all pruned however a request ends (see :meth:`tables`,
+exported as ``fabric_proxy_table_entries{table=...}`` and in
+``/fabric/status``): ``requests`` (client requests in flight), ``streams``
+(decoder streams being relayed), ``canaries`` (readiness transfers in
+flight), ``store_calls`` / ``store_waiters`` (store calls in a thread /
+waiting for a client, :mod:`fabric.router.stores`), ``pool_waiters`` /
+``pool_busy`` (engine connections waited for / in use, httptools pool), and
+each engine's ``outstanding``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from dataclasses import dataclass, fields
+from typing import Any
 
 import httpx
 
 from fabric.config import ProxyConfig
-from fabric.router.engines import EnginePool
+from fabric.router.engines import Engine, EnginePool, probe_all
 from fabric.router.policy import Routing
+from fabric.router.prefix import fabric_threads_down
+from fabric.router.ready import Readiness
+from fabric.router.stores import CLIENTS_PER_ENDPOINT, StoreCalls
 from fabric.router.transport import EngineHTTP, Timeouts, open_engines
-from fabric.transfer.lookup import StoreClient
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_ANSWER_BYTES = 64 * 1024 * 1024
+"""The largest engine answer read whole (not streamed) that the proxy keeps in memory."""
 
 
 @dataclass
@@ -33,6 +64,10 @@ class Counters:
     ``client_disconnects``: clients gone before their answer started (the
     work on P and D was cancelled). ``deadline_exceeded``: requests past
     ``proxy.request_deadline_s`` (504, or an error event ending the stream).
+    ``pool_timeouts``: engine calls that found no free pooled connection in
+    time. ``answers_too_large``: engine answers past the answer size limit.
+    ``canaries`` / ``canary_failures``: readiness transfers that proved a
+    P->D pair / that failed (:mod:`fabric.router.ready`).
     """
 
     requests: int = 0
@@ -44,10 +79,24 @@ class Counters:
     prefix_hits: int = 0
     client_disconnects: int = 0
     deadline_exceeded: int = 0
+    pool_timeouts: int = 0
+    answers_too_large: int = 0
+    canaries: int = 0
+    canary_failures: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(eq=False, slots=True)
+class InFlight:
+    """One client request, from its arrival to its end (the ``requests`` table)."""
+
+    path: str
+    started: float  # loop time
+    prefill: str | None = None
+    decode: str | None = None
 
 
 class ProxyState:
@@ -66,19 +115,37 @@ class ProxyState:
         self.pool = pool
         self.policy = policy
         self.counters = Counters()
-        self.store_clients: dict[str, StoreClient] = {}  # kv endpoint -> client
         self.store_secret = store_secret  # signs the store clients' frames (connector.secret_env)
         self.shared_store = shared_store  # the host's shared store (connector.shared_store)
+        endpoints = sum(e.kv_endpoint is not None for e in pool.engines) + bool(shared_store)
+        self.stores = StoreCalls(
+            config.lookup_timeout_ms,
+            secret=store_secret,
+            max_threads=CLIENTS_PER_ENDPOINT * max(1, endpoints),
+        )
+        # NOTE: not ProxyConfig fields (yet): read when present, else the defaults
+        self.max_answer_bytes: int = _option(config, "max_answer_bytes", DEFAULT_MAX_ANSWER_BYTES)
+        pool_s: float | None = _option(config, "pool_timeout_s", None)
         connect = config.connect_timeout_s
-        self.prefill_timeouts = Timeouts(connect, config.prefill_timeout_s)
-        self.decode_timeouts = Timeouts(connect, config.decode_timeout_s)
+        self.prefill_timeouts = Timeouts(connect, config.prefill_timeout_s, pool_s)
+        self.decode_timeouts = Timeouts(connect, config.decode_timeout_s, pool_s)
+        self.requests: dict[str, InFlight] = {}  # transfer id -> request in flight
+        self.streams = 0  # decoder streams open (relay.Relay)
+        self.readiness = Readiness(self)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's, while it runs
         self._client: httpx.AsyncClient | None = None
         self._engines: EngineHTTP | None = None
 
     @property
     def in_flight(self) -> int:
-        """Requests routed and not yet answered (each holds its decoder from pick to end)."""
-        return sum(e.outstanding for e in self.pool.decoders)
+        """Client requests in flight (arrived, not yet answered to their end)."""
+        return len(self.requests)
+
+    def oldest_request_s(self) -> float | None:
+        """How long the oldest request in flight has been (None: none is)."""
+        if not self.requests or self.loop is None:
+            return None
+        return self.loop.time() - min(r.started for r in self.requests.values())
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -95,7 +162,8 @@ class ProxyState:
         return self._engines
 
     def open_client(self) -> httpx.AsyncClient:
-        """Open the clients, sized for ``max_connections`` per engine."""
+        """Open the clients, sized for ``max_connections`` per engine (on the app's loop)."""
+        self.loop = asyncio.get_running_loop()
         size = self.config.max_connections * max(1, len(self.pool.engines))
         timeout = httpx.Timeout(self.config.decode_timeout_s, connect=self.config.connect_timeout_s)
         self._engines, self._client = open_engines(
@@ -110,13 +178,80 @@ class ProxyState:
         return self._client
 
     async def close_client(self) -> None:
-        """Close the clients and the store clients."""
-        for store in self.store_clients.values():
-            store.close()
-        self.store_clients.clear()
+        """Stop readiness checks; close the clients and the store clients."""
+        await self.readiness.close()
+        await self.stores.close()
         if self._engines is not None:
             await self._engines.aclose()
             self._engines = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        self.loop = None
+
+    async def probe_engines(self) -> None:
+        """Probe every engine's ``/health`` (and its fabric side) now."""
+        check = functools.partial(fabric_threads_down, self)
+        await probe_all(self.client, self.pool, self.config.health_timeout_s, check)
+
+    def tables(self) -> dict[str, int]:
+        """Entries of each per-request table (0 for all once nothing is in flight)."""
+        tables = {
+            "requests": len(self.requests),
+            "streams": self.streams,
+            "canaries": self.readiness.in_flight,
+            "store_calls": self.stores.in_flight,
+            "store_waiters": self.stores.waiting,
+        }
+        if self._engines is not None:
+            tables |= self._engines.tables()
+        return tables
+
+    def counter_values(self) -> dict[str, int]:
+        """Every counter: the proxy's and its store calls'."""
+        return self.counters.as_dict() | {
+            "store_timeouts": self.stores.timeouts,
+            "store_skipped": self.stores.skipped,
+        }
+
+    # --- control API (see the module docstring) -----------------------------
+
+    def engine(self, name_or_url: str) -> Engine:
+        """The engine with that name or base URL; LookupError if none."""
+        return self.pool.find(name_or_url)
+
+    def set_draining(self, name_or_url: str, draining: bool = True) -> Engine:
+        """Stop (True) or resume (False) routing new requests to an engine."""
+        engine = self.engine(name_or_url)
+        engine.set_draining(draining)
+        return engine
+
+    def mark_down(self, name_or_url: str, reason: str) -> Engine:
+        """Take an engine out of rotation now (the health probe brings it back
+        once it answers ``/health``; keep it out with :meth:`set_draining`)."""
+        engine = self.engine(name_or_url)
+        engine.mark_down(reason)
+        return engine
+
+    def mark_up(self, name_or_url: str) -> Engine:
+        """Put an engine back in rotation now (its canaries run again)."""
+        engine = self.engine(name_or_url)
+        engine.mark_up()
+        return engine
+
+    async def wait_drained(self, name_or_url: str, timeout_s: float) -> bool:
+        """Until an engine has nothing outstanding (True) or ``timeout_s`` passed."""
+        return await self.engine(name_or_url).wait_idle(timeout_s)
+
+    async def wait_ready(self, timeout_s: float) -> list[str]:
+        """Until the proxy is ready (``[]``), or what is still missing after ``timeout_s``.
+
+        Probes the engines and runs the due canaries meanwhile (see
+        :meth:`fabric.router.ready.Readiness.wait`); needs the app running.
+        """
+        return await self.readiness.wait(timeout_s)
+
+
+def _option(config: ProxyConfig, name: str, default: Any) -> Any:
+    value = getattr(config, name, None)
+    return default if value is None else value

@@ -25,9 +25,12 @@ aiohttp called directly ~0.45 ms; the httptools pool ~0.2 ms.
 Errors are translated at the boundary into httpx's exceptions, which the
 rest of the proxy handles (and which the ``httpx.AsyncClient`` used for
 health probes and admin routes raises too): ``ConnectError`` /
-``ConnectTimeout`` (the engine is unreachable), ``ReadTimeout``,
-``ReadError`` / ``RemoteProtocolError``. That client runs over aiohttp
-(:class:`AiohttpTransport`) when it is installed.
+``ConnectTimeout`` (the engine is unreachable), ``PoolTimeout`` (no free
+pooled connection within ``Timeouts.pool``: httptools and httpx; aiohttp
+counts that wait in its connect timeout), ``ReadTimeout``, ``ReadError`` /
+``RemoteProtocolError``, and :class:`AnswerTooLarge` (a body read whole
+passed its limit; the connection is dropped, never reused). That client
+runs over aiohttp (:class:`AiohttpTransport`) when it is installed.
 """
 
 from __future__ import annotations
@@ -54,10 +57,36 @@ next request, which then fails ("Can not write request body").
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Bounds of one engine call: connecting, and each wait for bytes."""
+    """Bounds of one engine call: connecting, each wait for bytes, and the
+    wait for a free pooled connection (None: ``connect``)."""
 
     connect: float
     read: float
+    pool: float | None = None
+
+    @property
+    def pool_s(self) -> float:
+        return self.connect if self.pool is None else self.pool
+
+
+class AnswerTooLarge(httpx.TransportError):
+    """An engine's answer, read whole, is larger than the limit the proxy keeps in memory."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the answer is larger than {limit} bytes (proxy.max_answer_bytes)")
+        self.limit = limit
+
+
+def check_length(content_length: str | int | None, limit: int | None) -> None:
+    """AnswerTooLarge when a declared ``Content-Length`` passes ``limit``."""
+    if limit is None or content_length is None:
+        return
+    try:
+        length = int(content_length)
+    except ValueError:
+        return
+    if length > limit:
+        raise AnswerTooLarge(limit)
 
 
 class EngineResponse(abc.ABC):
@@ -76,8 +105,10 @@ class EngineResponse(abc.ABC):
         return 200 <= self.status < 300
 
     @abc.abstractmethod
-    async def read(self) -> bytes:
-        """The whole body; the connection goes back to the pool."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; the connection goes back to the pool. Past
+        ``limit`` bytes: :class:`AnswerTooLarge` (``close()`` then drops the
+        connection)."""
 
     @abc.abstractmethod
     def chunks(self) -> AsyncIterator[bytes]:
@@ -100,14 +131,23 @@ class EngineHTTP(abc.ABC):
         """Send ``content``; return once the status line and headers are in."""
 
     async def post_read(
-        self, url: str, content: bytes, headers: Mapping[str, str], timeouts: Timeouts
+        self,
+        url: str,
+        content: bytes,
+        headers: Mapping[str, str],
+        timeouts: Timeouts,
+        limit: int | None = None,
     ) -> tuple[EngineResponse, bytes]:
-        """:meth:`post`, then the whole body."""
+        """:meth:`post`, then the whole body (at most ``limit`` bytes)."""
         response = await self.post(url, content, headers, timeouts)
         try:
-            return response, await response.read()
+            return response, await response.read(limit)
         finally:
             await response.close()
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of its per-call state (calls waiting for a connection, ...)."""
+        return {}
 
     @abc.abstractmethod
     async def aclose(self) -> None:
@@ -186,9 +226,20 @@ class _AiohttpResponse(EngineResponse):
         self.status = response.status
         self.content_type = response.headers.get("Content-Type")
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
         try:
-            return await self._response.read()
+            if limit is None:
+                return await self._response.read()
+            check_length(self._response.headers.get("Content-Length"), limit)
+            parts, size = [], 0
+            async for chunk in self._response.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise AnswerTooLarge(limit)
+                parts.append(chunk)
+            return b"".join(parts)
+        except AnswerTooLarge:
+            raise
         except Exception as exc:
             raise _translated(self._aiohttp, exc) from exc
 
@@ -309,7 +360,7 @@ class HttpxEngines(EngineHTTP):
             parsed = self._urls[url] = httpx.URL(url)
         extensions = self._extensions.get(timeouts)
         if extensions is None:
-            timeout = httpx.Timeout(timeouts.read, connect=timeouts.connect)
+            timeout = httpx.Timeout(timeouts.read, connect=timeouts.connect, pool=timeouts.pool_s)
             extensions = self._extensions[timeouts] = {"timeout": timeout.as_dict()}
         request = httpx.Request(
             "POST", parsed, content=content, headers=headers, extensions=extensions
@@ -326,8 +377,17 @@ class _HttpxResponse(EngineResponse):
         self.status = response.status_code
         self.content_type = response.headers.get("content-type")
 
-    async def read(self) -> bytes:
-        return await self._response.aread()
+    async def read(self, limit: int | None = None) -> bytes:
+        if limit is None:
+            return await self._response.aread()
+        check_length(self._response.headers.get("content-length"), limit)
+        parts, size = [], 0
+        async for chunk in self._response.aiter_raw():
+            size += len(chunk)
+            if size > limit:
+                raise AnswerTooLarge(limit)
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         async for chunk in self._response.aiter_raw():

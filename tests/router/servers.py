@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from typing import Any, Self
+from collections.abc import Awaitable, Callable
+from typing import Any, Self, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -15,6 +17,8 @@ from fabric.router import create_app
 from fabric.router.fake_engine import FakeEngineConfig, FakeEngineState, create_fake_engine
 from fabric.router.serve import bind_socket, socket_url
 from fabric.router.state import ProxyState
+
+T = TypeVar("T")
 
 
 class ServerThread:
@@ -83,6 +87,16 @@ class Proxy(ServerThread):
         """The proxy's state (counters, engines)."""
         state: ProxyState = self.app.state.proxy
         return state
+
+    def run(self, call: Callable[[ProxyState], Awaitable[T]], timeout: float = 60.0) -> T:
+        """``await call(state)`` on the proxy's event loop (its control API); the result."""
+        loop = self.state.loop
+        assert loop is not None, "the proxy is not running"
+
+        async def go() -> T:
+            return await call(self.state)
+
+        return asyncio.run_coroutine_threadsafe(go(), loop).result(timeout)
 
 
 def dead_url() -> str:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Generator
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -209,7 +210,7 @@ def test_client_leaving_mid_stream_releases_the_decoder(
         client.stream("POST", f"{proxy.url}/v1/completions", json=body) as response,
     ):
         # NOTE: keep the iterator: dropping it makes httpx close the connection.
-        chunks = response.iter_raw()
+        chunks = cast(Generator[bytes, None, None], response.iter_raw())
         first = next(chunks)
         assert decoder.outstanding == 1
         chunks.close()

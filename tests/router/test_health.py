@@ -1,4 +1,4 @@
-"""``/health``, ``/v1/models``, ``/metrics`` and the background health loop."""
+"""``/health`` (readiness), ``/v1/models``, ``/metrics`` and the background health loop."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .conftest import StartEngine, StartProxy
 from .servers import Proxy, ServerThread, dead_url, topology
 
 
-def test_health_is_ok_when_a_prefiller_and_a_decoder_answer(
+def test_health_is_503_naming_an_engine_that_does_not_answer(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
 ) -> None:
     p, d = start_engine("prefill"), start_engine("decode")
@@ -18,12 +18,36 @@ def test_health_is_ok_when_a_prefiller_and_a_decoder_answer(
 
     response = client.get(f"{proxy.url}/health")
 
-    assert response.status_code == 200
+    assert response.status_code == 503
     body = response.json()
-    assert body["status"] == "ok"
+    assert body["status"] == "unavailable" and body["ready"] is False
     assert body["prefill"]["prefill-0"]["healthy"] is True
     assert body["prefill"]["prefill-1"]["healthy"] is False
+    assert body["prefill"]["prefill-1"]["state"] == "down"
     assert "ConnectError" in body["prefill"]["prefill-1"]["error"]
+    assert any(m.startswith("prefill-1: down (/health: ConnectError") for m in body["missing"])
+
+
+def test_health_is_200_once_every_engine_answers_and_every_pair_passed_its_canary(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url])
+
+    first = client.get(f"{proxy.url}/health")
+    deadline = time.monotonic() + 30
+    while (answer := client.get(f"{proxy.url}/health")).status_code != 200:
+        assert time.monotonic() < deadline, answer.text
+        time.sleep(0.05)
+
+    assert first.status_code == 503
+    assert "prefill-0 -> decode-0: canary pending" in first.json()["missing"]
+    body = answer.json()
+    assert (body["status"], body["ready"], body["missing"]) == ("ok", True, [])
+    assert body["pairs"][0]["state"] == "ok"
+    assert d.state.loads_ok == 1 and len(d.state.canaries) == 1 and len(p.state.canaries) == 1
+    assert p.seen == [] and d.seen == []  # canaries are not client requests
+    assert proxy.state.counters.requests == 0 and proxy.state.counters.canaries == 1
 
 
 def test_health_is_503_without_a_prefiller(
@@ -37,6 +61,7 @@ def test_health_is_503_without_a_prefiller(
     assert response.status_code == 503
     assert response.json()["status"] == "unavailable"
     assert response.json()["decode"]["decode-0"]["healthy"] is True
+    assert response.json()["prefill"]["prefill-0"]["state"] == "down"
 
 
 def test_health_is_503_without_a_decoder(

@@ -1,7 +1,10 @@
-"""Request bounds of the proxy's own: body size (``proxy.max_body_bytes``), methods."""
+"""Bounds of the proxy's own: request body size (``proxy.max_body_bytes``),
+methods, engine answer size (``max_answer_bytes``), waits for a pooled connection."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -74,3 +77,67 @@ def test_generation_routes_accept_post_only(
     assert response.headers["allow"] == "POST"
     assert response.json()["error"]["code"] == 405
     assert p.seen == [] and d.seen == []
+
+
+def test_a_decoder_answer_past_the_answer_limit_is_a_502_naming_it(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """A non-streamed answer is read whole, so it is bounded (streams are
+    relayed as they come)."""
+    p, d = start_engine("prefill"), start_engine("decode", pad_bytes=10_000)
+    proxy = start_proxy([p.url], [d.url])
+    proxy.state.max_answer_bytes = 4096
+
+    response = client.post(f"{proxy.url}/v1/completions", json=COMPLETION)
+
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert "4096 bytes" in error["message"] and "max_answer_bytes" in error["message"]
+    assert error["type"] == "upstream_error"
+    state = proxy.state
+    assert (state.counters.answers_too_large, state.counters.decode_errors) == (1, 1)
+    assert state.tables()["pool_busy"] == 0  # its connection was closed
+    proxy.state.max_answer_bytes = 1 << 20
+    assert client.post(f"{proxy.url}/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_a_prefill_answer_past_the_answer_limit_falls_back_to_the_decoder(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    p, d = start_engine("prefill", pad_bytes=10_000), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url])
+    proxy.state.max_answer_bytes = 4096
+
+    response = client.post(f"{proxy.url}/v1/completions", json=COMPLETION)
+
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == expected_text(COMPLETION)
+    assert "kv_transfer_params" not in d.seen[0]["body"]
+    counters = proxy.state.counters
+    assert (counters.answers_too_large, counters.fallbacks) == (1, 1)
+
+
+def test_a_wait_for_a_pooled_connection_is_bounded_and_a_503(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    """One connection per engine, held by a slow decode: the next request
+    waits for it at most the pool bound (``connect_timeout_s`` here), then
+    gets a 503 JSON error; before, it waited until the first one ended."""
+    p, d = start_engine("prefill"), start_engine("decode", delay_s=3.0)
+    proxy = start_proxy([p.url], [d.url], max_connections=1, connect_timeout_s=0.5)
+    url = f"{proxy.url}/v1/completions"
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url, json=COMPLETION, timeout=30)
+        deadline = time.monotonic() + 10
+        while len(d.seen) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = httpx.post(url, json=COMPLETION, timeout=30)
+        assert first.result().status_code == 200
+
+    assert second.status_code == 503
+    error = second.json()["error"]
+    assert "no free connection" in error["message"] and "decode-0" in error["message"]
+    assert error["type"] == "service_unavailable"
+    assert proxy.state.counters.pool_timeouts == 1
+    assert proxy.state.pool.decoders[0].healthy  # busy is not down

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from fabric.router.pool import HIGH_WATER, HttptoolsEngines
-from fabric.router.transport import Timeouts
+from fabric.router.transport import AnswerTooLarge, Timeouts
 
 TIMEOUTS = Timeouts(connect=2.0, read=2.0)
 HEADERS = {"content-type": "application/json", "x-request-id": "t-1"}
@@ -158,7 +158,7 @@ def test_an_answer_ending_at_close_is_read_to_the_end_and_not_reused() -> None:
 
 def test_failures_raise_httpx_errors() -> None:
     async def scenario(engines: HttptoolsEngines, url: str) -> list[type[Exception]]:
-        errors = []
+        errors: list[type[Exception]] = []
         for _ in range(3):
             try:
                 await engines.post_read(url, b"{}", HEADERS, Timeouts(connect=2.0, read=0.3))
@@ -220,3 +220,71 @@ def test_a_reused_connection_closed_before_answering_is_retried_once_on_a_new_on
 
     assert bodies == [b'{"ok":0}', b'{"ok":1}']
     assert server.connections == 2 and len(server.requests) == 3
+
+
+def test_a_call_waiting_past_the_pool_timeout_for_a_connection_is_a_pool_timeout() -> None:
+    """One connection, held by a call the engine never answers: the next call
+    waits for it at most ``Timeouts.pool``, then fails with PoolTimeout (before,
+    it waited as long as the first call held the connection)."""
+
+    def silent(request: bytes) -> bytes:
+        return b""
+
+    async def main() -> tuple[type[Exception], dict[str, int], dict[str, int]]:
+        server = Scripted([silent])
+        engines = HttptoolsEngines(max_connections=1)
+        async with server as url:
+            held = asyncio.create_task(
+                engines.post_read(url, b"{}", HEADERS, Timeouts(connect=2.0, read=30.0))
+            )
+            while server.requests == []:
+                await asyncio.sleep(0.01)
+            try:
+                async with asyncio.timeout(10):  # hang guard
+                    await engines.post(url, b"{}", HEADERS, Timeouts(2.0, 2.0, pool=0.2))
+            except httpx.PoolTimeout as exc:
+                error: type[Exception] = type(exc)
+                assert "no free connection" in str(exc) and "max_connections" in str(exc)
+            tables = engines.tables()
+            held.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await held
+            after = engines.tables()
+            await engines.aclose()
+        return error, tables, after
+
+    error, tables, after = asyncio.run(main())
+
+    assert error is httpx.PoolTimeout
+    assert tables == {"pool_waiters": 0, "pool_busy": 1}
+    assert after == {"pool_waiters": 0, "pool_busy": 0}
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_answer_past_the_read_limit_fails_and_its_connection_is_dropped(
+    framing: str,
+) -> None:
+    big = b"x" * 10_000
+    reply = answer(big) if framing == "content-length" else chunked(big, 1000)
+
+    async def scenario(engines: HttptoolsEngines, url: str) -> tuple[str, bytes]:
+        with pytest.raises(AnswerTooLarge) as info:
+            await engines.post_read(url, b"{}", HEADERS, TIMEOUTS, limit=4096)
+        _, body = await engines.post_read(url, b"{}", HEADERS, TIMEOUTS, limit=4096)
+        return str(info.value), body
+
+    (message, body), server = run([reply, answer(b'{"ok":1}')], scenario)
+
+    assert "4096 bytes" in message and "max_answer_bytes" in message
+    assert body == b'{"ok":1}'
+    assert server.connections == 2  # the oversized answer's connection was not reused
+
+
+def test_an_answer_at_the_read_limit_is_read() -> None:
+    async def scenario(engines: HttptoolsEngines, url: str) -> bytes:
+        _, body = await engines.post_read(url, b"{}", HEADERS, TIMEOUTS, limit=4096)
+        return body
+
+    body, _ = run([chunked(b"y" * 4096, 1000)], scenario)
+
+    assert body == b"y" * 4096
