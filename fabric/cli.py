@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 
@@ -33,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     model.add_argument("--model", help="lora: the tiny model directory the adapter is for")
     model.add_argument("--rank", type=int, default=8, help="lora: adapter rank (default 8)")
-    up = sub.add_parser("up", help="start a topology's engines and proxy (fabric up CONFIG)")
-    up.add_argument("config", help="topology YAML, e.g. configs/1p1d.yaml")
+    _up_parser(sub)
     proxy = sub.add_parser("proxy", help="serve only the PD proxy for running engines")
     proxy.add_argument("config", help="topology YAML whose engines have url (or port)")
     proxy.add_argument("--host", help="listen address (default: proxy.host)")
@@ -74,6 +75,72 @@ def _model(ns: argparse.Namespace) -> Path:
     from fabric.models import make_tiny_model
 
     return make_tiny_model(ns.dir, kv_heavy=ns.kv_heavy, seed=ns.seed)
+
+
+UP_DESCRIPTION = """\
+Start a topology's engines (and its shared store), serve the PD proxy, and
+keep them running until SIGTERM or SIGINT (Ctrl-C).
+
+Supervision: an engine or the store that exits is marked down in the proxy at
+once and restarted on the same ports and args, after a backoff that starts
+at --restart-backoff-s and doubles up to --restart-backoff-max-s (back to the
+start once it stayed up 60 s). WORKDIR/run/up.json is rewritten on every
+change: each engine's pid, state (starting/up/down/draining/stopped),
+restarts, last exit and last_restart_to_serving_s.
+
+SIGTERM/SIGINT drains: new requests get 503 JSON, requests in flight finish
+(at most --drain-timeout-s), then the proxy, the engines and the store stop.
+A second signal stops at once.
+
+SIGTERM to one engine's pid drains that engine: the proxy stops routing to it
+at once, its requests in flight finish (same bound), it exits and is not
+restarted; SIGUSR1 to fabric up restarts the engines stopped that way.
+"""
+
+
+def _up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = sub.add_parser(
+        "up",
+        help="start a topology's engines and proxy, keep them running (fabric up CONFIG)",
+        description=UP_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_argument("config", help="topology YAML, e.g. configs/1p1d.yaml")
+    up.add_argument(
+        "--drain-timeout-s",
+        type=_seconds("--drain-timeout-s", zero_ok=True),
+        help="on SIGTERM, how long requests in flight may run on (proxy and each engine; "
+        "default: 30)",
+    )
+    up.add_argument(
+        "--restart-backoff-s",
+        type=_seconds("--restart-backoff-s"),
+        default=1.0,
+        help="wait before the first restart of a process that exited (default 1)",
+    )
+    up.add_argument(
+        "--restart-backoff-max-s",
+        type=_seconds("--restart-backoff-max-s"),
+        default=30.0,
+        help="the longest wait between restarts of a crash loop (default 30)",
+    )
+
+
+def _seconds(flag: str, *, zero_ok: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number of seconds > 0 (>= 0 with ``zero_ok``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            bound = "a finite number >= 0" if zero_ok else "a finite number > 0"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = flag
+    return parse
 
 
 def _store_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -153,9 +220,12 @@ def _serve(ns: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         if ns.command == "up":
+            from fabric.launch.supervisor import RestartPolicy
+            from fabric.launch.up import UpOptions
             from fabric.launch.up import main as up_main
 
-            return up_main(ns.config)
+            restart = RestartPolicy(ns.restart_backoff_s, ns.restart_backoff_max_s)
+            return up_main(ns.config, options=UpOptions(ns.drain_timeout_s, restart))
         from fabric.config import load_topology
         from fabric.router.serve import run_proxy
 

@@ -2,7 +2,7 @@
 
 ``ManagedProcess`` runs one command in its own session (so its process group
 holds everything it spawns, e.g. vLLM's EngineCore) with stdout and stderr in
-a log file. ``stop()`` signals the group, never a name. The helpers build
+a log file. ``stop()`` signals the command, then kills the group, never a name. The helpers build
 what a real vLLM CPU engine needs on a machine with no GPU and no internet
 (see ``notes/vllm-cpu.md``): a free loopback port, an offline environment
 whose files stay in one work dir, and the ``serve`` command line.
@@ -110,13 +110,19 @@ class ManagedProcess:
             return ""
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM the process group, wait up to ``timeout`` s, then SIGKILL the group.
+        """SIGTERM the command, wait up to ``timeout`` s, then SIGKILL its process group.
 
         Children left in the group after the leader exited are killed too.
         Returns the exit status. Safe to call twice.
+
+        NOTE: SIGTERM goes to the leader only: a vLLM server stops its own
+        EngineCore and workers, and drains first (:mod:`fabric.launch.drain`);
+        a SIGTERM to the whole group makes its workers exit at once and fails
+        the requests in flight.
         """
         if self.alive():
-            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                self._popen.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(timeout)
         # NOTE: even after a clean exit, spawned children may linger in the group.

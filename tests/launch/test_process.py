@@ -86,6 +86,36 @@ def test_stop_kills_the_whole_group(tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
+CHILD = (
+    "import signal, sys, time\n"
+    "def said(*args):\n"
+    "    print('child got SIGTERM', flush=True)\n"
+    "    sys.exit()\n"
+    "signal.signal(signal.SIGTERM, said)\n"
+    "print('child ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+LEADER_WAITS_FOR_ITS_CHILD = (
+    "import signal, subprocess, sys, time\n"
+    f"child = subprocess.Popen([sys.executable, '-c', {CHILD!r}])\n"
+    "def stop(*args):\n"
+    "    time.sleep(1.0)  # like a server stopping its workers: they are its business\n"
+    "    sys.exit()\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_stop_sends_sigterm_to_the_command_only(tmp_path: Path) -> None:
+    # NOTE: a vLLM server stops its own workers; a SIGTERM to the whole group
+    # makes them exit under it and fails the requests in flight.
+    proc = ManagedProcess(python(LEADER_WAITS_FOR_ITS_CHILD), log_path=tmp_path / "p.log")
+    wait_for_log(proc, "child ready")
+    proc.stop(timeout=10)
+    assert "child got SIGTERM" not in (tmp_path / "p.log").read_text()
+    assert proc.returncode == 0  # its own exit, then the group was killed
+
+
 def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
     proc = ManagedProcess(python(IGNORES_SIGTERM), log_path=tmp_path / "p.log")
     wait_for_log(proc, "ready")

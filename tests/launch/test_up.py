@@ -1,39 +1,22 @@
 """``fabric up``: commands built for vLLM, and whole runs with fake engines as the engines.
 
-The runs go through the real code path (``python -m fabric.cli up CONFIG`` in
-a subprocess, engines started by ``ManagedProcess``) with each engine's
-``command`` set to the fake engine, so no vLLM is needed.
+The runs go through the real code path (see :mod:`tests.launch._up`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
 import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from fabric.config import parse_topology
 from fabric.launch import up
-from fabric.launch.process import free_port
-
-FAKE = [
-    "{python}", "-m", "fabric.router.fake_engine", "--port", "{port}", "--role", "{role}",
-    "--name", "{name}", "--model", "{model}", "--kv-port", "{kv_port}",
-]  # fmt: skip
-CRASH = ["{python}", "-c", "import sys; print('engine {name} is broken'); sys.exit(3)"]
-STALL = ["{python}", "-c", "import time; time.sleep(60)"]
+from tests.launch._up import CRASH, FAKE, STALL, UpRun, is_running
 
 
 def test_resolve_ports_fills_free_distinct_ports_and_keeps_given_ones() -> None:
@@ -159,84 +142,6 @@ def option(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-class UpRun:
-    """``fabric up`` in a subprocess; whatever it started is killed at teardown."""
-
-    def __init__(self, tmp_path: Path, prefill: list[str], decode: list[str], **top: Any) -> None:
-        self.workdir = tmp_path / "work"
-        config = {
-            "model": "fake",
-            "workdir": str(self.workdir),
-            "prefill": [{"command": prefill}],
-            "decode": [{"command": decode}],
-            "proxy": {"port": free_port(), "health_interval_s": 0.5},
-            **top,
-        }
-        path = tmp_path / "topology.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "fabric.cli", "up", str(path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(
-            target=self._read, args=(self.process.stdout, self.lines.put), daemon=True
-        ).start()
-        threading.Thread(
-            target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True
-        ).start()
-
-    @staticmethod
-    def _read(stream: Any, put: Any) -> None:
-        for line in stream:
-            put(line)
-
-    def wait_line(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
-        """The first stdout line matching ``pattern``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                if self.process.poll() is not None and self.lines.empty():
-                    break
-                continue
-            if match := re.search(pattern, line):
-                return match
-        raise AssertionError(f"no line matching {pattern!r}; stderr:\n{''.join(self.stderr)}")
-
-    def engine_pids(self) -> list[int]:
-        """Pids of the engines it started, from its log."""
-        return [int(m) for m in re.findall(r"started \S+ \(pid (\d+)\)", "".join(self.stderr))]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Send ``sig`` and wait for the exit status."""
-        self.process.send_signal(sig)
-        return self.process.wait(timeout)
-
-    def kill_all(self) -> None:
-        """Teardown backstop: kill the launcher and every engine it reported."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-        for pid in self.engine_pids():
-            if is_running(pid):
-                os.killpg(pid, signal.SIGKILL)
-
-
-def is_running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
-
-
 @pytest.fixture
 def runs() -> Iterator[list[UpRun]]:
     started: list[UpRun] = []
@@ -330,3 +235,28 @@ def test_up_starts_the_shared_store_first_and_stops_it_last(
     assert len(pids) == 3 and not any(is_running(pid) for pid in pids)
     assert (run.workdir / "logs" / "store.log").exists()
     assert not (run.workdir / "run" / "store.endpoint").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--drain-timeout-s", "soon"], "argument --drain-timeout-s: must be a number of seconds"),
+        (["--drain-timeout-s", "-1"], "argument --drain-timeout-s: must be a finite number >= 0"),
+        (["--restart-backoff-s", "0"], "argument --restart-backoff-s: must be a finite number > 0"),
+        (
+            ["--restart-backoff-s", "5", "--restart-backoff-max-s", "1"],
+            "max-s: must be >= --restart",
+        ),
+    ],
+)
+def test_bad_up_flags_name_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    from fabric.cli import main
+
+    try:
+        status = main(["up", str(tmp_path / "never-read.yaml"), *args])
+    except SystemExit as exc:  # argparse
+        status = int(exc.code or 0)
+    assert status == 2
+    assert message in capsys.readouterr().err

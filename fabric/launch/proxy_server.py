@@ -1,0 +1,146 @@
+"""The proxy under ``fabric up``: served until SIGTERM/SIGINT, then drained.
+
+::
+
+    SIGTERM/SIGINT -> the DrainGate closes: new requests get 503 JSON
+                      (Connection: close), GET /health 503; requests in flight
+                      continue -- at most drain_timeout_s
+                   -> uvicorn stops: listener closed, idle connections closed;
+                      what still runs after the drain timeout is cancelled
+                      after GRACE_S more
+    a second SIGTERM/SIGINT -> stop without waiting
+    SIGUSR1 -> on_usr1() (fabric up: restart engines drained on purpose)
+
+Unlike ``fabric.router.serve.serve_app``, uvicorn's own signal handlers are
+off (it would close the listener at once, so new requests would be refused
+connections rather than answered 503): this module's handlers only record
+the signal, and :func:`serve_drained` acts on it from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from fabric.launch.drain import DrainGate
+from fabric.router.serve import socket_url
+
+TICK_S = 0.05
+GRACE_S = 2  # uvicorn takes whole seconds
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn without its SIGINT/SIGTERM handlers (ours decide when it stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class Signals:
+    """Signals received while serving, in order (the handlers only append)."""
+
+    received: list[int] = field(default_factory=list)
+    seen: int = 0
+
+    def take(self) -> list[int]:
+        """The signals received since the last call."""
+        new = self.received[self.seen :]
+        self.seen = len(self.received)
+        return new
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Signals]:
+        """Within the block, SIGINT, SIGTERM and SIGUSR1 are recorded here."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.received.append(signum)
+
+        handled = (*STOP_SIGNALS, signal.SIGUSR1)
+        previous = {sig: signal.signal(sig, handler) for sig in handled}
+        try:
+            yield self
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What ``serve_drained`` tells its caller."""
+
+    started: Callable[[str], Coroutine[Any, Any, None]]  # the proxy's URL, once it accepts
+    draining: Callable[[int], None] = lambda in_flight: None
+    drained: Callable[[bool, int], None] = lambda drained, in_flight: None
+    usr1: Callable[[], None] = lambda: None
+
+
+async def serve_drained(
+    gate: DrainGate, sock: socket.socket, drain_timeout_s: float, hooks: Hooks
+) -> None:
+    """Serve ``gate`` (the proxy app behind its drain gate) on ``sock`` until a
+    stop signal, then drain it (see the module docstring)."""
+    server = QuietServer(_config(gate))
+    with Signals().installed() as signals:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(TICK_S)
+        # NOTE: its own task: a stop signal is acted on while it still runs.
+        started: asyncio.Task[None] | None = None
+        if server.started:
+            started = asyncio.create_task(hooks.started(socket_url(sock)))
+        try:
+            if await _until_stop(signals, task, hooks):
+                await _drain(gate, signals, drain_timeout_s, hooks)
+        finally:
+            if started is not None and not started.done():
+                started.cancel()
+            server.should_exit = True
+            await task
+
+
+async def _until_stop(signals: Signals, task: asyncio.Task[None], hooks: Hooks) -> bool:
+    """Wait for a stop signal (True), or for the server to end by itself (False)."""
+    while not task.done():
+        for signum in signals.take():
+            if signum in STOP_SIGNALS:
+                return True
+            hooks.usr1()
+        await asyncio.sleep(TICK_S)
+    return False
+
+
+async def _drain(gate: DrainGate, signals: Signals, timeout_s: float, hooks: Hooks) -> None:
+    gate.draining = True
+    hooks.draining(gate.in_flight)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while gate.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+        if any(signum in STOP_SIGNALS for signum in signals.take()):
+            break  # a second stop signal: no more waiting
+        await asyncio.sleep(TICK_S)
+    hooks.drained(gate.in_flight == 0, gate.in_flight)
+
+
+def _config(app: DrainGate) -> uvicorn.Config:
+    # NOTE: the same settings as fabric.router.serve.serve_app (no access log,
+    # no proxy headers, no Server header), plus a bound on the wait for
+    # connections still open once the drain is over.
+    return uvicorn.Config(
+        app,
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        proxy_headers=False,
+        server_header=False,
+        timeout_graceful_shutdown=GRACE_S,
+    )

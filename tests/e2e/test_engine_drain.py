@@ -1,0 +1,113 @@
+"""SIGTERM to a real vLLM engine's pid drains it (``fabric.launch.drain``).
+
+One engine, started once through ``fabric.launch.vllm_main`` (as ``fabric
+up`` starts it, with ``--middleware fabric.launch.drain.EngineDrain``), a
+long greedy stream in flight, then SIGTERM to the engine's pid (what
+``ManagedProcess.stop`` and ``kill PID`` send). Without the drain, vLLM
+0.32 (``--shutdown-timeout 0``) ends the stream with a 500 error event and
+refuses new connections at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fabric.launch.drain import DRAIN_FILE_ENV, DRAIN_TIMEOUT_ENV
+from fabric.launch.process import (
+    ManagedProcess,
+    engine_env,
+    free_port,
+    vllm_serve_command,
+    wait_http_ok,
+)
+from tests.e2e._engines import SERVED_MODEL_NAME, START_TIMEOUT_S
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 1500
+
+
+@pytest.fixture(scope="module")
+def engine(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ManagedProcess, str, Path]]:
+    workdir = tmp_path_factory.mktemp("drain-engine")
+    port = free_port()
+    argv = vllm_serve_command(tiny_model_dir, port, served_model_name=SERVED_MODEL_NAME)
+    drain_file = workdir / "engine.draining"
+    env = engine_env(workdir) | {DRAIN_FILE_ENV: str(drain_file), DRAIN_TIMEOUT_ENV: "120"}
+    process = ManagedProcess(argv, log_path=workdir / "engine.log", env=env, name="drain")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{url}/health", START_TIMEOUT_S, process)
+        yield process, url, drain_file
+    finally:
+        process.stop()
+
+
+def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
+    engine: tuple[ManagedProcess, str, Path],
+) -> None:
+    process, url, drain_file = engine
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": "The decode engine streams",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream, url, body, first)
+        assert first.wait(120), "the stream never started"
+
+        os.kill(process.pid, signal.SIGTERM)
+        health = _until_not_200(f"{url}/health")
+        refused = httpx.post(
+            f"{url}/v1/completions",
+            json=body | {"stream": False, "stream_options": None},
+            timeout=30,
+        )
+        chunks = stream.result(timeout=300)
+    status = process.wait(120)
+
+    assert health == 503
+    assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert choices[-1]["finish_reason"] == "length"  # finished, not aborted
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # all of it
+    assert status == 0, process.log_tail()
+    assert json.loads(drain_file.read_text())["pid"] == process.pid
+    assert "fabric: drained; stopping" in process.log_path.read_text()
+
+
+def _stream(url: str, body: dict[str, object], first: threading.Event) -> list[dict[str, Any]]:
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line.removeprefix("data: ")))
+                first.set()
+    return chunks
+
+
+def _until_not_200(url: str) -> int:
+    for _ in range(600):
+        status = httpx.get(url, timeout=10).status_code
+        if status != 200:
+            return status
+        threading.Event().wait(0.05)
+    raise AssertionError(f"{url} kept answering 200")
