@@ -27,10 +27,31 @@ the end of warm-up.
 
     python benchmarks/soak.py [--requests 2000] [--concurrency 32]
     python benchmarks/soak.py --requests 120 --concurrency 16 --warmup 30  # smoke
+    python benchmarks/soak.py --chaos                                      # with kills
+
+``--chaos`` adds a shared store to the topology and, while the requests run,
+SIGKILLs a random engine every ``--chaos-every-s`` (120 s; the shared store
+once, at the third kill): ``fabric up`` must restart it (see
+``benchmarks/chaos.py``). A request may then fail, but only with an error
+(an HTTP error status or an error event in its stream) within
+``--request-timeout-s``; one without an answer or an error is *unanswered*.
+Load failures are expected (the kills cause them); corrupt or refused KV is
+not. Restarted engines are judged for RSS from their own settled value, and
+each killed process must answer again within the topology's start time plus
+``--restart-slack-s`` (10 s).
+
+Every run also checks that fabric's per-request tables are empty afterwards
+(each worker's, over its control channel; each scheduler's and the proxy's,
+from ``/metrics``) and that the p99 of the time fabric held vLLM's scheduler
+per step (``vllm:fabric_scheduler_hold_seconds``, all engines, every
+incarnation) is at most ``--max-hold-p99-ms`` (20 ms). The last stdout line
+is a JSON summary, also saved in the result file under ``summary``::
+
+    {"unanswered", "wrong_outputs", "leaked_slots", "leaked_entries",
+     "rss_growth_max", "sched_hold_p99_ms", "restart_to_serving_s_max"}
 
 Not part of CI's default run (it takes ~10-30 minutes on 2 cores). Results go
-to ``benchmarks/results/soak-<date>.json``; the last stdout line is a JSON
-summary.
+to ``benchmarks/results/soak-<date>.json`` (``soak-chaos-<date>.json``).
 """
 
 from __future__ import annotations
@@ -64,6 +85,16 @@ from fabric.launch.process import (
 from fabric.transfer.lookup import StoreClient
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))  # NOTE: chaos.py beside this script, also when loaded by path
+from chaos import (  # noqa: E402
+    Chaos,
+    Scraper,
+    histogram_quantile,
+    parse_tables,
+    read_state,
+    rss_growth,
+)
+
 MODEL = "tiny"
 # fabric counters that count a failure; this soak injects none, so all stay 0
 FAILURE_COUNTERS = (
@@ -73,6 +104,10 @@ FAILURE_COUNTERS = (
     "refused_transfers",
     "thread_errors",
 )
+# under --chaos kills cause load failures; these never have a cause but a bug
+CHAOS_FAILURE_COUNTERS = ("corrupt_chunks", "refused_transfers")
+# worker tables bounded by peers, not requests (one entry per peer is fine)
+PEER_TABLES = ("_peers", "_links")
 # store stats that count a slot still taken once every request has ended
 HELD_STATS = ("reserved", "holds", "quarantined")
 
@@ -98,14 +133,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=60.0,
         help="how long slots may stay reserved, held or quarantined after the last answer",
     )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="SIGKILL a random engine every --chaos-every-s (once the shared store); "
+        "fabric up must restart it",
+    )
+    parser.add_argument("--chaos-every-s", type=float, default=120.0)
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=300.0,
+        help="a request without an answer (or an error) by then is unanswered",
+    )
+    parser.add_argument(
+        "--max-hold-p99-ms",
+        type=float,
+        default=20.0,
+        help="goal: p99 of the time fabric held vLLM's scheduler per step",
+    )
+    parser.add_argument(
+        "--restart-slack-s",
+        type=float,
+        default=10.0,
+        help="goal: a killed engine serves again within its start time plus this",
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
 
-def topology(workdir: Path) -> dict[str, Any]:
+def topology(workdir: Path, *, chaos: bool = False) -> dict[str, Any]:
     engine = {"kv_cache_gib": 1}
-    return {
+    shared = {"store": {"mem_gib": 1}} if chaos else {}
+    return shared | {
         "model": MODEL,
         "workdir": str(workdir),
         "startup_timeout_s": 900,
@@ -190,11 +251,19 @@ def add_choice(output: Output, choice: dict[str, Any]) -> None:
     output[1].extend((choice.get("logprobs") or {}).get("token_logprobs") or [])
 
 
+class Unanswered(Exception):
+    """No answer and no error: the connection broke, the deadline passed, or a
+    stream stopped without ``[DONE]`` or an error event."""
+
+
 async def one_request(
     client: httpx.AsyncClient, url: str, payload: dict[str, Any]
 ) -> tuple[str | None, Output]:
-    """(None when the answer is complete, else what went wrong; its tokens and
-    logprobs, empty unless the payload asked for them)."""
+    """(None when the answer is complete, else the error the server gave; its
+    tokens and logprobs, empty unless the payload asked for them).
+
+    Raises :class:`Unanswered` when there was neither an answer nor an error.
+    """
     output: Output = ([], [])
     try:
         if not payload["stream"]:
@@ -204,22 +273,21 @@ async def one_request(
             choice = response.json()["choices"][0]
             add_choice(output, choice)
             return (None if choice["text"] is not None else "no text"), output
-        got_done = False
         async with client.stream("POST", url, json=payload) as response:
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return error, output
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
-                    got_done = True
+                    return None, output
                 elif line.startswith("data: ") and '"error"' in line:
                     return f"stream error: {line[:200]}", output
                 elif line.startswith("data: "):
                     for choice in json.loads(line[6:]).get("choices", []):
                         add_choice(output, choice)
-        return (None if got_done else "stream ended without [DONE]"), output
+        raise Unanswered("stream ended without [DONE] or an error event")
     except httpx.HTTPError as exc:
-        return f"{type(exc).__name__}: {exc}", output
+        raise Unanswered(f"{type(exc).__name__}: {exc}") from exc
 
 
 async def drive(
@@ -227,11 +295,14 @@ async def drive(
     prompts: list[list[int]],
     args: argparse.Namespace,
     sample: Any,
-) -> tuple[list[str], list[float], dict[int, Output]]:
+    scrape: Any,
+    chaos: Chaos | None = None,
+) -> tuple[list[str], list[float], dict[int, Output], list[str]]:
     """Send every prompt at ``--concurrency``: (errors, latencies, the outputs
-    of the sampled requests by index)."""
+    of the sampled requests by index, the unanswered ones among the errors)."""
     url = proxy_url + "/v1/completions"
     errors: list[str] = []
+    unanswered: list[str] = []
     latencies: list[float] = []
     outputs: dict[int, Output] = {}
     queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
@@ -249,7 +320,11 @@ async def drive(
             keep = sampled(index, args.oracle_every)
             payload = completion_body(prompt, args.max_tokens, index % 2 == 1, keep)
             started = time.perf_counter()
-            error, output = await one_request(client, url, payload)
+            try:
+                error, output = await one_request(client, url, payload)
+            except Unanswered as exc:
+                unanswered.append(f"request {index}: {exc}")
+                error, output = f"unanswered: {exc}", ([], [])
             latencies.append(time.perf_counter() - started)
             if error is not None:
                 errors.append(f"request {index}: {error}")
@@ -265,25 +340,37 @@ async def drive(
         while True:
             await asyncio.sleep(args.sample_s)
             sample("run")
+            await scrape()
 
     limits = httpx.Limits(max_connections=args.concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
-        task = asyncio.create_task(sampler())
+    timeout = args.request_timeout_s
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        tasks = [asyncio.create_task(sampler())]
+        if chaos is not None:
+            tasks.append(asyncio.create_task(chaos.run(stop)))
         try:
             await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
         finally:
-            task.cancel()
-    return errors, latencies, outputs
+            stop.set()
+            tasks[0].cancel()
+            if chaos is not None:  # NOTE: the victim of a late kill must come back too
+                await tasks[1]
+    return errors, latencies, outputs, unanswered
 
 
-def wait_released(engines: list[dict[str, Any]], timeout_s: float) -> dict[str, dict[str, int]]:
+def wait_released(
+    engines: list[dict[str, Any]], timeout_s: float
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Per engine store: slots reserved, held for a reuse hit, quarantined
-    (a stat the store lacks is left out; reserved -1: it could not be asked).
-    Polled until all are 0 (leases and quarantines end on their own), at
-    most ``timeout_s``; the last reading."""
+    (a stat the store lacks is left out; reserved -1: it could not be asked),
+    and the worker's per-request table sizes. Polled until all are 0 (leases
+    and quarantines end on their own), at most ``timeout_s``; the last
+    reading."""
     deadline = time.monotonic() + timeout_s
     while True:
         held: dict[str, dict[str, int]] = {}
+        tables: dict[str, dict[str, int]] = {}
         for engine in engines:
             try:
                 with StoreClient(engine["kv_endpoint"], timeout_ms=5000) as store:
@@ -292,10 +379,14 @@ def wait_released(engines: list[dict[str, Any]], timeout_s: float) -> dict[str, 
                 print(f"  store of {engine['name']}: {exc}", flush=True)
                 stats = {"reserved": -1}
             held[engine["name"]] = {k: int(stats[k]) for k in HELD_STATS if k in stats}
-        if not any(v for counts in held.values() for v in counts.values()):
-            return held
-        if time.monotonic() > deadline:
-            return held
+            tables[engine["name"]] = {
+                k.removeprefix("tables."): int(v)
+                for k, v in stats.items()
+                if k.startswith("tables.") and not k.endswith(PEER_TABLES)
+            }
+        leaked = [v for by in (held, tables) for counts in by.values() for v in counts.values()]
+        if not any(leaked) or time.monotonic() > deadline:
+            return held, tables
         time.sleep(1.0)
 
 
@@ -379,7 +470,12 @@ async def replay(url: str, prompts: list[list[int]], max_tokens: int) -> list[An
 
     async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[str | None, Output]:
         async with gate:
-            return await one_request(client, url, completion_body(prompt, max_tokens, False, True))
+            try:
+                return await one_request(
+                    client, url, completion_body(prompt, max_tokens, False, True)
+                )
+            except Unanswered as exc:
+                return f"unanswered: {exc}", ([], [])
 
     async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
         return list(await asyncio.gather(*(one(client, p) for p in prompts)))
@@ -387,8 +483,9 @@ async def replay(url: str, prompts: list[list[int]], max_tokens: int) -> list[An
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     config = workdir / "soak.yaml"
-    config.write_text(yaml.safe_dump(topology(workdir)))
+    config.write_text(yaml.safe_dump(topology(workdir, chaos=args.chaos)))
     log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in finally
+    launched = time.monotonic()
     up = subprocess.Popen(
         [sys.executable, "-m", "fabric.cli", "up", str(config)],
         stdout=log,
@@ -398,35 +495,60 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     state_path = workdir / "run" / "up.json"
     samples: list[dict[str, Any]] = []
     prompts = make_prompts(args.requests)
+    scraper = Scraper()
+    chaos = Chaos(state_path, args.chaos_every_s) if args.chaos else None
     try:
         deadline = time.monotonic() + 1200
         while not state_path.exists():
             if up.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"fabric up did not come up; see {workdir / 'up.log'}")
             time.sleep(1)
-        state = json.loads(state_path.read_text())
+        start_s = time.monotonic() - launched
+        state = read_state(state_path)
         proxy_url = state["proxy_url"]
-        engines = state["engines"]
-        print(f"2P2D up at {proxy_url}; {args.requests} requests at c={args.concurrency}")
+        print(
+            f"2P2D up at {proxy_url} after {start_s:.0f} s; {args.requests} requests at "
+            f"c={args.concurrency}{', chaos' if chaos else ''}",
+            flush=True,
+        )
+
+        def engines_now() -> list[dict[str, Any]]:
+            try:
+                return list(read_state(state_path)["engines"])
+            except (OSError, ValueError, KeyError):
+                return list(state["engines"])
 
         def sample(phase: str) -> None:
-            samples.append(
-                {
-                    "t": time.time(),
-                    "phase": phase,
-                    "proxy_rss": own_rss(up.pid),
-                    "engines_rss": {e["name"]: tree_rss(e["pid"]) for e in engines},
-                }
-            )
+            rss = {f"proxy/{up.pid}": own_rss(up.pid)}
+            for e in engines_now():
+                if e.get("pid"):
+                    rss[f"{e['name']}/{e['pid']}"] = tree_rss(int(e["pid"]))
+            samples.append({"t": time.time(), "phase": phase, "rss": rss})
+
+        async def scrape() -> None:
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+                await scraper.scrape(client, engines_now())
 
         sample("start")
         started = time.monotonic()
-        errors, latencies, outputs = asyncio.run(drive(proxy_url, prompts, args, sample))
+        errors, latencies, outputs, unanswered = asyncio.run(
+            drive(proxy_url, prompts, args, sample, scrape, chaos)
+        )
         elapsed = time.monotonic() - started
         sample("end")
-        held = wait_released(engines, args.held_timeout_s)
+        engines = engines_now()
+        held, tables = wait_released(engines, args.held_timeout_s)
+        asyncio.run(scrape())
         counters = {e["name"]: fabric_counters(e["url"]) for e in engines}
+        for e in engines:
+            page = scraper.pages.get((e["name"], int(e["pid"] or 0)), "")
+            scheduler = {k: v for k, v in parse_tables(page).items() if k.startswith("scheduler")}
+            tables[e["name"]] = tables.get(e["name"], {}) | {
+                k: int(v) for k, v in scheduler.items()
+            }
         metrics = httpx.get(proxy_url + "/metrics", timeout=10).text
+        tables["proxy"] = proxy_tables(metrics)
+        restart_goal = {e["name"]: float(e.get("start_s") or start_s) for e in engines}
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -436,8 +558,28 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             up.wait()
         log.close()
     checked = oracle(args, workdir, prompts, outputs) if outputs else None
-    run_info = {"errors": errors, "latencies": latencies, "elapsed": elapsed}
+    run_info = {
+        "errors": errors,
+        "unanswered": unanswered,
+        "latencies": latencies,
+        "elapsed": elapsed,
+        "start_s": start_s,
+        "kills": [k.to_dict() for k in chaos.kills] if chaos else [],
+        "restart_goal_s": restart_goal,
+        "hold_buckets": scraper.hold_histogram(),
+        "tables": tables,
+    }
     return summarize(args, samples, run_info, held, counters, metrics, checked)
+
+
+def proxy_tables(metrics: str) -> dict[str, int]:
+    """The proxy's ``fabric_proxy_table_entries`` gauges by table."""
+    out: dict[str, int] = {}
+    for line in metrics.splitlines():
+        match = re.match(r'^fabric_proxy_table_entries\{.*table="([^"]+)".*\} (\S+)$', line)
+        if match:
+            out[match.group(1)] = out.get(match.group(1), 0) + int(float(match.group(2)))
+    return out
 
 
 def summarize(
@@ -450,52 +592,88 @@ def summarize(
     checked: dict[str, Any] | None,
 ) -> dict[str, Any]:
     errors, latencies, elapsed = run_info["errors"], run_info["latencies"], run_info["elapsed"]
+    unanswered = run_info["unanswered"]
     warm = next((s for s in samples if s["phase"] == "warmup"), samples[0])
     after = [s for s in samples if s["t"] >= warm["t"]]
-    growth = {"proxy": max(s["proxy_rss"] for s in after) / warm["proxy_rss"] - 1}
-    for name, base in warm["engines_rss"].items():
-        growth[name] = max(s["engines_rss"][name] for s in after) / base - 1
+    # NOTE: a restarted engine is a new process: judged from its own settled value
+    settle = 60.0 if args.chaos else 0.0
+    growth, short_lived = rss_growth(after, settle_s=settle, min_life_s=3 * args.sample_s)
     proxy_counters = {
         line.split()[0]: float(line.split()[1])
         for line in metrics.splitlines()
         if line.startswith("fabric_proxy_") and line.split()[0].endswith("_total")
     }
-    failures = {
-        name: {k: values.get(k, 0.0) for k in FAILURE_COUNTERS} for name, values in counters.items()
-    }
-    missing = sorted({k for v in counters.values() for k in FAILURE_COUNTERS if k not in v})
+    # NOTE: kills cause load failures (injected); wrong or corrupt KV never
+    watched = CHAOS_FAILURE_COUNTERS if args.chaos else FAILURE_COUNTERS
+    failures = {name: {k: values.get(k, 0.0) for k in watched} for name, values in counters.items()}
+    missing = sorted({k for v in counters.values() for k in watched if k not in v})
     latencies.sort()
+    tables = run_info["tables"]
+    kills = run_info["kills"]
+    backs = [k["restart_to_serving_s"] for k in kills]
+    goal = run_info["restart_goal_s"]
+    late = [
+        k
+        for k in kills
+        if k["restart_to_serving_s"] is None
+        or k["restart_to_serving_s"]
+        > goal.get(k["victim"], run_info["start_s"]) + args.restart_slack_s
+    ]
+    hold_p99 = histogram_quantile(run_info["hold_buckets"], 0.99)
+    summary = {
+        "unanswered": len(unanswered),
+        "wrong_outputs": None if checked is None else checked["mismatches"],
+        "leaked_slots": sum(abs(v) for counts in held.values() for v in counts.values()),
+        "leaked_entries": sum(v for counts in tables.values() for v in counts.values()),
+        "rss_growth_max": round(max(growth.values(), default=0.0), 4),
+        "sched_hold_p99_ms": None if hold_p99 is None else round(hold_p99 * 1000, 2),
+        "restart_to_serving_s_max": (
+            max(backs, default=None) if all(b is not None for b in backs) else None
+        ),
+    }
     want_sample = args.oracle_every > 0
     ok = (
-        not errors
-        and all(v == 0 for counts in held.values() for v in counts.values())
+        (args.chaos or not errors)
+        and not unanswered
+        and summary["leaked_slots"] == 0
+        and summary["leaked_entries"] == 0
         and all(v == 0 for counts in failures.values() for v in counts.values())
         and not missing
         and (not want_sample or (checked is not None and checked["mismatches"] == 0))
         and all(g <= args.rss_tolerance for g in growth.values())
+        and hold_p99 is not None
+        and hold_p99 * 1000 <= args.max_hold_p99_ms
+        and not late
     )
     return {
-        "benchmark": "soak",
+        "benchmark": "soak-chaos" if args.chaos else "soak",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count()},
         "passed": ok,
+        "summary": summary,
         "requests": args.requests,
         "errors": len(errors),
-        "first_errors": errors[:10],
+        "first_errors": errors[:20],
+        "first_unanswered": unanswered[:20],
         "elapsed_s": elapsed,
         "rps": args.requests / elapsed,
         "latency_s": {
             "p50": latencies[len(latencies) // 2],
             "p99": latencies[int(len(latencies) * 0.99) - 1],
         },
+        "start_s": run_info["start_s"],
+        "kills": kills,
+        "late_restarts": late,
+        "scheduler_hold_buckets": {str(k): v for k, v in sorted(run_info["hold_buckets"].items())},
         "oracle": checked,
-        "reserved_slots_after": {name: counts.get("reserved", -1) for name, counts in held.items()},
         "held_slots_after": held,
+        "tables_after": tables,
         "fabric_failures": failures,
         "fabric_failure_counters_missing": missing,
         "fabric_counters": counters,
         "rss_growth_after_warmup": growth,
+        "rss_not_judged": short_lived,
         "proxy_counters": proxy_counters,
         "samples": samples,
     }
@@ -512,26 +690,18 @@ def main(argv: list[str] | None = None) -> int:
         args.workdir.mkdir(parents=True, exist_ok=True)
         result = run(args, args.workdir)
     day = datetime.date.today().isoformat()
-    out = args.out or ROOT / "results" / f"soak-{day}.json"
+    name = "soak-chaos" if args.chaos else "soak"
+    out = args.out or ROOT / "results" / f"{name}-{day}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     growth = {k: f"{v:+.1%}" for k, v in result["rss_growth_after_warmup"].items()}
     checked = result["oracle"] or {}
-    print(f"errors {result['errors']}, held after {result['held_slots_after']}")
+    summary = result["summary"]
+    print(f"errors {result['errors']} (unanswered {summary['unanswered']})")
+    print(f"held after {result['held_slots_after']}; tables after {result['tables_after']}")
     print(f"fabric failures {result['fabric_failures']}; oracle {checked}")
-    print(f"RSS growth after warm-up: {growth}")
+    print(f"RSS growth after warm-up: {growth}; kills {result['kills']}")
     print(f"{result['rps']:.1f} req/s, p50 {result['latency_s']['p50']:.3f} s; wrote {out}")
-    summary = {
-        "passed": result["passed"],
-        "errors": result["errors"],
-        "oracle_compared": checked.get("compared", 0),
-        "oracle_mismatches": checked.get("mismatches", 0),
-        "fabric_failures": sum(v for c in result["fabric_failures"].values() for v in c.values()),
-        "leaked_slots": sum(
-            abs(v) for counts in result["held_slots_after"].values() for v in counts.values()
-        ),
-        "max_rss_growth": round(max(result["rss_growth_after_warmup"].values()), 4),
-    }
     print(json.dumps(summary))
     return 0 if result["passed"] else 1
 

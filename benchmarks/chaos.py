@@ -1,0 +1,265 @@
+"""The chaos half of ``benchmarks/soak.py --chaos``.
+
+While the soak's requests run, :class:`Chaos` SIGKILLs a random engine of
+the ``fabric up`` topology every ``every_s`` seconds (and, once, the shared
+store), then watches it come back: ``fabric up`` must restart it, and the
+time from the kill until the restarted process answers ``/health`` again is
+its restart-to-serving time. :class:`Scraper` reads every engine's
+``/metrics`` periodically (a SIGKILLed engine's counters are gone with it, so
+the last reading of each incarnation is kept) for the scheduler-hold
+histogram; :func:`rss_growth` compares each long-lived process's resident
+memory with its value after warm-up.
+
+Pure functions (:func:`histogram_quantile`, :func:`rss_growth`,
+:func:`parse_histogram`) are unit-tested in ``tests/bench/test_soak_chaos.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HOLD_METRIC = "vllm:fabric_scheduler_hold_seconds"
+TABLE_METRIC = "vllm:fabric_table_entries"
+
+
+@dataclass
+class Kill:
+    """One SIGKILL and what followed."""
+
+    victim: str
+    pid: int
+    at: float
+    new_pid: int | None = None
+    serving_at: float | None = None
+
+    @property
+    def restart_to_serving_s(self) -> float | None:
+        return None if self.serving_at is None else self.serving_at - self.at
+
+    def to_dict(self) -> dict[str, Any]:
+        back = self.restart_to_serving_s
+        return {
+            "victim": self.victim,
+            "pid": self.pid,
+            "new_pid": self.new_pid,
+            "restart_to_serving_s": None if back is None else round(back, 1),
+        }
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """``fabric up``'s state file (rewritten atomically on every change)."""
+    return dict(json.loads(path.read_text()))
+
+
+def store_entry(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The shared store's entry in the state file, if it has one with a pid."""
+    store = state.get("store")
+    return store if isinstance(store, dict) and store.get("pid") else None
+
+
+@dataclass
+class Chaos:
+    """SIGKILL a random engine every ``every_s`` (the shared store once, at the
+    ``store_at``-th kill) and time each restart until ``/health`` answers."""
+
+    state_path: Path
+    every_s: float
+    seed: int = 5
+    store_at: int = 3
+    kills: list[Kill] = field(default_factory=list)
+    log: Callable[[str], None] = print
+
+    async def run(self, stop: asyncio.Event) -> None:
+        rng = random.Random(self.seed)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.every_s)
+                return
+            except TimeoutError:
+                pass
+            state = read_state(self.state_path)
+            kill = self._kill(state, rng, store=len(self.kills) + 1 == self.store_at)
+            if kill is not None:
+                self.kills.append(kill)
+                await self._watch(kill, stop)
+
+    def _kill(self, state: dict[str, Any], rng: random.Random, *, store: bool) -> Kill | None:
+        store_state = store_entry(state)
+        if store and store_state is not None:
+            name, pid = "store", int(store_state["pid"])
+        else:
+            engines = [e for e in state["engines"] if e.get("pid")]
+            if not engines:
+                return None
+            victim = rng.choice(engines)
+            name, pid = victim["name"], int(victim["pid"])
+        self.log(f"  chaos: SIGKILL {name} (pid {pid})")
+        try:
+            # NOTE: fabric up starts each in its own session: the group takes vLLM's children
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return None
+        return Kill(name, pid, time.monotonic())
+
+    async def _watch(self, kill: Kill, stop: asyncio.Event, timeout_s: float = 900) -> None:
+        """Until the victim has a new pid that answers ``/health`` (the store:
+        that ``fabric up`` reports it up again)."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.25)
+                try:
+                    state = read_state(self.state_path)
+                except (OSError, ValueError):
+                    continue
+                entry = self._entry(state, kill.victim)
+                pid = entry.get("pid") if entry else None
+                if not pid or pid == kill.pid:
+                    continue
+                if await self._serving(client, kill.victim, entry or {}):
+                    kill.new_pid, kill.serving_at = int(pid), time.monotonic()
+                    self.log(
+                        f"  chaos: {kill.victim} serving again after "
+                        f"{kill.restart_to_serving_s:.1f} s (pid {pid})"
+                    )
+                    return
+        self.log(f"  chaos: {kill.victim} did not come back within {timeout_s:.0f} s")
+
+    @staticmethod
+    def _entry(state: dict[str, Any], name: str) -> dict[str, Any] | None:
+        if name == "store":
+            return store_entry(state)
+        return next((e for e in state["engines"] if e["name"] == name), None)
+
+    @staticmethod
+    async def _serving(client: httpx.AsyncClient, name: str, entry: dict[str, Any]) -> bool:
+        if name == "store":  # NOTE: fabric up marks it up once its endpoint file is back
+            return entry.get("state") == "up"
+        try:
+            return (await client.get(entry["url"] + "/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def parse_histogram(text: str, metric: str) -> dict[float, float]:
+    """Cumulative bucket counts of ``metric`` in a Prometheus text page,
+    summed over label sets: upper bound (inf for +Inf) -> count."""
+    out: dict[float, float] = {}
+    pattern = re.compile(rf"^{re.escape(metric)}_bucket\{{(.*)\}} (\S+)$")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if not match:
+            continue
+        le = re.search(r'le="([^"]+)"', match.group(1))
+        if le is None:
+            continue
+        bound = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
+        out[bound] = out.get(bound, 0.0) + float(match.group(2))
+    return out
+
+
+def add_histograms(histograms: Iterable[dict[float, float]]) -> dict[float, float]:
+    out: dict[float, float] = {}
+    for histogram in histograms:
+        for bound, count in histogram.items():
+            out[bound] = out.get(bound, 0.0) + count
+    return out
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The ``q`` quantile's upper bound: the least bucket bound whose
+    cumulative count reaches ``q`` of the total (a conservative reading; inf
+    when it lies above the highest finite bound; None without samples)."""
+    if not buckets:
+        return None
+    total = buckets.get(float("inf"), max(buckets.values()))
+    if total <= 0:
+        return None
+    for bound in sorted(buckets):
+        if buckets[bound] >= q * total:
+            return bound
+    return float("inf")
+
+
+def parse_tables(text: str) -> dict[str, float]:
+    """``vllm:fabric_table_entries`` by table, summed over other labels."""
+    out: dict[str, float] = {}
+    pattern = re.compile(rf"^{re.escape(TABLE_METRIC)}\{{(.*)\}} (\S+)$")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        table = re.search(r'table="([^"]+)"', match.group(1)) if match else None
+        if match and table:
+            out[table.group(1)] = out.get(table.group(1), 0.0) + float(match.group(2))
+    return out
+
+
+@dataclass
+class Scraper:
+    """The last ``/metrics`` page of every engine incarnation (name, pid)."""
+
+    pages: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    async def scrape(self, client: httpx.AsyncClient, engines: list[dict[str, Any]]) -> None:
+        async def one(engine: dict[str, Any]) -> None:
+            try:
+                response = await client.get(engine["url"] + "/metrics")
+            except httpx.HTTPError:
+                return
+            if response.status_code == 200 and engine.get("pid"):
+                self.pages[(engine["name"], int(engine["pid"]))] = response.text
+
+        await asyncio.gather(*(one(e) for e in engines))
+
+    def hold_histogram(self) -> dict[float, float]:
+        return add_histograms(parse_histogram(p, HOLD_METRIC) for p in self.pages.values())
+
+
+def rss_growth(
+    samples: list[dict[str, Any]], *, settle_s: float, min_life_s: float
+) -> tuple[dict[str, float], list[str]]:
+    """RSS growth of every long-lived process incarnation.
+
+    ``samples``: {"t", "rss": {"name/pid": bytes}}. An incarnation's baseline
+    is its first sample at least ``settle_s`` after it first appeared (after
+    warm-up: the caller passes only samples from then on); it counts when it
+    was sampled at least ``min_life_s`` after its baseline. Returns
+    ({incarnation: max/baseline - 1}, the incarnations too short-lived to judge).
+    """
+    first: dict[str, float] = {}
+    base: dict[str, tuple[float, int]] = {}
+    peak: dict[str, int] = {}
+    last: dict[str, float] = {}
+    for sample in samples:
+        for key, rss in sample["rss"].items():
+            if not rss:
+                continue
+            first.setdefault(key, sample["t"])
+            last[key] = sample["t"]
+            if key not in base:
+                if sample["t"] - first[key] >= settle_s:
+                    base[key] = (sample["t"], rss)
+                    peak[key] = rss
+                continue
+            peak[key] = max(peak[key], rss)
+    growth, short = {}, []
+    for key in first:
+        if key in base and last[key] - base[key][0] >= min_life_s:
+            growth[key] = peak[key] / base[key][1] - 1
+        else:
+            short.append(key)
+    return growth, sorted(short)
