@@ -131,7 +131,9 @@ class HttptoolsEngines(EngineHTTP):
         pools = self._pools.values()
         return {
             "pool_waiters": sum(len(p.waiters) for p in pools),
-            "pool_busy": sum(p.open - len(p.idle) for p in pools),
+            # NOTE: an idle connection the engine closed is no longer open, but
+            # stays in ``idle`` until the next acquire drops it
+            "pool_busy": sum(p.open - sum(not c.closed for c in p.idle) for p in pools),
         }
 
 

@@ -288,3 +288,34 @@ def test_an_answer_at_the_read_limit_is_read() -> None:
     body, _ = run([chunked(b"y" * 4096, 1000)], scenario)
 
     assert body == b"y" * 4096
+
+
+def test_an_idle_connection_the_engine_closed_is_not_counted_busy() -> None:
+    """The engine closes a keep-alive connection after its answer (it was
+    restarted, say): the pool's busy gauge stays 0, never negative (before,
+    the closed connection was still counted idle and busy went to -1)."""
+
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(answer(b"{}"))
+        await writer.drain()
+        writer.close()
+
+    async def main() -> dict[str, int]:
+        server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        engines = HttptoolsEngines(max_connections=4)
+        try:
+            await engines.post_read(url, b"{}", HEADERS, TIMEOUTS)
+            for _ in range(500):  # until the client saw the close (hang guard: 5 s)
+                if all(c.closed for p in engines._pools.values() for c in p.idle):
+                    break
+                await asyncio.sleep(0.01)
+            return engines.tables()
+        finally:
+            await engines.aclose()
+            server.close()
+
+    assert asyncio.run(main()) == {"pool_waiters": 0, "pool_busy": 0}
