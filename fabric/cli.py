@@ -82,19 +82,26 @@ Start a topology's engines (and its shared store), serve the PD proxy, and
 keep them running until SIGTERM or SIGINT (Ctrl-C).
 
 Supervision: an engine or the store that exits is marked down in the proxy at
-once and restarted on the same ports and args, after a backoff that starts
-at --restart-backoff-s and doubles up to --restart-backoff-max-s (back to the
-start once it stayed up 60 s). WORKDIR/run/up.json is rewritten on every
-change: each engine's pid, state (starting/up/down/draining/stopped),
-restarts, last exit and last_restart_to_serving_s.
+once, what is left of its process group is killed, and it is restarted on
+the same ports and args, after a backoff that starts at --restart-backoff-s
+and doubles up to --restart-backoff-max-s (back to the start once it stayed
+up 60 s). WORKDIR/run/up.json is rewritten on every change: each engine's
+pid, state (starting/up/down/draining/stopped), restarts, last exit,
+last_restart_to_serving_s and first_start_s.
 
-SIGTERM/SIGINT drains: new requests get 503 JSON, requests in flight finish
-(at most --drain-timeout-s), then the proxy, the engines and the store stop.
-A second signal stops at once.
+SIGTERM/SIGINT/SIGHUP drains: new requests get 503 JSON, requests in flight
+finish (at most --drain-timeout-s), then the proxy, the engines (each drains
+too) and the store stop. A second signal stops at once.
 
-SIGTERM to one engine's pid drains that engine: the proxy stops routing to it
-at once, its requests in flight finish (same bound), it exits and is not
-restarted; SIGUSR1 to fabric up restarts the engines stopped that way.
+SIGTERM to one engine's pid (not its process group) drains that engine: the
+proxy stops routing to it at once, its requests in flight finish (same
+bound), it exits and is not restarted; SIGUSR1 to fabric up restarts the
+engines stopped that way.
+
+Under systemd, use KillMode=mixed (SIGTERM to fabric up alone, which stops
+the engines in order) and TimeoutStopSec of at least twice --drain-timeout-s
+plus 2 minutes; the default KillMode sends SIGTERM to every process at once,
+vLLM's workers too, and fails the requests in flight.
 """
 
 

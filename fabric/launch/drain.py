@@ -21,9 +21,22 @@ engine) and counts the HTTP requests in flight. Once ``draining``:
                proxy's rotation at once and does not restart it
             -> requests in flight finish, at most $FABRIC_DRAIN_TIMEOUT_S
                (default 30 s)
-            -> SIGINT to itself: the server's own graceful shutdown (after a
-               drain timeout, one more SIGINT: uvicorn then stops waiting)
+            -> SIGINT to itself: the server's own graceful shutdown
+               (after a drain timeout, one more SIGINT ``FORCE_AFTER_S``
+               later; see below for what each server makes of it)
     a second SIGTERM -> both SIGINTs at once
+
+What bounds the stop after a drain timeout: under ``vllm serve``, the
+extra SIGINT changes nothing -- vLLM's handler only sets an event and
+returns if it is already set (``launcher.py:251-255``), and its
+``NoSignalServer`` installs none of uvicorn's handlers
+(``launcher.py:45-70``) -- the bound is vLLM's own shutdown with the
+default ``--shutdown-timeout 0``: the EngineCore aborts the requests still
+running (``vllm/v1/engine/core.py:1641-1651``), then the HTTP server task
+is cancelled (``launcher.py:283``). Under plain uvicorn (``fabric.router
+.fake_engine`` behind this middleware), the second SIGINT sets
+``force_exit`` (``uvicorn/server.py:351-356``): it stops waiting for the
+connections still open.
 
 Why it is needed with vLLM 0.32: its API server handles SIGTERM and SIGINT
 alike (``vllm/entrypoints/launchers/launcher.py:251-261``): it calls
@@ -207,8 +220,9 @@ def finish(*, force: bool = False) -> None:
     """Ask this process to stop the usual way: SIGINT (vLLM's and uvicorn's graceful exit).
 
     ``force``: a second SIGINT ``FORCE_AFTER_S`` later (two at once may arrive
-    as one), which makes uvicorn stop waiting for the requests still open;
-    vLLM ignores it (its shutdown is bounded by ``--shutdown-timeout``).
+    as one), which makes plain uvicorn stop waiting for the requests still
+    open; vLLM's handler ignores it, and its shutdown is bounded by
+    ``--shutdown-timeout`` instead (see the module docstring).
     """
     os.kill(os.getpid(), signal.SIGINT)
     if force:

@@ -2,13 +2,17 @@
 
 ``ManagedProcess`` runs one command in its own session (so its process group
 holds everything it spawns, e.g. vLLM's EngineCore) with stdout and stderr in
-a log file. ``stop()`` signals the command, then kills the group, never a name. The helpers build
+a log file. ``stop()`` signals the command, then kills the group, never a name;
+``kill_group()`` kills what a command that exited left behind (vLLM's
+EngineCore outlives an API server killed alone: it has no parent-death
+check). The helpers build
 what a real vLLM CPU engine needs on a machine with no GPU and no internet
 (see ``notes/vllm-cpu.md``): a free loopback port, an offline environment
 whose files stay in one work dir, and the ``serve`` command line.
 
     ManagedProcess(argv, log_path=..., env=..., cwd=...)
       .pid / .alive() / .returncode / .log_tail() / .wait() / .stop()
+      .group_pids() / .kill_group() / .wait_group_gone(timeout)
     wait_http_ok(url, timeout, proc=None)
     free_port(host="127.0.0.1") -> int
     engine_env(workdir, cpu_cores=None, kv_cache_gib=1) -> dict[str, str]
@@ -49,6 +53,8 @@ __all__ = [
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_SEED = 0
 LOG_TAIL_BYTES = 4000
+GROUP_KILL_WAIT_S = 10.0  # for processes killed with SIGKILL to exit (a GPU's may take seconds)
+POLL_S = 0.05
 
 
 class ManagedProcess:
@@ -112,8 +118,9 @@ class ManagedProcess:
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM the command, wait up to ``timeout`` s, then SIGKILL its process group.
 
-        Children left in the group after the leader exited are killed too.
-        Returns the exit status. Safe to call twice.
+        Children left in the group after the leader exited are killed too, and
+        waited for (at most ``GROUP_KILL_WAIT_S``). Returns the exit status.
+        Safe to call twice.
 
         NOTE: SIGTERM goes to the leader only: a vLLM server stops its own
         EngineCore and workers, and drains first (:mod:`fabric.launch.drain`);
@@ -126,11 +133,51 @@ class ManagedProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(timeout)
         # NOTE: even after a clean exit, spawned children may linger in the group.
-        self._signal_group(signal.SIGKILL)
+        self.kill_group()
         try:
-            return self._popen.wait(5.0)
+            status: int | None = self._popen.wait(5.0)
         except subprocess.TimeoutExpired:
-            return None
+            status = None
+        self.wait_group_gone(GROUP_KILL_WAIT_S)
+        return status
+
+    def group_pids(self) -> list[int]:
+        """The live processes of its process group (zombies aside), the leader while it runs.
+
+        Empty once the group is gone. A process group id stays reserved while
+        any member lives, so once the leader was reaped a process whose pid is
+        that id is a newcomer, and means the group is gone.
+        """
+        pgid = self._popen.pid
+        reaped = self._popen.poll() is not None
+        try:
+            pids = _group_members(pgid)
+        except OSError:  # no /proc: whether the kernel still knows the group
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return []
+            return [pgid]
+        return [] if reaped and pgid in pids else pids
+
+    def kill_group(self) -> list[int]:
+        """SIGKILL every process of its group, the leader too; the pids it had.
+
+        A no-op once the group is gone. Does not wait (``wait_group_gone``).
+        """
+        pids = self.group_pids()
+        if pids:
+            self._signal_group(signal.SIGKILL)
+        return pids
+
+    def wait_group_gone(self, timeout: float) -> bool:
+        """Until no process of its group is left (True), or ``timeout`` s passed (False)."""
+        deadline = time.monotonic() + timeout
+        while self.group_pids():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -148,12 +195,31 @@ class ManagedProcess:
         self.stop()
 
     def __del__(self) -> None:
-        popen = getattr(self, "_popen", None)
-        if popen is not None and popen.poll() is None:
-            self._signal_group(signal.SIGKILL)
+        # NOTE: a backstop: the group is killed even when the leader is gone
+        # (what it spawned may still run).
+        if getattr(self, "_popen", None) is not None:
+            with contextlib.suppress(Exception):
+                self.kill_group()
 
     def __repr__(self) -> str:
         return f"ManagedProcess(name={self.name!r}, pid={self.pid}, alive={self.alive()})"
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes whose process group is ``pgid``, from /proc."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                # NOTE: after the command name in parentheses: state, ppid, pgrp.
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            members.append(int(entry.name))
+    return members
 
 
 def wait_http_ok(

@@ -1,15 +1,28 @@
-"""The proxy under ``fabric up``: served until SIGTERM/SIGINT, then drained.
+"""The proxy under ``fabric up``: served until SIGTERM/SIGINT/SIGHUP, then drained.
 
 ::
 
-    SIGTERM/SIGINT -> the DrainGate closes: new requests get 503 JSON
+    SIGTERM/SIGINT/SIGHUP -> the DrainGate closes: new requests get 503 JSON
                       (Connection: close), GET /health 503; requests in flight
                       continue -- at most drain_timeout_s
                    -> uvicorn stops: listener closed, idle connections closed;
                       what still runs after the drain timeout is cancelled
                       after GRACE_S more
-    a second SIGTERM/SIGINT -> stop without waiting
+    a second SIGTERM/SIGINT/SIGHUP -> stop without waiting
     SIGUSR1 -> on_usr1() (fabric up: restart engines drained on purpose)
+
+SIGHUP stops like SIGTERM: a hangup (the terminal or SSH session of
+``fabric up`` closed) would otherwise end the process without its cleanup,
+and the engines, each in a session of its own, would run on.
+
+If uvicorn or the app's lifespan startup fails, or the server stops by
+itself, :func:`serve_drained` raises ``LaunchError``, so ``fabric up``
+stops everything and exits 1. uvicorn logs the error, then either calls
+``sys.exit`` from its startup (a failed lifespan startup sets
+``should_exit``, ``uvicorn/lifespan/on.py:59-60``, and ``startup`` exits 3,
+``uvicorn/server.py:116-118``) -- a ``SystemExit`` that would leave the
+event loop past this module -- or returns without having started
+(``server.py:105-107``).
 
 Unlike ``fabric.router.serve.serve_app``, uvicorn's own signal handlers are
 off (it would close the listener at once, so new requests would be refused
@@ -30,12 +43,13 @@ from typing import Any
 
 import uvicorn
 
+from fabric.errors import LaunchError
 from fabric.launch.drain import DrainGate
 from fabric.router.serve import socket_url
 
 TICK_S = 0.05
 GRACE_S = 2  # uvicorn takes whole seconds
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class QuietServer(uvicorn.Server):
@@ -61,7 +75,7 @@ class Signals:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Signals]:
-        """Within the block, SIGINT, SIGTERM and SIGUSR1 are recorded here."""
+        """Within the block, the stop signals and SIGUSR1 are recorded here."""
 
         def handler(signum: int, frame: FrameType | None) -> None:
             self.received.append(signum)
@@ -89,24 +103,55 @@ async def serve_drained(
     gate: DrainGate, sock: socket.socket, drain_timeout_s: float, hooks: Hooks
 ) -> None:
     """Serve ``gate`` (the proxy app behind its drain gate) on ``sock`` until a
-    stop signal, then drain it (see the module docstring)."""
+    stop signal, then drain it (see the module docstring).
+
+    Raises ``LaunchError`` when the server does not start, or stops by itself.
+    """
     server = QuietServer(_config(gate))
     with Signals().installed() as signals:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
+        task = asyncio.create_task(_serve(server, sock))
         while not server.started and not task.done():
             await asyncio.sleep(TICK_S)
+        if not server.started:
+            raise _failed(task, "did not start")
         # NOTE: its own task: a stop signal is acted on while it still runs.
-        started: asyncio.Task[None] | None = None
-        if server.started:
-            started = asyncio.create_task(hooks.started(socket_url(sock)))
+        started = asyncio.create_task(hooks.started(socket_url(sock)))
         try:
-            if await _until_stop(signals, task, hooks):
+            stopped = await _until_stop(signals, task, hooks)
+            if stopped:
                 await _drain(gate, signals, drain_timeout_s, hooks)
         finally:
-            if started is not None and not started.done():
+            if not started.done():
                 started.cancel()
             server.should_exit = True
-            await task
+            await asyncio.wait({task})
+    if not stopped:
+        raise _failed(task, "stopped by itself")
+    task.result()  # NOTE: an error of its own shutdown is not swallowed
+
+
+async def _serve(server: QuietServer, sock: socket.socket) -> None:
+    """``server.serve``, its ``sys.exit`` at a failed startup a ``LaunchError``."""
+    try:
+        await server.serve(sockets=[sock])
+    except SystemExit as exc:
+        raise LaunchError(
+            f"proxy: the server did not start (uvicorn exited with status {exc.code}: "
+            "its lifespan startup failed or it could not serve; see the error logged above)"
+        ) from None
+
+
+def _failed(task: asyncio.Task[None], what: str) -> LaunchError:
+    """The error of a server task that ended (its exception, if it raised one)."""
+    error = None if task.cancelled() else task.exception()
+    if isinstance(error, LaunchError):
+        return error
+    if error is not None:
+        return LaunchError(f"proxy: the server {what}: {error!r}")
+    return LaunchError(
+        f"proxy: the server {what} (its lifespan startup failed or uvicorn could not "
+        "serve: see the error logged above)"
+    )
 
 
 async def _until_stop(signals: Signals, task: asyncio.Task[None], hooks: Hooks) -> bool:

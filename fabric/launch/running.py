@@ -9,7 +9,10 @@ are listed in :mod:`fabric.launch.up`.
 Readiness of a restarted process (:func:`_readiness`): the store once its
 endpoint file is back; an engine once the proxy's health probe marked it up
 -- or, with the proxy's probe off (``health_interval_s: 0``), once its
-``/health`` answers, and the supervisor then marks it up itself.
+``/health`` answers, and the supervisor then marks it up itself (unless
+the process it asked exited meanwhile). The supervisor probes every child
+at once (:class:`~fabric.launch.supervisor.Supervisor`), so each round of
+probes takes at most one ``PROBE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -168,11 +171,14 @@ def _readiness(client: httpx.AsyncClient, self_probe: bool) -> Callable[[Child],
         if engine is None:
             return True
         if self_probe and not engine.healthy:
+            process = child.process
             try:
                 response = await client.get(f"{engine.url}/health")
             except httpx.HTTPError:
                 return False
-            if response.status_code == 200:
+            # NOTE: an answer of a process that exited since must not mark its
+            # successor (or nothing) up: the supervisor marked it down at the exit.
+            if response.status_code == 200 and child.process is process and child.alive():
                 engine.mark_up()
         return bool(engine.healthy)
 

@@ -8,16 +8,21 @@ directly::
     up / starting --process exits--> down
         the proxy's engine is marked down at once ("process exited with
         signal SIGKILL"); logged with the exit, the restart number, the log
-        path and its tail
+        path and its tail; whatever is left in its process group gets
+        SIGKILL (a vLLM API server killed alone leaves its EngineCore and
+        workers running, with their memory and the bound kv_port)
           | wait the backoff: initial_s, doubled at each exit up to max_s;
-          | back to initial_s once the process stayed up reset_after_s
+          | back to initial_s once the process stayed up reset_after_s;
+          | and until the old group is gone (at most GROUP_GONE_TIMEOUT_S,
+          | then restarted anyway, with an error logged)
           v
     starting: the same command, ports, environment and log file (appended)
           | the proxy's health probe marks the engine up (the store: its
           | endpoint file is back)
           v
     up: restart_to_serving_s = now - the exit (the first one of a crash
-        loop), logged and kept as last_restart_to_serving_s
+        loop), logged and kept as last_restart_to_serving_s; the first time:
+        first_start_s = now - the first spawn
 
     up --its drain file appears--> draining
         the engine got SIGTERM and drains itself (:mod:`fabric.launch.drain`);
@@ -30,6 +35,11 @@ A crash loop never spins: each exit waits longer, up to ``max_s``, and the
 engine shows as down meanwhile. An engine that stays alive but stops
 answering is the health probe's business (down until it answers again),
 not a restart.
+
+Every ``TICK_S`` the supervisor first looks at every process (exits,
+restarts, drain files: no I/O, never waits), then starts the readiness
+probes of the live ones, all at once, unless the last round still runs: a
+slow probe never delays marking an exit down.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.2
+GROUP_GONE_TIMEOUT_S = 30.0  # a restart waits at most this for the old group to be gone
 
 
 class ChildState(enum.Enum):
@@ -133,42 +144,71 @@ class Child:
         self.restarts = 0
         self.last_exit: ExitRecord | None = None
         self.last_restart_to_serving_s: float | None = None
+        self.first_start_s: float | None = None
         self.log_path: Path | None = None
         self._backoff_s = policy.initial_s
+        self._first_spawn_at: float | None = None
+        self._leftovers: list[ManagedProcess] = []  # exited, their group not gone yet
+        self._leftovers_until: float | None = None
         self._restart_at: float | None = None
         self._exited_at: float | None = None
         self._up_since: float | None = None
 
-    def start(self) -> ManagedProcess:
+    def start(self, now: float | None = None) -> ManagedProcess:
         """Start the process (its stale drain file removed first)."""
         if self.drain_file is not None:
             self.drain_file.unlink(missing_ok=True)
         self.process = self.spawn()
         self.log_path = self.process.log_path
+        if self._first_spawn_at is None:
+            self._first_spawn_at = time.monotonic() if now is None else now
         return self.process
 
     def stop(self, timeout: float) -> None:
-        """Stop the process if it runs (``ManagedProcess.stop``); it is not restarted."""
+        """Stop the process if it runs (``ManagedProcess.stop``), and kill what is
+        left of the groups of the processes that exited before; it is not restarted."""
         self._restart_at = None
         if self.process is not None:
             self.process.stop(timeout)
+        for process in self._leftovers:
+            process.kill_group()
+        for process in self._leftovers:
+            if not process.wait_group_gone(GROUP_GONE_TIMEOUT_S):
+                logger.error(
+                    "%s: processes %s of the group of pid %d outlived SIGKILL",
+                    self.name, process.group_pids(), process.pid,
+                )  # fmt: skip
+        self._leftovers = []
 
     def alive(self) -> bool:
         return self.process is not None and self.process.alive()
 
     def step(self, now: float, ready: bool) -> bool:
         """Advance by one look at the process (``ready``: it serves); True if anything changed."""
+        return self.watch(now) or self.update(now, ready)
+
+    def watch(self, now: float) -> bool:
+        """Look at the process without asking it anything: an exit, a restart due,
+        a drain file; True if anything changed."""
         if self.process is None:
-            if self._restart_at is not None and now >= self._restart_at:
-                self._restart(now)
-                return True
-            return False
+            if self._restart_at is None or now < self._restart_at:
+                return False
+            if not self._leftovers_gone(now):
+                return False
+            self._restart(now)
+            return True
         if not self.process.alive():
             self._exited(now)
             return True
         if self.state is not ChildState.DRAINING and self._drain_requested():
             self._draining()
             return True
+        return False
+
+    def update(self, now: float, ready: bool) -> bool:
+        """Take in whether the live process serves (its readiness probe); True if that changed."""
+        if self.process is None or not self.process.alive():
+            return False  # watch() takes the exit
         return self._update(now, ready)
 
     def restart_when_stopped(self, now: float) -> bool:
@@ -190,6 +230,7 @@ class Child:
             "restarts": self.restarts,
             "last_exit": self.last_exit.as_dict() if self.last_exit is not None else None,
             "last_restart_to_serving_s": self.last_restart_to_serving_s,
+            "first_start_s": self.first_start_s,
         }
 
     def _update(self, now: float, ready: bool) -> bool:
@@ -210,6 +251,8 @@ class Child:
         """It serves (fabric up's start wait saw it healthy, or the proxy's probe)."""
         self.state = ChildState.UP
         self._up_since = now
+        if self.first_start_s is None and self._first_spawn_at is not None:
+            self.first_start_s = round(now - self._first_spawn_at, 3)
         if self._exited_at is not None:
             self.last_restart_to_serving_s = round(now - self._exited_at, 3)
             self._exited_at = None
@@ -227,6 +270,7 @@ class Child:
             self._exited_at = now
         drained = self.state is ChildState.DRAINING or self._drain_requested()
         self._mark_down(f"process exited with {record.how}" + (" (drained)" if drained else ""))
+        self._kill_leftovers(process, now)
         if drained and not self.policy.restart_drained:
             self.state = ChildState.STOPPED
             logger.warning(
@@ -242,6 +286,35 @@ class Child:
             process.log_path, process.log_tail(),
         )  # fmt: skip
 
+    def _kill_leftovers(self, process: ManagedProcess, now: float) -> None:
+        """SIGKILL what the exited process left in its group (its restart waits for it)."""
+        left = process.kill_group()
+        if not left:
+            return
+        self._leftovers.append(process)
+        self._leftovers_until = now + GROUP_GONE_TIMEOUT_S
+        logger.warning(
+            "%s (pid %d) exited and left %d processes in its group (pids %s): SIGKILL",
+            self.name, process.pid, len(left), " ".join(map(str, left)),
+        )  # fmt: skip
+
+    def _leftovers_gone(self, now: float) -> bool:
+        """Whether the groups of the exited processes are gone (or waited for long enough)."""
+        # NOTE: SIGKILL again, in case one forked meanwhile.
+        self._leftovers = [p for p in self._leftovers if p.kill_group()]
+        if not self._leftovers or self._leftovers_until is None:
+            return True
+        if now < self._leftovers_until:
+            return False
+        self._leftovers_until = None  # NOTE: kept in _leftovers: stop() kills them again
+        logger.error(
+            "%s: processes %s of the group of pid %d still run %.0f s after SIGKILL; "
+            "restarting anyway (its ports may still be taken)",
+            self.name, self._leftovers[0].group_pids(), self._leftovers[0].pid,
+            GROUP_GONE_TIMEOUT_S,
+        )  # fmt: skip
+        return True
+
     def _schedule(self, now: float) -> float:
         delay = self._backoff_s
         self._backoff_s = min(2 * delay, self.policy.max_s)
@@ -255,7 +328,7 @@ class Child:
         if self.log_path is not None:
             _append_line(self.log_path, f"---- fabric up: restart {number} of {self.name} ----")
         try:
-            process = self.start()
+            process = self.start(now)
         except OSError as exc:
             delay = self._schedule(now)
             logger.error(
@@ -297,7 +370,8 @@ Ready = Callable[[Child], Awaitable[bool]]
 
 
 class Supervisor:
-    """Steps every child every ``TICK_S``; ``on_change()`` after any change (up.json)."""
+    """Looks at every child every ``TICK_S`` and probes the live ones (see the
+    module docstring); ``on_change()`` after any change (up.json)."""
 
     def __init__(self, children: Sequence[Child], ready: Ready, on_change: Callable[[], None]):
         self.children = list(children)
@@ -306,19 +380,49 @@ class Supervisor:
 
     async def run(self) -> None:
         """Supervise until cancelled."""
-        while True:
-            await asyncio.sleep(TICK_S)
-            await self.tick()
+        probes: asyncio.Task[None] | None = None
+        try:
+            while True:
+                await asyncio.sleep(TICK_S)
+                self.watch()
+                if probes is None or probes.done():
+                    probes = asyncio.create_task(self.probe(), name="fabric-up-probes")
+        finally:
+            if probes is not None:
+                probes.cancel()
 
     async def tick(self) -> None:
-        """One look at every child."""
+        """One look at every child, then one round of probes."""
+        self.watch()
+        await self.probe()
+
+    def watch(self) -> None:
+        """Exits, restarts due and drain files of every child; never waits."""
         changed = False
         for child in self.children:
             try:
-                ready = await self.ready(child) if child.alive() else False
-                changed |= child.step(time.monotonic(), ready)
+                changed |= child.watch(time.monotonic())
             except Exception:
                 logger.exception("supervising %s failed (will look again)", child.name)
+        if changed:
+            self._changed()
+
+    async def probe(self) -> None:
+        """Probe every live child at once, then take in each answer for the
+        process it was asked about (one that exited meanwhile is watch()'s)."""
+        asked = [(child, child.process) for child in self.children if child.alive()]
+        answers = await asyncio.gather(
+            *(self.ready(child) for child, _ in asked), return_exceptions=True
+        )
+        changed = False
+        for (child, process), answer in zip(asked, answers, strict=True):
+            if isinstance(answer, BaseException):
+                logger.error("probing %s failed (will ask again)", child.name, exc_info=answer)
+            elif child.process is process:
+                try:
+                    changed |= child.update(time.monotonic(), bool(answer))
+                except Exception:
+                    logger.exception("supervising %s failed (will look again)", child.name)
         if changed:
             self._changed()
 

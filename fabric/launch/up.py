@@ -15,14 +15,20 @@ drain and stop them on a signal.
               -> serve the proxy in this process, print its URL,
                  write WORKDIR/run/up.json
     while serving -> supervise (:mod:`fabric.launch.supervisor`): an engine
-                 or the store that exits is marked down in the proxy at once
-                 and restarted with backoff (1 s doubling to 30 s) on the
-                 same ports and args; up.json is rewritten on every change
-    SIGTERM/SIGINT -> drain the proxy (:mod:`fabric.launch.proxy_server`):
+                 or the store that exits is marked down in the proxy at once,
+                 what is left of its process group is killed (vLLM's
+                 EngineCore and workers outlive an API server killed alone),
+                 and it is restarted with backoff (1 s doubling to 30 s) on
+                 the same ports and args once that group is gone; up.json is
+                 rewritten on every change
+    SIGTERM/SIGINT/SIGHUP -> drain the proxy (:mod:`fabric.launch.proxy_server`):
                  new requests get 503 JSON, requests in flight finish (at
                  most ``--drain-timeout-s``, default 30 s), then stop the
-                 proxy, then every engine by pid (process group; each drains
-                 what it still has), then the shared store
+                 proxy, then every engine (SIGTERM to its pid: each drains
+                 what it still has, within the same drain timeout; its
+                 process group gets SIGKILL once it exited, or after the
+                 drain timeout + ``STOP_MARGIN_S`` for vLLM's own shutdown),
+                 then the shared store
     SIGUSR1 -> restart the engines that were drained on purpose
 
 ``WORKDIR/run/up.json``: ``proxy_url``, ``state`` (``serving`` or
@@ -30,15 +36,37 @@ drain and stop them on a signal.
 (the current process), ``log``, ``state`` (``starting``, ``up``, ``down``,
 ``draining``, ``stopped``; None for an engine fabric up did not start),
 ``restarts``, ``last_exit`` (``pid``, ``returncode``, ``how``: ``exit code
-3`` / ``signal SIGKILL``, ``at``: wall clock) and
-``last_restart_to_serving_s`` (from the exit to healthy again).
+3`` / ``signal SIGKILL``, ``at``: wall clock),
+``last_restart_to_serving_s`` (from the exit to healthy again) and
+``first_start_s`` (from its first spawn to its first healthy answer: what
+a restart's ``last_restart_to_serving_s`` compares with).
 
-One engine: SIGTERM to its pid (or its process group) drains it -- the
+Signals are handled from start to exit. SIGHUP stops like SIGTERM: a
+closed terminal or SSH session drains and stops everything rather than
+ending ``fabric up`` alone, with the engines (each in a session of its
+own) left running. While the engines start, a stop signal stops those
+started so far and SIGUSR1 is ignored (nothing is stopped yet); while
+``fabric up`` stops, every one of them is ignored. If the proxy does not
+start (uvicorn or the app's lifespan startup fails), ``fabric up`` stops
+everything and exits 1.
+
+One engine: SIGTERM to its pid (not its process group: vLLM's executor
+workers exit on a SIGTERM of their own and fail what is in flight) drains it -- the
 proxy stops routing to it at once, its requests in flight finish (bounded
 by the same drain timeout), then it exits and is not restarted (see
 :mod:`fabric.launch.drain`; vLLM engines get the hook from
 :mod:`fabric.launch.vllm_main`, a ``command`` engine can opt in by writing
 the file named by ``$FABRIC_DRAIN_FILE`` when it starts draining).
+
+Under systemd, run ``fabric up`` with ``KillMode=mixed``: ``systemctl
+stop`` then sends SIGTERM to ``fabric up`` alone, which drains and stops
+the engines in order, and SIGKILL to what is left in the unit only after
+``TimeoutStopSec``. The default, ``KillMode=control-group``, sends SIGTERM
+to every process of the unit at once, vLLM's workers included, which fails
+the requests in flight. Give ``TimeoutStopSec`` at least twice the drain
+timeout plus 2 minutes: the proxy's drain, then the engines' (each bounded
+by the drain timeout + ``STOP_MARGIN_S``), then the store's stop (bounded
+by ``STOP_MARGIN_S``).
 
 The proxy runs in this process rather than as a child: its lifetime is the
 launcher's, one signal handler stops everything in order, and there is no
@@ -54,6 +82,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -61,6 +90,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -84,13 +114,14 @@ from fabric.launch.process import (
     free_port,
     vllm_serve_command,
 )
+from fabric.launch.proxy_server import STOP_SIGNALS
 from fabric.launch.running import PROBE_TIMEOUT_S, Announce, EngineRun, Running, serve_proxy
 from fabric.launch.supervisor import Child, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
 TINY_MODELS = {"tiny": False, "tiny-kv-heavy": True}  # name -> kv_heavy
-STOP_TIMEOUT_S = 30.0
+STOP_MARGIN_S = 30.0  # an engine's stop bound past its drain: vLLM's own shutdown
 
 
 def say(message: str) -> None:
@@ -253,7 +284,8 @@ def start_engines(
 
 
 def wait_healthy(runs: Sequence[EngineRun], timeout_s: float, announce: Announce) -> None:
-    """Poll every engine's ``/health`` until all answer 200.
+    """Poll every engine's ``/health`` until all answer 200 (each one's child is
+    marked serving as it answers).
 
     Raises ``ProcessExited`` when a launched engine dies and ``StartTimeout``
     after ``timeout_s``; both carry the engine's log tail.
@@ -266,6 +298,8 @@ def wait_healthy(runs: Sequence[EngineRun], timeout_s: float, announce: Announce
                 _check_alive(run)
                 if _answers_health(client, run.config):
                     pending.remove(run)
+                    if run.child is not None:
+                        run.child.serving(time.monotonic())
                     announce(
                         f"fabric up: {run.name} healthy after {time.monotonic() - started:.1f} s"
                     )
@@ -275,10 +309,16 @@ def wait_healthy(runs: Sequence[EngineRun], timeout_s: float, announce: Announce
                 time.sleep(0.25)
 
 
-def stop_engines(runs: Sequence[EngineRun]) -> None:
-    """Stop every launched engine by pid, all at once; return when all are gone."""
+def stop_timeout(drain_timeout_s: float) -> float:
+    """How long an engine may take to stop after its SIGTERM: its drain, then vLLM's shutdown."""
+    return drain_timeout_s + STOP_MARGIN_S
+
+
+def stop_engines(runs: Sequence[EngineRun], timeout_s: float) -> None:
+    """Stop every launched engine by pid, all at once (each SIGKILLed with its group
+    after ``timeout_s``); return when all are gone."""
     threads = [
-        threading.Thread(target=run.child.stop, args=(STOP_TIMEOUT_S,), name=f"stop-{run.name}")
+        threading.Thread(target=run.child.stop, args=(timeout_s,), name=f"stop-{run.name}")
         for run in runs
         if run.child is not None
     ]
@@ -352,8 +392,9 @@ def start_store(
                 )
             time.sleep(0.1)
     except BaseException:
-        child.stop(STOP_TIMEOUT_S)
+        child.stop(STOP_MARGIN_S)
         raise
+    child.serving(time.monotonic())
     endpoint = endpoint_file.read_text().strip()
     announce(f"fabric up: shared store serving on {endpoint}")
     return child, endpoint
@@ -367,44 +408,95 @@ def with_shared_store(topology: TopologyConfig, endpoint: str) -> TopologyConfig
 
 
 def up(topology: TopologyConfig, announce: Announce = say, options: UpOptions | None = None) -> int:
-    """Run ``topology`` until SIGINT/SIGTERM; 0 then, 1 if an engine failed to start."""
-    from fabric.router.serve import Shutdown, shutdown_on_signals, signals_ignored
+    """Run ``topology`` until SIGINT/SIGTERM/SIGHUP; 0 then, 1 if an engine or the
+    proxy failed to start."""
+    from fabric.router.serve import Shutdown
 
     options = options or UpOptions()
     runs: list[EngineRun] = []
-    store: Child | None = None
+    stores: list[Child] = []
     state_path = topology.workdir_path / "run" / "up.json"
-    try:
-        with _proxy_socket(topology) as sock, shutdown_on_signals():
-            resolved = resolve_ports(topology)
-            if resolved.store is not None:
-                store, _ = start_store(resolved, announce, options)
-                # NOTE: the file, not the endpoint in it: engines and the proxy
-                # resolve it at each call, so a restarted store (on a new
-                # free port) is found again and attached to again.
-                resolved = with_shared_store(resolved, str(store_endpoint_file(resolved)))
-            start_engines(resolved, runs, options)
-            logs = resolved.workdir_path / "logs"
-            announce(f"fabric up: waiting for {len(runs)} engines (logs in {logs})")
-            wait_healthy(runs, resolved.startup_timeout_s, announce)
-            running = Running(runs, store, state_path, options.drain_timeout(resolved))
-            now = time.monotonic()
-            for child in running.children:
-                child.serving(now)
-            serve_proxy(resolved, sock, running, announce)
-    except Shutdown:
-        pass
-    except LaunchError as exc:
-        print(f"fabric up: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        with signals_ignored():
-            announce("fabric up: stopping")
-            stop_engines(runs)
-            if store is not None:
-                store.stop(STOP_TIMEOUT_S)
-            state_path.unlink(missing_ok=True)
-    return 0
+    status = 1
+    with UpSignals() as signals:
+        try:
+            try:
+                _run(topology, announce, options, runs, stores)
+                status = 0
+            except Shutdown:
+                status = 0
+            except LaunchError as exc:
+                signals.stopping = True
+                print(f"fabric up: {exc}", file=sys.stderr, flush=True)
+            finally:
+                signals.stopping = True
+                announce("fabric up: stopping")
+                stop_engines(runs, stop_timeout(options.drain_timeout(topology)))
+                for store in stores:
+                    store.stop(STOP_MARGIN_S)
+                state_path.unlink(missing_ok=True)
+        except Shutdown:  # NOTE: a stop signal while a start failure was reported
+            pass
+    return status
+
+
+def _run(
+    topology: TopologyConfig,
+    announce: Announce,
+    options: UpOptions,
+    runs: list[EngineRun],
+    stores: list[Child],
+) -> None:
+    """Start the store and the engines (appended to ``stores`` and ``runs`` as they
+    start, for the caller to stop), then serve until a stop signal and the drain."""
+    with _proxy_socket(topology) as sock:
+        resolved = resolve_ports(topology)
+        store: Child | None = None
+        if resolved.store is not None:
+            store, _ = start_store(resolved, announce, options)
+            stores.append(store)
+            # NOTE: the file, not the endpoint in it: engines and the proxy
+            # resolve it at each call, so a restarted store (on a new
+            # free port) is found again and attached to again.
+            resolved = with_shared_store(resolved, str(store_endpoint_file(resolved)))
+        start_engines(resolved, runs, options)
+        logs = resolved.workdir_path / "logs"
+        announce(f"fabric up: waiting for {len(runs)} engines (logs in {logs})")
+        wait_healthy(runs, resolved.startup_timeout_s, announce)
+        state_path = resolved.workdir_path / "run" / "up.json"
+        running = Running(runs, store, state_path, options.drain_timeout(resolved))
+        serve_proxy(resolved, sock, running, announce)
+
+
+class UpSignals:
+    """``fabric up``'s signal handlers, from start to exit.
+
+    Until ``stopping``: SIGINT, SIGTERM and SIGHUP raise ``Shutdown`` (once);
+    SIGUSR1 is ignored (nothing was drained yet). Once ``stopping``: all four
+    are ignored. While the proxy serves, :func:`~fabric.launch.proxy_server.serve_drained`
+    puts its own in their place. NOTE: Python handlers, not ``SIG_IGN``, which
+    the engines started meanwhile would inherit.
+    """
+
+    HANDLED = (*STOP_SIGNALS, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> UpSignals:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.HANDLED}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        from fabric.router.serve import Shutdown
+
+        if signum in STOP_SIGNALS and not self.stopping:
+            self.stopping = True
+            raise Shutdown(signum)
 
 
 def main(config_path: str, announce: Announce = say, options: UpOptions | None = None) -> int:

@@ -8,6 +8,7 @@ started by ``ManagedProcess``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -34,8 +35,15 @@ DRAIN_FAKE = [
     "{python}", str(Path(__file__).with_name("drain_engine.py")), "--port", "{port}",
     "--role", "{role}", "--name", "{name}", "--model", "{model}", "--kv-port", "{kv_port}",
 ]  # fmt: skip
+HOLDER = str(Path(__file__).with_name("holder_engine.py"))
 CRASH = ["{python}", "-c", "import sys; print('engine {name} is broken'); sys.exit(3)"]
 STALL = ["{python}", "-c", "import time; time.sleep(60)"]
+
+
+def holding(pid_file: Path, command: list[str]) -> list[str]:
+    """``command`` whose leader leaves a process holding the kv_port behind
+    (``holder_engine.py``; the holders' pids are appended to ``pid_file``)."""
+    return ["{python}", HOLDER, "{kv_port}", str(pid_file), *command]
 
 
 def broken_when(marker: str, command: list[str]) -> list[str]:
@@ -143,6 +151,11 @@ class UpRun:
         """Pids of the processes it started or restarted, from its log."""
         return [int(m) for m in re.findall(r"started \S+ \(pid (\d+)\)", "".join(self.stderr))]
 
+    def leftovers(self) -> list[int]:
+        """Live processes in any process group it created (one per process it
+        started: the group's id is that process's pid)."""
+        return [pid for pgid in self.engine_pids() for pid in group_members(pgid)]
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send ``sig`` and wait for the exit status."""
         self.process.send_signal(sig)
@@ -153,9 +166,10 @@ class UpRun:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
-        for pid in self.engine_pids():
-            if is_running(pid):
-                os.killpg(pid, signal.SIGKILL)
+        for pgid in self.engine_pids():
+            if group_members(pgid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
 
 
 def _engines(spec: list[Any]) -> list[Any]:
@@ -174,6 +188,19 @@ def is_running(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes whose process group is ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
 
 
 def stream_lines(url: str, body: dict[str, Any], first: threading.Event) -> list[str]:

@@ -86,6 +86,45 @@ def test_stop_kills_the_whole_group(tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
+LEAVES_A_SLEEPER = (
+    "import subprocess, sys\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print('child', child.pid, flush=True)\n"
+)  # NOTE: the leader exits at once; its child runs on in its group
+
+
+def test_kill_group_kills_what_an_exited_leader_left_and_waits_for_it(tmp_path: Path) -> None:
+    proc = ManagedProcess(python(LEAVES_A_SLEEPER), log_path=tmp_path / "p.log")
+    assert proc.wait(10) == 0
+    child_pid = int(wait_for_log(proc, "child").split()[1])
+
+    assert proc.group_pids() == [child_pid]
+    assert proc.kill_group() == [child_pid]
+    assert proc.wait_group_gone(10)
+    assert gone(child_pid) and proc.group_pids() == [] and proc.kill_group() == []
+
+
+def test_stop_returns_once_the_group_is_gone(tmp_path: Path) -> None:
+    proc = ManagedProcess(python(SPAWNS_A_SLEEPER), log_path=tmp_path / "p.log")
+    child_pid = int(wait_for_log(proc, "child").split()[1])
+    proc.stop(timeout=5)
+    assert gone(child_pid) and proc.group_pids() == []
+
+
+def test_the_backstop_kills_what_an_exited_leader_left(tmp_path: Path) -> None:
+    proc = ManagedProcess(python(LEAVES_A_SLEEPER), log_path=tmp_path / "p.log")
+    proc.wait(10)
+    child_pid = int(wait_for_log(proc, "child").split()[1])
+    assert not gone(child_pid)
+    del proc  # NOTE: the last reference: __del__ runs now (CPython)
+    deadline = time.monotonic() + 10
+    while not gone(child_pid):  # a hang guard, not a bound
+        if time.monotonic() > deadline:
+            os.kill(child_pid, 9)
+            raise AssertionError("the child of an exited leader survived its ManagedProcess")
+        time.sleep(0.05)
+
+
 CHILD = (
     "import signal, sys, time\n"
     "def said(*args):\n"

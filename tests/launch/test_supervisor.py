@@ -6,23 +6,35 @@ import asyncio
 import itertools
 from pathlib import Path
 
+import httpx
 import pytest
 
 from fabric.errors import ConfigError
-from fabric.launch.supervisor import Child, ChildState, ExitRecord, RestartPolicy, Supervisor
+from fabric.launch.supervisor import (
+    GROUP_GONE_TIMEOUT_S,
+    Child,
+    ChildState,
+    ExitRecord,
+    RestartPolicy,
+    Supervisor,
+)
 from fabric.router.engines import Engine
 
 PIDS = itertools.count(1000)
 
 
 class StandIn:
-    """What the supervisor uses of a ManagedProcess."""
+    """What the supervisor uses of a ManagedProcess; ``left`` stands for the
+    processes of its group that outlive it (emptied by the test: they died)."""
 
     def __init__(self, log_path: Path) -> None:
         self.pid = next(PIDS)
         self.log_path = log_path
         self.returncode: int | None = None
         self.argv = ["stand-in"]
+        self.left: list[int] = []
+        self.kills = 0
+        self.waited: list[float] = []
 
     def alive(self) -> bool:
         return self.returncode is None
@@ -33,7 +45,21 @@ class StandIn:
     def stop(self, timeout: float = 0) -> int | None:
         if self.returncode is None:
             self.returncode = -15
+        self.kill_group()
         return self.returncode
+
+    def group_pids(self) -> list[int]:
+        return ([self.pid] if self.alive() else []) + self.left
+
+    def kill_group(self) -> list[int]:
+        pids = self.group_pids()
+        if pids:
+            self.kills += 1
+        return pids
+
+    def wait_group_gone(self, timeout: float) -> bool:
+        self.waited.append(timeout)
+        return not self.left
 
 
 def child(tmp_path: Path, policy: RestartPolicy | None = None) -> tuple[Child, list[StandIn]]:
@@ -45,7 +71,7 @@ def child(tmp_path: Path, policy: RestartPolicy | None = None) -> tuple[Child, l
 
     c = Child("decode-0", spawn, policy or RestartPolicy(), drain_file=tmp_path / "drain")  # type: ignore[arg-type]
     c.engine = Engine("decode-0", "decode", "http://127.0.0.1:1", "tcp://127.0.0.1:2")
-    c.start()
+    c.start(0.0)
     c.serving(0.0)
     return c, spawned
 
@@ -168,3 +194,157 @@ def test_the_supervisor_records_changes_and_outlives_a_failing_look(tmp_path: Pa
 
     asyncio.run(scenario())
     assert changes == ["down"]
+
+
+def test_what_an_exited_process_left_in_its_group_is_killed_before_the_restart(
+    tmp_path: Path,
+) -> None:
+    c, spawned = child(tmp_path)
+    spawned[0].left = [4242]  # its EngineCore, say, holding the kv_port
+    spawned[0].returncode = -9
+
+    assert c.step(0.1, ready=False)
+    assert c.engine is not None and not c.engine.healthy  # marked down at once
+    assert spawned[0].kills == 1
+    assert not c.step(1.1, ready=False)  # backoff over, the group is still there
+    assert not c.step(5.0, ready=False)
+    assert len(spawned) == 1
+    spawned[0].left = []  # the kernel finished it
+    assert c.step(5.1, ready=False)
+    assert len(spawned) == 2 and c.state is ChildState.STARTING
+
+
+def test_a_group_that_will_not_die_delays_the_restart_only_so_long(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    c, spawned = child(tmp_path)
+    spawned[0].left = [4242]
+    spawned[0].returncode = -9
+    c.step(0.1, ready=False)
+
+    assert not c.step(0.1 + GROUP_GONE_TIMEOUT_S - 0.1, ready=False)
+    assert c.step(0.1 + GROUP_GONE_TIMEOUT_S, ready=False)
+    assert len(spawned) == 2
+    assert "still run" in caplog.text and "4242" in caplog.text
+    c.stop(1.0)  # fabric up's shutdown: the stuck group is killed once more, and waited for
+    assert spawned[0].kills >= 3 and spawned[0].waited
+
+
+def test_a_drained_engine_that_stops_leaves_nothing_in_its_group(tmp_path: Path) -> None:
+    c, spawned = child(tmp_path)
+    (tmp_path / "drain").write_text("{}")
+    c.step(0.1, ready=True)
+    spawned[0].left = [4343]
+    spawned[0].returncode = 0
+    c.step(0.2, ready=False)
+
+    assert c.state is ChildState.STOPPED and spawned[0].kills == 1
+
+
+def test_first_start_s_runs_from_the_first_spawn_to_the_first_serving(tmp_path: Path) -> None:
+    spawned: list[StandIn] = []
+
+    def spawn() -> StandIn:
+        spawned.append(StandIn(tmp_path / "e.log"))
+        return spawned[-1]
+
+    c = Child("prefill-0", spawn, RestartPolicy())  # type: ignore[arg-type]
+    c.start(10.0)
+    assert c.as_dict()["first_start_s"] is None
+    c.serving(12.5)
+    spawned[0].returncode = -9
+    c.step(20.0, ready=False)
+    c.step(21.0, ready=False)  # restarted
+    c.step(22.0, ready=True)
+
+    assert c.as_dict()["first_start_s"] == 2.5
+    assert c.as_dict()["last_restart_to_serving_s"] == 2.0
+
+
+def test_the_probes_of_all_children_run_at_once(tmp_path: Path) -> None:
+    children = [child(tmp_path)[0] for _ in range(3)]
+    running = 0
+    most = 0
+
+    async def ready(c: Child) -> bool:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            # NOTE: answers once all are asked; one after another, the first gives up.
+            for _ in range(200):
+                if most == len(children):
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+        finally:
+            running -= 1
+
+    asyncio.run(Supervisor(children, ready, lambda: None).tick())
+    assert most == len(children)
+
+
+def test_an_exit_is_marked_down_while_another_probe_hangs(tmp_path: Path) -> None:
+    hung, _ = child(tmp_path)
+    exits, spawned = child(tmp_path)
+    asked = asyncio.Event()
+
+    async def ready(c: Child) -> bool:
+        if c is hung:
+            asked.set()
+            await asyncio.sleep(3600)  # NOTE: a probe that never answers
+        return True
+
+    async def scenario() -> bool:
+        task = asyncio.create_task(Supervisor([hung, exits], ready, lambda: None).run())
+        await asyncio.wait_for(asked.wait(), 30)
+        spawned[0].returncode = -9
+        assert exits.engine is not None
+        for _ in range(300):  # a hang guard, not a bound
+            if not exits.engine.healthy:
+                break
+            await asyncio.sleep(0.1)
+        task.cancel()
+        return not exits.engine.healthy
+
+    assert asyncio.run(scenario())
+    assert exits.state is ChildState.DOWN
+
+
+def test_a_probe_answered_by_a_process_that_exited_meanwhile_is_not_taken(
+    tmp_path: Path,
+) -> None:
+    c, spawned = child(tmp_path)
+
+    async def ready(asked: Child) -> bool:
+        spawned[0].returncode = -9  # it dies while its probe is out...
+        c.step(1.0, ready=False)
+        c.step(2.1, ready=False)  # ...and its successor starts
+        return True
+
+    asyncio.run(Supervisor([c], ready, lambda: None).probe())
+    assert len(spawned) == 2
+    assert c.state is ChildState.STARTING  # not up on the answer of the one before
+
+
+def test_the_self_probe_does_not_mark_up_the_successor_of_the_process_it_asked(
+    tmp_path: Path,
+) -> None:
+    from fabric.launch.running import _readiness
+
+    c, spawned = child(tmp_path)
+    assert c.engine is not None
+    c.engine.mark_down("process exited")
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        spawned[0].returncode = -9  # the process asked exits, another one starts
+        c.step(1.0, ready=False)
+        c.step(2.1, ready=False)
+        return httpx.Response(200)
+
+    async def scenario() -> bool:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return bool(await _readiness(client, True)(c))
+
+    assert not asyncio.run(scenario())
+    assert len(spawned) == 2 and not c.engine.healthy

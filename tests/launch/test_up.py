@@ -5,18 +5,54 @@ The runs go through the real code path (see :mod:`tests.launch._up`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import re
 import signal
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from fabric.config import parse_topology
+from fabric.config import TopologyConfig, parse_topology
 from fabric.launch import up
-from tests.launch._up import CRASH, FAKE, STALL, UpRun, is_running
+from fabric.launch.process import free_port
+from tests.launch._up import (
+    CRASH,
+    DRAIN_FAKE,
+    FAKE,
+    STALL,
+    UpRun,
+    group_members,
+    is_running,
+    stream_lines,
+)
+
+# An engine that never answers /health, writes MARK.ready once its handler is
+# in, and on SIGTERM writes MARK then exits only once RELEASE exists: fabric
+# up's stop is under way for as long as the test wants.
+SLOW_TO_STOP = (
+    "import os, signal, sys, time\n"
+    "mark, release = sys.argv[1], sys.argv[2]\n"
+    "def stop(*args):\n"
+    "    open(mark, 'w').close()\n"
+    "    for _ in range(1200):\n"
+    "        if os.path.exists(release):\n"
+    "            break\n"
+    "        time.sleep(0.05)\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "open(mark + '.ready', 'w').close()\n"
+    "time.sleep(120)\n"
+)
 
 
 def test_resolve_ports_fills_free_distinct_ports_and_keeps_given_ones() -> None:
@@ -172,6 +208,7 @@ def test_up_serves_through_the_proxy_and_stops_everything_on_sigterm(
     assert sorted(pids) == sorted(run.engine_pids())
     assert status == 0
     assert not any(is_running(pid) for pid in pids)
+    assert not run.leftovers()
     assert not (run.workdir / "run" / "up.json").exists()
     assert (run.workdir / "logs" / "decode-0.log").exists()
 
@@ -187,7 +224,7 @@ def test_engine_that_dies_at_start_stops_everything_and_shows_its_log(
     stderr = "".join(run.stderr)
     assert status == 1
     assert "decode-0" in stderr and "engine decode-0 is broken" in stderr
-    assert run.engine_pids() and not any(is_running(pid) for pid in run.engine_pids())
+    assert run.engine_pids() and not run.leftovers()
 
 
 def test_engine_that_never_answers_is_a_bounded_failure(tmp_path: Path, runs: list[UpRun]) -> None:
@@ -198,19 +235,22 @@ def test_engine_that_never_answers_is_a_bounded_failure(tmp_path: Path, runs: li
 
     assert status == 1
     assert "decode-0 not healthy within 2 s" in "".join(run.stderr)
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
 
 
-def test_sigint_while_waiting_for_engines_stops_them(tmp_path: Path, runs: list[UpRun]) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_while_waiting_for_engines_stops_them(
+    tmp_path: Path, runs: list[UpRun], sig: signal.Signals
+) -> None:
     run = UpRun(tmp_path, FAKE, STALL)
     runs.append(run)
     run.wait_line(r"waiting for 2 engines")
 
-    status = run.stop(signal.SIGINT)
+    status = run.stop(sig)
 
     assert status == 0
     assert len(run.engine_pids()) == 2
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
 
 
 def test_up_starts_the_shared_store_first_and_stops_it_last(
@@ -221,6 +261,7 @@ def test_up_starts_the_shared_store_first_and_stops_it_last(
 
     endpoint = run.wait_line(r"shared store serving on (tcp://\S+)").group(1)
     run.wait_line(r"proxy ready at")
+    state = run.state()
     from fabric.transfer.lookup import StoreClient
 
     with StoreClient(endpoint) as client:
@@ -228,11 +269,13 @@ def test_up_starts_the_shared_store_first_and_stops_it_last(
     status = run.stop(signal.SIGTERM)
 
     assert stats["num_slots"] == 1  # up, no engine attached (the fake engines do not)
+    assert state["store"]["first_start_s"] > 0
+    assert all(e["first_start_s"] > 0 for e in state["engines"])
     assert status == 0
     stderr = "".join(run.stderr)
     assert stderr.index("started store") < stderr.index("started prefill-0")
     pids = run.engine_pids()  # the store's pid is logged the same way
-    assert len(pids) == 3 and not any(is_running(pid) for pid in pids)
+    assert len(pids) == 3 and not run.leftovers()
     assert (run.workdir / "logs" / "store.log").exists()
     assert not (run.workdir / "run" / "store.endpoint").exists()
 
@@ -260,3 +303,144 @@ def test_bad_up_flags_name_the_flag(
         status = int(exc.code or 0)
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_sigusr1_while_the_engines_start_is_ignored(tmp_path: Path, runs: list[UpRun]) -> None:
+    run = UpRun(tmp_path, FAKE, STALL, startup_timeout_s=5)
+    runs.append(run)
+    run.wait_line(r"waiting for 2 engines")
+
+    run.process.send_signal(signal.SIGUSR1)  # nothing is stopped yet: nothing to restart
+    status = run.process.wait(60)
+
+    assert status == 1  # it went on waiting, until its startup timeout
+    assert "decode-0 not healthy within 5 s" in "".join(run.stderr)
+    assert not run.leftovers()
+
+
+def test_signals_while_stopping_are_ignored_and_nothing_is_left(
+    tmp_path: Path, runs: list[UpRun]
+) -> None:
+    mark, release = tmp_path / "got-sigterm", tmp_path / "release"
+    slow = ["{python}", "-c", SLOW_TO_STOP, str(mark), str(release)]
+    run = UpRun(tmp_path, FAKE, slow)
+    runs.append(run)
+    run.wait_line(r"waiting for 2 engines")
+    wait_for_file(tmp_path / "got-sigterm.ready")
+    run.process.send_signal(signal.SIGTERM)
+    run.wait_line(r"fabric up: stopping")
+    wait_for_file(mark)  # the engine is stopping, and fabric up waits for it
+
+    for sig in (signal.SIGUSR1, signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        run.process.send_signal(sig)
+    running_while_stopping = run.process.poll() is None
+    release.touch()
+    status = run.process.wait(60)
+
+    assert running_while_stopping
+    assert status == 0
+    assert not run.leftovers()
+
+
+def wait_for_file(path: Path) -> None:
+    for _ in range(600):  # a hang guard
+        if path.exists():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+def test_up_help_says_how_to_run_it_under_systemd(capsys: pytest.CaptureFixture[str]) -> None:
+    from fabric.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    assert "KillMode=mixed" in capsys.readouterr().out
+
+
+# --- fabric up in this process (to reach into it) ----------------------------
+
+
+def in_process_topology(tmp_path: Path, decode: list[str]) -> TopologyConfig:
+    return parse_topology(
+        {
+            "model": "fake",
+            "workdir": str(tmp_path / "work"),
+            "prefill": [{"command": FAKE, "port": free_port(), "kv_port": free_port()}],
+            "decode": [{"command": decode, "port": free_port(), "kv_port": free_port()}],
+            "proxy": {"port": free_port(), "health_interval_s": 0.5},
+        }
+    )
+
+
+def started_pids(caplog: pytest.LogCaptureFixture) -> list[int]:
+    return [int(m) for m in re.findall(r"started \S+ \(pid (\d+)\)", caplog.text)]
+
+
+def test_a_proxy_that_does_not_start_stops_everything_and_exits_1(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import fabric.router
+
+    create_app = fabric.router.create_app
+
+    def broken_app(topology: TopologyConfig) -> Any:
+        app = create_app(topology)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Any) -> AsyncIterator[None]:
+            raise RuntimeError("the lifespan startup broke")
+            yield
+
+        app.router.lifespan_context = lifespan
+        return app
+
+    monkeypatch.setattr(fabric.router, "create_app", broken_app)
+    caplog.set_level(logging.INFO, logger="fabric.launch.up")
+
+    status = up.up(in_process_topology(tmp_path, FAKE), lambda line: None)
+
+    assert status == 1
+    assert "fabric up: proxy: the server did not start" in capsys.readouterr().err
+    pids = started_pids(caplog)
+    assert len(pids) == 2 and not any(group_members(pid) for pid in pids)
+
+
+def test_an_engine_stopping_gets_the_drain_timeout_and_then_some(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NOTE: the margin past the drain made small, so a drain longer than the
+    # margin shows (a fixed stop bound shorter than the drain cuts it).
+    monkeypatch.setattr(up, "STOP_MARGIN_S", 0.5, raising=False)
+    monkeypatch.setattr(up, "STOP_TIMEOUT_S", 0.5, raising=False)
+    caplog.set_level(logging.INFO, logger="fabric.launch.up")
+    topology = in_process_topology(tmp_path, [*DRAIN_FAKE, "--token-delay-s", "0.1"])
+    ready = threading.Event()
+    decode_url = f"http://127.0.0.1:{topology.decode[0].port}"
+    body = {"model": "fake", "prompt": "drain me", "max_tokens": 20, "stream": True}  # 2 s
+
+    def announce(line: str) -> None:
+        if "proxy ready at" in line:
+            ready.set()
+
+    def client() -> list[str]:
+        assert ready.wait(60), "fabric up never served"
+        first = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            lines = pool.submit(stream_lines, decode_url, body, first)
+            assert first.wait(30), "the stream never started"
+            os.kill(os.getpid(), signal.SIGTERM)  # fabric up (this process) stops
+            return lines.result(timeout=60)
+
+    options = up.UpOptions(drain_timeout_s=5.0)
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(client)
+        status = up.up(topology, announce, options)
+        lines = stream.result(timeout=60)
+
+    assert status == 0
+    assert lines[-1] == "data: [DONE]" and len(lines) == 21  # the engine's drain ran its course
+    assert not any(group_members(pid) for pid in started_pids(caplog))

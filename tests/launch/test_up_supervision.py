@@ -13,7 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.launch._up import DRAIN_FAKE, FAKE, UpRun, broken_when, is_running, stream_lines
+from tests.launch._up import (
+    DRAIN_FAKE,
+    FAKE,
+    UpRun,
+    broken_when,
+    holding,
+    is_running,
+    stream_lines,
+)
 
 SLOW = [*FAKE, "--token-delay-s", "0.1"]
 SLOW_DRAIN = [*DRAIN_FAKE, "--token-delay-s", "0.1"]
@@ -42,6 +50,7 @@ def test_killed_engine_is_restarted_on_its_port_and_serves_again(
     status = run.stop()
 
     assert before["state"] == "up" and before["restarts"] == 0
+    assert before["first_start_s"] > 0 and after["first_start_s"] == before["first_start_s"]
     assert after["pid"] != before["pid"] and after["url"] == before["url"]
     assert after["last_exit"]["how"] == "signal SIGKILL"
     assert after["last_exit"]["pid"] == before["pid"]
@@ -53,7 +62,70 @@ def test_killed_engine_is_restarted_on_its_port_and_serves_again(
     assert "prefill-0 is serving again" in stderr
     assert response.status_code == 200, response.text
     assert status == 0
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
+
+
+def test_a_leader_killed_alone_takes_its_group_along_and_comes_back_on_its_ports(
+    tmp_path: Path, runs: list[UpRun]
+) -> None:
+    # NOTE: as vLLM's API server killed alone (OOM, kill -9) leaves its
+    # EngineCore holding the kv_port: a restart would fail to bind, forever.
+    holders = tmp_path / "holders"
+    run = UpRun(tmp_path, FAKE, holding(holders, FAKE), args=["--restart-backoff-s", "0.2"])
+    runs.append(run)
+    run.wait_serving()
+    before = run.engine_state("decode-0")
+    first_holder = int(holders.read_text().split()[0])
+
+    os.kill(before["pid"], signal.SIGKILL)  # the leader only
+    after = run.wait_state("decode-0", lambda e: e["restarts"] >= 1 and e["state"] == "up")
+    response = run.complete()
+    pids = [int(pid) for pid in holders.read_text().split()]
+    old_holder_ran = is_running(first_holder)
+    status = run.stop()
+
+    assert not old_holder_ran
+    assert after["restarts"] == 1 and after["last_exit"]["how"] == "signal SIGKILL"
+    assert pids == [first_holder, pids[1]] and pids[1] != first_holder  # bound again
+    assert response.status_code == 200, response.text
+    assert "left 1 processes in its group" in "".join(run.stderr)
+    assert status == 0
+    assert not run.leftovers() and not any(is_running(pid) for pid in pids)
+
+
+def test_a_drained_engine_leaves_nothing_of_its_group_running(
+    tmp_path: Path, runs: list[UpRun]
+) -> None:
+    holders = tmp_path / "holders"
+    run = UpRun(tmp_path, FAKE, holding(holders, DRAIN_FAKE))
+    runs.append(run)
+    run.wait_serving()
+    leader = run.engine_state("decode-0")["pid"]
+    holder = int(holders.read_text().split()[0])
+
+    os.kill(leader, signal.SIGTERM)  # drains, exits, stays stopped
+    run.wait_state("decode-0", lambda e: e["state"] == "stopped")
+    deadline = time.monotonic() + 30
+    while is_running(holder) and time.monotonic() < deadline:  # a hang guard
+        time.sleep(0.1)
+    holder_ran = is_running(holder)
+    status = run.stop()
+
+    assert not holder_ran  # killed while fabric up still runs, not only at its exit
+    assert status == 0
+    assert not run.leftovers()
+
+
+def test_sighup_drains_and_stops_like_sigterm(tmp_path: Path, runs: list[UpRun]) -> None:
+    run = UpRun(tmp_path, FAKE, FAKE)
+    runs.append(run)
+    run.wait_serving()
+
+    status = run.stop(signal.SIGHUP)
+
+    assert status == 0
+    assert "fabric up: drained" in "".join(run.lines.queue)
+    assert not run.leftovers()
 
 
 def test_crash_looping_engine_backs_off_and_shows_down(tmp_path: Path, runs: list[UpRun]) -> None:
@@ -80,7 +152,7 @@ def test_crash_looping_engine_backs_off_and_shows_down(tmp_path: Path, runs: lis
     row = next(line for line in shown.splitlines() if line.startswith("decode-0")).split()
     assert row[3] == "no" and row[4] in ("down", "starting") and int(row[5]) >= 2
     assert run.stop() == 0
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
 
 
 def test_killed_store_comes_back_and_its_endpoint_file_follows(
@@ -103,7 +175,7 @@ def test_killed_store_comes_back_and_its_endpoint_file_follows(
     assert new_endpoint != old_endpoint  # port 0: a new free port, found through the file
     assert shared["endpoint"] == new_endpoint and "error" not in shared
     assert status == 0
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
 
 
 def test_sigterm_lets_a_running_stream_finish_refuses_new_requests_then_stops(
@@ -129,7 +201,7 @@ def test_sigterm_lets_a_running_stream_finish_refuses_new_requests_then_stops(
     assert lines[-1] == "data: [DONE]" and len(lines) == 31  # 30 tokens, nothing cut
     assert status == 0
     assert "fabric up: drained" in "".join(run.lines.queue)
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
     assert not (run.workdir / "run" / "up.json").exists()
 
 
@@ -152,7 +224,7 @@ def test_the_proxy_drain_is_bounded_by_the_drain_timeout(tmp_path: Path, runs: l
     assert status == 0
     assert len(lines) < 601  # then cut it
     assert "drain timeout: 1 requests still running are cut" in "".join(run.lines.queue)
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
 
 
 def test_sigterm_to_one_engine_drains_it_and_it_stays_stopped_until_sigusr1(
@@ -192,7 +264,7 @@ def test_sigterm_to_one_engine_drains_it_and_it_stays_stopped_until_sigusr1(
     assert stopped["last_exit"]["pid"] == d0["pid"]
     assert back["restarts"] == 1 and back["pid"] != d0["pid"]
     assert status == 0
-    assert not any(is_running(pid) for pid in run.engine_pids())
+    assert not run.leftovers()
 
 
 def _seen(engine_url: str) -> int:
