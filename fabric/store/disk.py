@@ -40,10 +40,13 @@ NOTE: no fsync by default. This is a cache: a file torn by a crash or power loss
 fails its size or checksum check on the next start or read, and costs only a
 recompute. ``fsync=True`` makes each put durable before it returns (slow).
 
-Thread safety: one lock guards the index and counters. Payload reads, writes and
-hashing happen outside it; unlinks happen under it (see ``_unlink``), except
-those of ``clear``, which hold each key's writer slot instead (so a put of
-that key waits for its unlink).
+Thread safety: one lock guards the index and counters. Payload reads, writes,
+hashing and unlinks happen outside it (a slow filesystem must not stall
+``contains``, which the transfer server's loop asks, nor the next put): a key
+whose file is being unlinked (evicted, removed, corrupt, cleared) is dropped
+from the index at once and holds its writer slot until the unlink is done,
+so a put of that key waits for it and a new file of it is never deleted.
+``table_sizes`` takes no lock at all (the model runner gauges it every step).
 """
 
 from __future__ import annotations
@@ -237,6 +240,8 @@ class DiskTier:
             raise ValueError(f"checksum must fit in u64, got {checksum}")
         size = HEADER_BYTES + view.nbytes
         while True:
+            evicted: list[bytes] = []
+            unlinking = None
             with self._lock:
                 self._check_open()
                 if key in self._index:
@@ -244,11 +249,15 @@ class DiskTier:
                     break
                 other = self._writers.get(key)
                 if other is None:
-                    if not self._make_room(size):
-                        return False
-                    done = self._writers[key] = threading.Event()
-                    self._in_flight += size
+                    room = self._make_room(size, evicted)
+                    unlinking = self._hold_writers(evicted)
+                    if room:
+                        done = self._writers[key] = threading.Event()
+                        self._in_flight += size
+            self._unlink_held(evicted, unlinking)
             if other is None:
+                if not room:
+                    return False
                 return self._write(key, name, view, checksum, done)
             # NOTE: the same key is being written: wait, then dedup against it,
             # or take over if it failed. Never two writers of one file.
@@ -258,15 +267,16 @@ class DiskTier:
 
     def remove(self, key: bytes) -> bool:
         """Delete ``key``'s file; returns whether it was present."""
-        name = _key_hex(key)
+        _key_hex(key)  # NOTE: validates it
         with self._lock:
             self._check_open()
             entry = self._index.pop(key, None)
             if entry is None:
                 return False
             self._used -= entry.file_bytes
-            self._unlink(self._path(name))
-            return True
+            unlinking = self._hold_writers([key])
+        self._unlink_held([key], unlinking)
+        return True
 
     def clear(self) -> int:
         """Delete every chunk file; returns how many there were.
@@ -282,24 +292,17 @@ class DiskTier:
             keys = list(self._index)
             self._index.clear()
             self._used = 0
-            removing = threading.Event()
-            for key in keys:
-                # NOTE: a key in the index has no writer (put indexes it last).
-                self._writers[key] = removing
-        try:
-            for key in keys:
-                _remove_file(self._path(key.hex()))
-        finally:
-            with self._lock:
-                for key in keys:
-                    del self._writers[key]
-            removing.set()
+            unlinking = self._hold_writers(keys)
+        self._unlink_held(keys, unlinking)
         return len(keys)
 
     def table_sizes(self) -> dict[str, int]:
-        """Puts (and clears) in flight, by key (name -> entries)."""
-        with self._lock:
-            return {"disk_writers": len(self._writers)}
+        """Puts and unlinks in flight, by key (name -> entries).
+
+        NOTE: without the lock: ``len`` of a dict is atomic, and the model
+        runner asks this every step (it must never wait for a put's evictions).
+        """
+        return {"disk_writers": len(self._writers)}
 
     # --- reads
 
@@ -334,13 +337,17 @@ class DiskTier:
             self._counters.corrupt += result is _Read.CORRUPT
             # NOTE: drop only the entry we read: a key evicted and re-put
             # meanwhile has a new file, which nobody has read yet.
+            corrupt: list[bytes] = []
             if current and result is not _Read.FAILED:
                 del self._index[key]
                 self._used -= entry.file_bytes
                 if result is _Read.CORRUPT:
-                    logger.warning("disk tier: corrupt chunk file %s deleted", self._path(name))
-                    self._unlink(self._path(name))
-            return None
+                    corrupt.append(key)
+            unlinking = self._hold_writers(corrupt)
+        if corrupt:
+            logger.warning("disk tier: corrupt chunk file %s deleted", self._path(name))
+        self._unlink_held(corrupt, unlinking)
+        return None
 
     # --- lifecycle
 
@@ -364,8 +371,9 @@ class DiskTier:
         if self._closed:
             raise StoreError(f"disk tier {self.root} is closed")
 
-    def _make_room(self, size: int) -> bool:
-        """Evict LRU files until ``size`` more bytes fit (lock held)."""
+    def _make_room(self, size: int, evicted: list[bytes]) -> bool:
+        """Drop LRU entries until ``size`` more bytes fit (lock held); their
+        keys go to ``evicted``, for the caller to unlink after the lock."""
         if size > self.budget_bytes:
             logger.debug("disk tier: %d-byte chunk exceeds the whole budget", size)
             return False
@@ -373,19 +381,39 @@ class DiskTier:
             key, entry = self._index.popitem(last=False)
             self._used -= entry.file_bytes
             self._counters.evictions += 1
-            self._unlink(self._path(key.hex()))
+            evicted.append(key)
         if self._used + self._in_flight + size > self.budget_bytes:
             logger.debug("disk tier: puts in flight hold the budget; %d bytes refused", size)
             return False
         return True
 
-    def _unlink(self, path: Path) -> None:
-        """Delete an indexed file (lock held).
+    def _hold_writers(self, keys: list[bytes]) -> threading.Event | None:
+        """Hold the writer slot of each of ``keys``, just dropped from the
+        index, until ``_unlink_held`` deleted its file (lock held).
 
-        NOTE: under the lock on purpose: an unlink done after releasing it could
-        delete the file of a put of the same key that landed in between.
+        NOTE: a key in the index has no writer (put indexes it last); holding
+        the slot is what lets the unlink run after the lock: a put of the key
+        waits for it, so the file it deletes is never the put's new one.
         """
-        _remove_file(path)
+        if not keys:
+            return None
+        unlinking = threading.Event()
+        for key in keys:
+            self._writers[key] = unlinking
+        return unlinking
+
+    def _unlink_held(self, keys: list[bytes], unlinking: threading.Event | None) -> None:
+        """Delete the files of ``keys`` (lock not held), then free their writer slots."""
+        if unlinking is None:
+            return
+        try:
+            for key in keys:
+                _remove_file(self._path(key.hex()))
+        finally:
+            with self._lock:
+                for key in keys:
+                    del self._writers[key]
+            unlinking.set()
 
     def _write(
         self, key: bytes, name: str, view: memoryview, checksum: int, done: threading.Event
@@ -467,8 +495,11 @@ class DiskTier:
         for _, _, key, nbytes in sorted(found):
             self._index[key] = _Entry(nbytes)
             self._used += HEADER_BYTES + nbytes
+        evicted: list[bytes] = []
         with self._lock:
-            self._make_room(0)
+            self._make_room(0, evicted)
+            unlinking = self._hold_writers(evicted)
+        self._unlink_held(evicted, unlinking)
 
 
 # --- files and headers

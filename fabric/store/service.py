@@ -34,6 +34,18 @@ on the engine, bounded by ``push_timeout_s``. A failure is logged and
 counted; the engine's Loader then times out and vLLM recomputes. A hold
 ends when the fetch thread takes it, or by its lease; a push's reservation
 here is released as soon as it is finished.
+
+A Fetch carries no deadline of its requester (the scheduler waits only
+``lookup_timeout_ms`` for the answer and then computes the prompt; that
+bound stays on the engine), only the lease of what it asks for: a fetch
+whose ``lease_ms`` ran out since it arrived here (it waited in the offload
+queue, or its disk reads were slow) is not pushed (``fetch_expired``): its
+hold is let go and the answer says ``pushing=False``. A fetch its
+requester gave up on within its lease is still pushed; nobody loads it on
+the engine, whose reservation then runs out its lease.
+
+Counters (``ServiceCounters``) are counted under one lock: the loop, the
+offload threads and the fetch thread all count.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +155,7 @@ class ServiceCounters:
     fetch_pushes: int = 0
     fetched_chunks: int = 0
     fetch_failures: int = 0
+    fetch_expired: int = 0  # not pushed: its lease ran out before the push began
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,7 @@ class _FetchJob:
     endpoint: str
     keys: list[bytes]
     lease_ms: int
+    deadline: float  # time.monotonic() at which the Fetch's lease runs out
 
 
 class SharedStore:
@@ -159,6 +174,7 @@ class SharedStore:
         self.config = config
         self.geometry: Geometry | None = None
         self.counters = ServiceCounters()
+        self._counts = threading.Lock()
         self.tier: TieredStore | None = None
         self._attached: set[str] = set()
         # One slot spanning all the memory until the first Attach carves it.
@@ -203,6 +219,17 @@ class SharedStore:
         if self.config.endpoint_file:
             Path(self.config.endpoint_file).unlink(missing_ok=True)
 
+    def count(self, **deltas: int) -> None:
+        """Add ``deltas`` to the counters (from any thread)."""
+        with self._counts:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
+    def counter_values(self) -> dict[str, int]:
+        """A consistent copy of the counters."""
+        with self._counts:
+            return {k: int(v) for k, v in dataclasses.asdict(self.counters).items()}
+
     # ------------------------------------------------------------ control loop
     def on_attach(self, msg: proto.Attach) -> proto.Message:
         """Fix the geometry on the first Attach; refuse engines that differ."""
@@ -210,15 +237,15 @@ class SharedStore:
             try:
                 self._bind(Geometry(msg.fingerprint, msg.chunk_tokens, msg.chunk_bytes))
             except ConfigError as exc:
-                self.counters.attach_refused += 1
+                self.count(attach_refused=1)
                 return proto.Refused(msg.seq, "", "layout_mismatch", str(exc))
         assert self.geometry is not None
         why = self.geometry.mismatch(msg)
         if why is not None:
-            self.counters.attach_refused += 1
+            self.count(attach_refused=1)
             logger.warning("refused engine at %s: %s", msg.endpoint, why)
             return proto.Refused(msg.seq, "", "layout_mismatch", why)
-        self.counters.attaches += 1
+        self.count(attaches=1)
         # NOTE: a restarted engine may come back on the same endpoint with a
         # new data plane; drop any link to its predecessor.
         self.client.disconnect(msg.endpoint)
@@ -252,9 +279,12 @@ class SharedStore:
             geometry.fingerprint[:16],
         )
 
-    def on_fetch(self, msg: proto.Fetch) -> proto.Message:
-        """Hold the prompt's leading chunks; queue their push if there are enough."""
-        self.counters.fetches += 1
+    def on_fetch(self, msg: proto.Fetch, received: float | None = None) -> proto.Message:
+        """Hold the prompt's leading chunks; queue their push if there are
+        enough and the Fetch's lease (from ``received``, when it arrived; now
+        if None) has not run out meanwhile."""
+        self.count(fetches=1)
+        deadline = (time.monotonic() if received is None else received) + msg.lease_ms / 1000
         tier = self.tier
         if tier is None:
             return proto.Refused(msg.seq, msg.transfer_id, "unbound", "no engine attached yet")
@@ -269,10 +299,15 @@ class SharedStore:
         hit = tier.lookup(
             msg.token_ids, hold=msg.transfer_id, lease_ms=msg.lease_ms, identity=identity
         )
-        pushing = hit.chunks > msg.min_chunks
+        pushing = hit.chunks > msg.min_chunks and bool(hit.slots)
+        if pushing and time.monotonic() >= deadline:
+            self.count(fetch_expired=1)
+            logger.info("fetch %s: its lease ran out before the push; not pushed", msg.transfer_id)
+            pushing = False
         if pushing:
             keys = tier.keys(msg.token_ids, identity)[: hit.chunks]
-            self._jobs.put(_FetchJob(msg.transfer_id, msg.endpoint, keys, msg.lease_ms))
+            job = _FetchJob(msg.transfer_id, msg.endpoint, keys, msg.lease_ms, deadline)
+            self._jobs.put(job)
         else:
             tier.release_hold(msg.transfer_id)
         return proto.Fetching(msg.seq, msg.transfer_id, tier.chunk_tokens, hit.chunks, pushing)
@@ -283,14 +318,19 @@ class SharedStore:
             try:
                 self._push(job)
             except Exception:
-                self.counters.fetch_failures += 1
+                self.count(fetch_failures=1)
                 logger.exception("fetch %s failed", job.transfer_id)
 
     def _push(self, job: _FetchJob) -> None:
         assert self.tier is not None
         slots = self.tier.take_hold(job.transfer_id)
+        if slots is not None and time.monotonic() >= job.deadline:
+            self.count(fetch_expired=1)
+            logger.info("fetch %s: its lease ran out before the push; not pushed", job.transfer_id)
+            self.store.release_slots(slots)
+            return
         if slots is None or len(slots) < len(job.keys):
-            self.counters.fetch_failures += 1
+            self.count(fetch_failures=1)
             logger.warning("fetch %s: its chunks were let go before the push", job.transfer_id)
             if slots:
                 self.store.release_slots(slots)
@@ -306,15 +346,14 @@ class SharedStore:
                 lease_ms=job.lease_ms,
             )
         except FabricError as exc:
-            self.counters.fetch_failures += 1
+            self.count(fetch_failures=1)
             logger.warning("fetch %s to %s failed: %s", job.transfer_id, job.endpoint, exc)
             # NOTE: the engine may have restarted; handshake again next time.
             self.client.disconnect(job.endpoint)
             return
         finally:
             self.store.release_slots(slots)
-        self.counters.fetch_pushes += 1
-        self.counters.fetched_chunks += len(res.missing)
+        self.count(fetch_pushes=1, fetched_chunks=len(res.missing))
 
 
 class _SharedServer(TransferServer):
@@ -337,8 +376,8 @@ class _SharedServer(TransferServer):
             return self.service.on_attach(msg)
         if isinstance(msg, proto.Fetch):
             # NOTE: its lookup reads disk hits back in: off the loop.
-            fetch = msg
-            return self.defer(identity, msg.seq, lambda: self.service.on_fetch(fetch))
+            fetch, received = msg, time.monotonic()
+            return self.defer(identity, msg.seq, lambda: self.service.on_fetch(fetch, received))
         if isinstance(msg, proto.Hello) and self.service.geometry is None:
             self.stats.refused += 1
             reason = "the shared store has no layout yet: an engine must Attach first"
@@ -360,8 +399,8 @@ class _SharedServer(TransferServer):
             self.release(rid)
 
     def snapshot(self) -> dict[str, int]:
-        counters = dataclasses.asdict(self.service.counters)
-        return super().snapshot() | {f"service_{k}": int(v) for k, v in counters.items()}
+        counters = self.service.counter_values()
+        return super().snapshot() | {f"service_{k}": v for k, v in counters.items()}
 
 
 def serve(config: ServiceConfig, announce: Callable[[str], None] = print) -> int:

@@ -25,7 +25,31 @@ it go (``release_hold``), a newer lookup for the same request replaces it
 (the old refs are dropped, even when two lookups race), its lease runs out
 (``expire_holds``, called by the transfer server's loop), or ``close``. A
 lookup that raises midway (a disk read failing) drops the refs it took and
-aborts the slot it was reading into. ``table_sizes`` reports the holds, the
+aborts the slot it was reading into.
+
+A release can overtake the lookup it answers. With a disk tier a lookup
+that holds runs on a server thread, and the scheduler's release of the
+same request is applied by the worker in-process (or by a Release on the
+server's loop), so it may run while that lookup still reads chunks in::
+
+    offload thread                        worker / loop
+    lookup(hold=r) begins: r pending
+      reading chunk 2 from disk ...       release_hold(r): no hold yet;
+                                          r's release counted
+    lookup ends: released since it        (nobody would release r again:
+      began -> its refs dropped, no hold   it would wait out its lease)
+
+So every lookup that holds is registered, per request, while it runs, and
+a ``release_hold`` of that request counts against the lookups running
+then: each of them drops what it took when it ends (``holds_cancelled``)
+instead of keeping it. The register is bounded by the lookups in flight (an
+entry goes with the last of its request's), so nothing is kept for the
+requests released when no lookup ran. NOTE: a lookup for the same request
+sent after the release was decided but begun before it was applied is
+dropped too: a miss for that request (vLLM computes it), never a leak.
+``close`` drops the holds of lookups that end after it in the same way.
+
+``table_sizes`` reports the holds, the lookups that hold in flight, the
 disk writes queued and the disk tier's writers in flight.
 
 Thread safety: holds are guarded by one lock; the store and the disk tier
@@ -76,8 +100,17 @@ class _Hold:
 
 
 @dataclass
+class _Pending:
+    """The lookups that hold for one request, running now."""
+
+    lookups: int = 0
+    releases: int = 0  # release_hold calls of the request since the first began
+
+
+@dataclass
 class TierCounters:
-    """Monotonic counters of a TieredStore."""
+    """Monotonic counters of a TieredStore (updated under its lock: lookups,
+    the disk writer and the server's loop all count)."""
 
     lookups: int = 0
     hit_chunks: int = 0
@@ -86,6 +119,7 @@ class TierCounters:
     disk_writes_queued: int = 0
     disk_skipped: int = 0
     holds_expired: int = 0
+    holds_cancelled: int = 0  # a lookup's hold dropped: released (or closed) while it read
 
 
 @dataclass
@@ -115,6 +149,8 @@ class TieredStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
+        self._pending: dict[str, _Pending] = {}  # request -> its holding lookups running
+        self._closed = False
         self._writer = _Writer()
         self._thread: threading.Thread | None = None
         if disk is not None:
@@ -148,31 +184,56 @@ class TieredStore:
         With ``hold`` (a request id) the hit chunks are brought into memory
         and referenced for that request; a previous hold of the same id is
         dropped first. A chunk that cannot be brought in (no free slot, a
-        corrupt file) ends the hit there.
+        corrupt file) ends the hit there. When ``release_hold(hold)`` ran
+        while this lookup read (see the module docstring) nothing is held:
+        the hit is returned without ``slots``.
         """
         keys = self.keys(token_ids, identity)
-        if hold is None:
-            hit = self._count(keys)
-        else:
-            self.release_hold(hold)
-            hit = self._acquire(keys)
-            if hit.slots:
-                self._hold(hold, _Hold(list(hit.slots), 0.0, keys[: len(hit.slots)]), lease_ms)
-        with self._lock:  # NOTE: lookups run on several threads of the server at once
-            self.counters.lookups += 1
-            self.counters.hit_chunks += hit.chunks
-            self.counters.disk_hit_chunks += hit.disk
+        hit = self._count(keys) if hold is None else self._lookup_hold(hold, keys, lease_ms)
+        self._count_up(lookups=1, hit_chunks=hit.chunks, disk_hit_chunks=hit.disk)
         return hit
 
-    def _hold(self, request_id: str, hold: _Hold, lease_ms: int) -> None:
-        """Keep ``hold`` for ``request_id``, releasing one that raced in meanwhile
-        (two lookups of one request id must not leave the first one's refs)."""
+    def _lookup_hold(self, request_id: str, keys: list[bytes], lease_ms: int) -> Hit:
+        """Acquire the hit for ``request_id``, registered as pending meanwhile."""
         with self._lock:
-            hold.expires_at = self._clock() + lease_ms / 1000
-            previous = self._holds.get(request_id)
-            self._holds[request_id] = hold
+            previous = self._holds.pop(request_id, None)
+            pending = self._pending.setdefault(request_id, _Pending())
+            pending.lookups += 1
+            began = pending.releases
         if previous is not None:
             self.store.release_slots(previous.slots)
+        hit = Hit(0, 0)
+        try:
+            hit = self._acquire(keys)
+        finally:  # NOTE: _acquire dropped its refs if it raised: only unregister
+            kept = self._keep(request_id, began, hit, keys[: hit.chunks], lease_ms)
+        return hit if kept else Hit(hit.chunks, hit.disk)
+
+    def _keep(
+        self, request_id: str, began: int, hit: Hit, keys: list[bytes], lease_ms: int
+    ) -> bool:
+        """End a lookup of ``request_id`` begun after ``began`` releases: keep
+        its slots as the request's hold unless it was released (or the tier
+        closed) meanwhile, then they go back. A hold that raced in from
+        another lookup of the same id is replaced (its refs dropped)."""
+        with self._lock:
+            pending = self._pending[request_id]
+            pending.lookups -= 1
+            if not pending.lookups:
+                del self._pending[request_id]
+            keep = bool(hit.slots) and pending.releases == began and not self._closed
+            previous = None
+            if keep:
+                expires_at = self._clock() + lease_ms / 1000
+                previous = self._holds.get(request_id)
+                self._holds[request_id] = _Hold(list(hit.slots), expires_at, keys)
+            elif hit.slots:
+                self.counters.holds_cancelled += 1
+        if previous is not None:
+            self.store.release_slots(previous.slots)
+        if hit.slots and not keep:
+            self.store.release_slots(list(hit.slots))
+        return keep
 
     def take_hold(self, request_id: str) -> list[int] | None:
         """The slots held for ``request_id`` (the caller now owns their refs)."""
@@ -187,11 +248,16 @@ class TieredStore:
         return None if hold is None else (hold.slots, hold.keys)
 
     def release_hold(self, request_id: str) -> bool:
-        """Drop the hold of ``request_id``; returns whether there was one."""
-        slots = self.take_hold(request_id)
-        if slots is None:
+        """Drop the hold of ``request_id``, and what its lookups running now
+        take (they end holding nothing); returns whether there was a hold."""
+        with self._lock:
+            hold = self._holds.pop(request_id, None)
+            pending = self._pending.get(request_id)
+            if pending is not None:
+                pending.releases += 1
+        if hold is None:
             return False
-        self.store.release_slots(slots)
+        self.store.release_slots(hold.slots)
         return True
 
     def expire_holds(self) -> int:
@@ -202,7 +268,7 @@ class TieredStore:
             slots = [self._holds.pop(rid).slots for rid in gone]
         for held in slots:
             self.store.release_slots(held)
-        self.counters.holds_expired += len(gone)
+        self._count_up(holds_expired=len(gone))
         return len(gone)
 
     def held_count(self) -> int:
@@ -211,10 +277,13 @@ class TieredStore:
             return len(self._holds)
 
     def table_sizes(self) -> dict[str, int]:
-        """Holds, disk writes queued and the disk tier's writers (name -> entries)."""
+        """Holds, requests with a holding lookup running, disk writes queued
+        and the disk tier's writers (name -> entries)."""
         with self._writer.idle:
             pending = self._writer.pending
-        sizes = {"tier_holds": self.held_count(), "tier_disk_queue": pending}
+        with self._lock:
+            holds, lookups = len(self._holds), len(self._pending)
+        sizes = {"tier_holds": holds, "tier_lookups": lookups, "tier_disk_queue": pending}
         if self.disk is not None:
             sizes |= self.disk.table_sizes()
         return sizes
@@ -259,15 +328,26 @@ class TieredStore:
         return True
 
     def close(self) -> None:
+        """Stop the disk writer (after what is queued) and drop every hold;
+        a lookup still running keeps nothing when it ends."""
+        with self._lock:
+            self._closed = True
         if self._thread is not None:
             self.store.on_present = None
             self._writer.queue.put(None)
             self._thread.join(timeout=30)
             self._thread = None
-        for rid in list(self._holds):
-            self.release_hold(rid)
+        with self._lock:
+            holds, self._holds = list(self._holds.values()), {}
+        for hold in holds:
+            self.store.release_slots(hold.slots)
 
     # ------------------------------------------------------------ internals
+    def _count_up(self, **deltas: int) -> None:
+        with self._lock:  # NOTE: several threads count at once
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
     def _count(self, keys: list[bytes]) -> Hit:
         chunks = disk = 0
         for key in keys:
@@ -323,7 +403,7 @@ class TieredStore:
             raise
         if nbytes is None:
             self.store.abort(slot)
-            self.counters.disk_read_failures += 1
+            self._count_up(disk_read_failures=1)
             return None
         got = self.store.acquire([key])
         return got[0] if got else None
@@ -331,7 +411,7 @@ class TieredStore:
     def _on_present(self, key: bytes) -> None:
         with self._writer.idle:
             self._writer.pending += 1
-        self.counters.disk_writes_queued += 1
+        self._count_up(disk_writes_queued=1)
         self._writer.queue.put(key)
 
     def _write_loop(self) -> None:
@@ -352,7 +432,7 @@ class TieredStore:
             return
         got = self.store.acquire([key])
         if not got:
-            self.counters.disk_skipped += 1
+            self._count_up(disk_skipped=1)
             return
         slot = got[0]
         try:

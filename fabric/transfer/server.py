@@ -20,9 +20,29 @@ The loop never runs long blocking work. A request whose answer reads or
 deletes disk files or waits for the disk writer (a Lookup that holds, a
 Pin, a Clear, when the tier has a disk; a subclass's own through
 :meth:`TransferServer.defer`) runs on an :class:`~fabric.transfer.offload.Offload`
-thread; the loop sends its reply when it is done, and answers
-``Refused("busy")`` at once when that queue is full. Notifications,
-heartbeats, Reserves and lease expiry go on meanwhile.
+thread; the loop sends its reply when it is done. Two queues, so the
+scheduler's Lookups (and a shared store's Fetches) never wait behind an
+operator's Clear or Pin::
+
+    Lookup(hold), Fetch   -> offload: 2 threads, 64 queued
+    Clear, Pin            -> admin:   1 thread,  16 queued
+
+A request whose queue is full is answered at once with
+``Refused(code="busy")`` (``offload.BUSY``; ``reason`` names the queue):
+transient, nothing was done, ask again later. While the server closes,
+queued and new blocking requests get ``Refused(code="closing")``
+(``offload.CLOSING``). Notifications, heartbeats, Reserves and lease
+expiry go on meanwhile.
+
+Closing (``close``) waits for the blocking work running now, at most
+``close_timeout_s`` for both queues together, before the loop stops and
+the owner frees what that work uses (the tier, its disk tier, the pool).
+Past that bound it logs a warning and stops anyway: the reply of a job
+still running is never sent (its client times out), its thread (a daemon)
+and the offload's wake pipe are left as they are, and the job meets a
+closed tier (a hold it makes is dropped at once, a disk tier raises
+``StoreError``, answered to nobody); the pool's memory stays allocated
+while the job holds a reference to it.
 
 Per-request tables stay bounded: a reservation's progress goes when its
 consumer releases it or its sender cancels it, and otherwise once the
@@ -72,9 +92,9 @@ from fabric.errors import (
 from fabric.transfer import protocol as proto
 from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
-from fabric.transfer.offload import Offload
+from fabric.transfer.offload import BUSY, CLOSING, Offload
 from fabric.transfer.progress import RequestProgress, ServerStats
-from fabric.transfer.tier_requests import TierRequest, blocks, tier_reply
+from fabric.transfer.tier_requests import TierRequest, blocks, is_admin, tier_reply
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
@@ -88,12 +108,16 @@ MAX_REASON_CHARS = 512
 WARN_EVERY_S = 10.0
 ENDED_LINGER_S = 1.0  # an ended reservation's progress, kept for a consumer still polling
 TABLES_PREFIX = "tables."  # Stats keys of table sizes: tables.<name> -> entries
+CLOSE_TIMEOUT_S = 10.0  # how long close waits for blocking work running now
 
 
 class TransferServer:
     """Serves reservations on a ZMQ ROUTER and verifies chunks as they land.
 
-    ``offload``: runs the blocking requests (default: two threads, 64 queued).
+    ``offload``: runs the blocking requests (default: two threads, 64
+    queued); ``admin``: the operator's Clear and Pin (default: one thread,
+    16 queued). ``close_timeout_s``: how long ``close`` waits for the work
+    they run.
     """
 
     def __init__(
@@ -105,6 +129,8 @@ class TransferServer:
         *,
         tier: TieredStore | None = None,
         offload: Offload | None = None,
+        admin: Offload | None = None,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
         self.store, self.plane, self.config, self.tier = store, plane, config, tier
         # NOTE: the owner's own numbers for Stats (the connector reports its
@@ -132,6 +158,10 @@ class TransferServer:
         self._progress: dict[str, RequestProgress] = {}
         self._ended: dict[str, float] = {}  # request -> when its reservation was found gone
         self._offload = offload if offload is not None else Offload()
+        self._admin = (
+            admin if admin is not None else Offload(threads=1, max_queued=16, name="fabric-admin")
+        )
+        self.close_timeout_s = close_timeout_s
         self._cond = threading.Condition()
         self._verify_q: queue.Queue[proto.WriteDone | None] = queue.Queue()
         self._stop = threading.Event()
@@ -143,6 +173,7 @@ class TransferServer:
 
     def start(self) -> TransferServer:
         self._offload.start()
+        self._admin.start()
         self._loop.start()
         self._verifier.start()
         return self
@@ -192,6 +223,7 @@ class TransferServer:
             sizes = {"server_progress": len(self._progress), "server_ended": len(self._ended)}
         sizes["server_peers"] = len(self._peer_seen)
         sizes["server_offload"] = self._offload.pending()
+        sizes["server_admin"] = self._admin.pending()
         sizes |= self.store.table_sizes()
         if self.tier is not None:
             sizes |= self.tier.table_sizes()
@@ -200,27 +232,55 @@ class TransferServer:
         return sizes
 
     def defer(
-        self, identity: bytes, seq: int, work: Callable[[], proto.Message]
+        self,
+        identity: bytes,
+        seq: int,
+        work: Callable[[], proto.Message],
+        *,
+        admin: bool = False,
     ) -> proto.Message | None:
         """Answer request ``seq`` of ``identity`` with ``work()``, run off the
-        loop (it may block on disk or on other threads): None when queued (the
-        loop sends the reply when it is done), ``Refused("busy")`` when full."""
-        if self._offload.submit(identity, seq, work):
+        loop (it may block on disk or on other threads), on the admin queue
+        with ``admin``: None when queued (the loop sends the reply when it is
+        done), ``Refused(BUSY)`` when that queue is full, ``Refused(CLOSING)``
+        once the server closes."""
+        offload = self._admin if admin else self._offload
+        if offload.submit(identity, seq, work):
             return None
         self.stats.refused += 1
-        self._warn(
-            "busy", "refused a request: %d blocking requests queued", self._offload.pending()
-        )
-        return proto.Refused(seq, "", "busy", "the server's queue of blocking work is full")
+        if offload.closed:
+            return proto.Refused(seq, "", CLOSING, "the server is closing")
+        queued = offload.pending()
+        self._warn("busy", "refused a request: %d queued on %s", queued, offload.name)
+        reason = f"the server's queue of blocking work ({offload.name}) is full: ask again later"
+        return proto.Refused(seq, "", BUSY, reason)
 
     def close(self) -> None:
+        """Stop serving. Blocking work first (see the module docstring): new
+        and queued requests are answered ``closing``, and the jobs running
+        now are waited for (``close_timeout_s`` in all) while the loop still
+        sends their replies; then the loop, the verifier, the socket."""
+        deadline = time.monotonic() + self.close_timeout_s
+        offloads = (self._offload, self._admin)
+        for offload in offloads:
+            offload.shutdown()
+        idle = [offload.wait_idle(max(0.0, deadline - time.monotonic())) for offload in offloads]
+        if not all(idle):
+            running = sum(offload.running() for offload in offloads)
+            logger.warning(
+                "fabric server: %d blocking job(s) still running after %.0f s; closing anyway "
+                "(their replies are dropped)",
+                running,
+                self.close_timeout_s,
+            )
         self._stop.set()
         self._verify_q.put(None)
         if self._loop.is_alive():
             self._loop.join(timeout=5)
         if self._verifier.is_alive():
             self._verifier.join(timeout=5)
-        self._offload.close()
+        for offload, done in zip(offloads, idle, strict=True):
+            offload.close(timeout=1.0 if done else 0.0)
         if not self._sock.closed:
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
@@ -232,6 +292,7 @@ class TransferServer:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._offload.wake_fd, zmq.POLLIN)
+        poller.register(self._admin.wake_fd, zmq.POLLIN)
         next_expire = 0.0
         while not self._stop.is_set():
             try:
@@ -241,6 +302,10 @@ class TransferServer:
                 self.stats.internal_errors += 1
                 logger.exception("fabric server loop error")
                 time.sleep(self.config.idle_poll_interval_ms / 1000)
+        try:
+            self._send_offloaded()  # NOTE: the last replies (``closing``) before close
+        except Exception:
+            logger.exception("fabric server: sending the last offloaded replies failed")
 
     def _step(self, poller: zmq.Poller, next_expire: float) -> float:
         ready = self._wait(poller, busy=self._has_outstanding())
@@ -248,7 +313,7 @@ class TransferServer:
             self._drain_control()
         if self._monitor in ready:
             self._drain_monitor()
-        if self._offload.wake_fd in ready:
+        if self._offload.wake_fd in ready or self._admin.wake_fd in ready:
             self._send_offloaded()
         for peer, msg in self.plane.take_notifs():
             self._on_notif(peer, msg)
@@ -271,7 +336,7 @@ class TransferServer:
         return dict(poller.poll(0))
 
     def _send_offloaded(self) -> None:
-        for identity, reply in self._offload.take_done():
+        for identity, reply in self._offload.take_done() + self._admin.take_done():
             if isinstance(reply, proto.Refused):
                 if reply.code == "internal_error":
                     self.stats.internal_errors += 1
@@ -436,6 +501,7 @@ class TransferServer:
         for extra in self.extra_stats:
             out |= extra()
         out["server_offload_busy"] = self._offload.busy
+        out["server_admin_busy"] = self._admin.busy
         out |= {TABLES_PREFIX + name: n for name, n in self.table_sizes().items()}
         tier = self.tier
         if tier is not None:
@@ -461,7 +527,7 @@ class TransferServer:
             if isinstance(reply, proto.Refused):
                 self.stats.refused += 1
             return reply
-        return self.defer(identity, msg.seq, lambda: tier_reply(tier, msg))
+        return self.defer(identity, msg.seq, lambda: tier_reply(tier, msg), admin=is_admin(msg))
 
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:

@@ -3,8 +3,11 @@
 Lookup, Release, Clear and Pin need no Hello: this engine's scheduler and
 the proxy ask them. :func:`blocks` says which of them may read or delete
 disk files or wait for the disk writer, which the server runs off its loop
-(:mod:`fabric.transfer.offload`); :func:`tier_reply` answers any of them,
-on whichever thread.
+(:mod:`fabric.transfer.offload`), and :func:`is_admin` on which queue: the
+scheduler's Lookups (which it waits for inside a vLLM step) never queue
+behind an operator's Clear or Pin (a Clear may wait a minute for the disk
+writer, then unlink thousands of files). :func:`tier_reply` answers any of
+them, on whichever thread.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ def blocks(tier: TieredStore, msg: proto.Message) -> bool:
     if isinstance(msg, proto.Pin):
         return msg.pin
     return isinstance(msg, proto.Clear)
+
+
+def is_admin(msg: proto.Message) -> bool:
+    """Whether ``msg`` is an operator's request (Clear, Pin): run on the
+    server's admin queue, never ahead of (or in the way of) a Lookup."""
+    return isinstance(msg, proto.Clear | proto.Pin)
 
 
 def tier_reply(tier: TieredStore, msg: TierRequest) -> proto.Message:

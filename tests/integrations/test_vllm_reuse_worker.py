@@ -7,6 +7,7 @@ and the disk tier is a real directory, reopened to stand for a restart.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChunk, SendPlan
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.transfer import protocol as proto
 from fabric.transfer.lookup import StoreClient
 from tests.integrations.test_vllm_worker import BS, CT, caches
 
@@ -121,6 +123,43 @@ def test_release_drops_an_unused_hold(worker: FabricWorker) -> None:
     assert worker.tier.held_count() == 0
     assert worker.store.stats().filled == 4
     client.close()
+
+
+def test_a_release_applied_while_the_lookup_reads_from_disk_leaves_no_hold(
+    worker: FabricWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's release reaches the worker in-process (``start_load``)
+    while its lookup still reads the chunks back from disk on a server
+    thread: once that read ends nothing is held, no slot stays referenced."""
+    save_prompt(worker, "r1", list(range(16)))
+    tier = worker.tier
+    assert tier is not None and tier.disk is not None and tier.flush(10)
+    assert worker.store.drop_unused() == 4  # on disk only: the lookup reads them in
+    real_read, parked, gate = tier.disk.read_into, threading.Event(), threading.Event()
+
+    def parked_read(key: bytes, out: object) -> int | None:
+        parked.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return real_read(key, out)
+
+    monkeypatch.setattr(tier.disk, "read_into", parked_read)
+    client = StoreClient(worker.node.endpoint, timeout_ms=60_000)  # type: ignore[union-attr]
+    answers: list[proto.LookupResult] = []
+    lookup = threading.Thread(
+        target=lambda: answers.append(client.lookup(TOKENS[: 4 * CT], hold="r2")), daemon=True
+    )
+    try:
+        lookup.start()
+        assert parked.wait(30), "the lookup never read from disk"
+        worker.start_load(FabricMetadata(releases=["r2"]))  # the scheduler let r2 go
+    finally:
+        gate.set()
+        lookup.join(60)
+        client.close()
+    assert answers and not answers[0].held
+    assert tier.held_count() == 0 and tier.take_held("r2") is None
+    assert worker.store.table_sizes()["store_referenced_slots"] == 0
+    assert worker.table_sizes()["tier_holds"] == 0
 
 
 def test_restart_reuses_chunks_from_disk_and_skips_a_corrupt_one(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.counters import TABLES_KEY
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker, rank_endpoint
@@ -297,3 +298,14 @@ def test_a_chunk_corrupted_after_it_verified_is_caught_at_use(
     d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, [10, 11, 12, 13], 64, tokens(64))]))
     assert wait_results(d) == ({"d1"}, {"d1"})
     assert d.counters.take()["corrupt_chunks"] == 1
+
+
+def test_table_gauges_are_named_after_the_global_rank() -> None:
+    """Two workers of one engine (TP or PP ranks) never share a gauge source."""
+    config = ConnectorConfig.from_extra({"transport": "loopback", "chunk_tokens": CT})
+    w = FabricWorker(config, produce=True, consume=False, block_size=BS, model="tiny", rank=3)
+    w.report_tables()
+    assert set(w.counters.take()[TABLES_KEY]) == {"worker3"}
+    plain = FabricWorker(config, produce=True, consume=False, block_size=BS, model="tiny")
+    plain.report_tables()
+    assert set(plain.counters.take()[TABLES_KEY]) == {"worker0"}  # tp_rank without a rank

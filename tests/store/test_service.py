@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.store.service import ServiceConfig, SharedStore
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode
+from fabric.transfer import protocol as proto
 from fabric.transfer.lookup import StoreClient
 from fabric.transfer.nixl_plane import nixl_available
 
@@ -304,3 +306,50 @@ def test_fabric_store_serve_cli_writes_its_endpoint_and_stops_on_sigterm(tmp_pat
             proc.wait()
     assert not endpoint_file.exists()
     assert f"serving on {endpoint}" in log.read_text()
+
+
+def test_a_fetch_whose_lease_ran_out_in_the_queue_is_not_pushed(make) -> None:
+    """A Fetch that waited in the offload queue past its lease is answered
+    without a push: its hold is let go, nothing is reserved on the engine."""
+    service = make("service")
+    a, b = make("engine"), make("engine")
+    attach(service, a)
+    attach(service, b)
+    prompt = tokens(3, seed=8)
+    save(service, a, "a-1", prompt)
+    gate, started = threading.Event(), threading.Semaphore(0)
+
+    def parked() -> proto.Message:
+        started.release()
+        assert gate.wait(60), "the test never opened the gate"
+        return proto.Done(0, 0)
+
+    lease_ms = 200
+    fetched: list[object] = []
+    with StoreClient(service.endpoint, timeout_ms=60_000) as client:
+        try:
+            for _ in range(2):  # NOTE: both offload threads busy: the Fetch waits its turn
+                assert service.server.defer(b"nobody", 0, parked) is None
+                assert started.acquire(timeout=30)
+            fetcher = threading.Thread(
+                target=lambda: fetched.append(
+                    client.fetch("f-late", prompt, b.endpoint, lease_ms=lease_ms)
+                ),
+                daemon=True,
+            )
+            fetcher.start()
+            deadline = time.monotonic() + 30
+            while service.server.table_sizes()["server_offload"] < 3:
+                assert time.monotonic() < deadline, "the Fetch never reached the queue"
+                time.sleep(0.01)
+            time.sleep(2 * lease_ms / 1000)  # NOTE: its lease runs out while it waits
+        finally:
+            gate.set()
+        fetcher.join(60)
+        [reply] = fetched
+        assert isinstance(reply, proto.Fetching)
+        assert (reply.hit_chunks, reply.pushing) == (3, False)
+        stats = client.stats()
+    assert stats["service_fetch_expired"] == 1 and stats["service_fetch_pushes"] == 0
+    assert stats["holds"] == 0 and stats["tables.store_referenced_slots"] == 0
+    assert b.node.server.wait("f-late", timeout=0.3) is None  # no reservation ever came

@@ -151,12 +151,22 @@ def test_a_disk_clear_unlinks_outside_the_lock(
         asker.start()
         asker.join(30)  # NOTE: a hang guard: the Clear stays parked until the gate opens
         assert answers == [0, False, True]
+        assert disk.table_sizes()["disk_writers"] == 50  # each cleared key held until unlinked
+        slot, waiting = disk._writers[key(7)], threading.Event()
+        real_wait = slot.wait
+
+        def wait(timeout: float | None = None) -> bool:
+            waiting.set()
+            return real_wait(timeout)
+
+        slot.wait = wait  # type: ignore[method-assign]
         rewrite = threading.Thread(
             target=lambda: answers.append(disk.put(key(7), data, checksum(data)))
         )
         rewrite.start()
-        assert disk.table_sizes()["disk_writers"] == 50  # each cleared key held until unlinked
-        assert not cleared and len(answers) == 3  # the put of key 7 waits for its unlink
+        # The put of key 7 reached the wait for its unlink, and is still in it.
+        assert waiting.wait(30), "the put of a key being cleared did not wait for its unlink"
+        assert not cleared and len(answers) == 3 and rewrite.is_alive()
     finally:
         gate.set()
         clear.join(30)

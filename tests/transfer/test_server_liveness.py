@@ -137,7 +137,8 @@ def test_a_long_clear_of_the_disk_tier_leaves_pushes_and_leases_served(
         receiver.server.release("r1")
         assert tier.flush()
         assert all(disk.contains(key) for key in keys)  # written meanwhile: kept
-        assert receiver.server.table_sizes()["server_offload"] == 0
+        sizes = receiver.server.table_sizes()
+        assert sizes["server_offload"] == sizes["server_admin"] == 0
     finally:
         sender.close()
         receiver.close()
@@ -152,8 +153,8 @@ def test_a_full_queue_of_blocking_work_is_refused_busy_and_the_rest_served(
     plane = open_data_plane(config, f"live-b{next(_names)}")
     pool = tier.store.pool
     plane.register_pool(pool.base_address, pool.nbytes, str(pool.device))
-    offload = Offload(threads=1, max_queued=1)
-    server = TransferServer(tier.store, plane, config, FINGERPRINT, tier=tier, offload=offload)
+    admin = Offload(threads=1, max_queued=1, name="fabric-admin")
+    server = TransferServer(tier.store, plane, config, FINGERPRINT, tier=tier, admin=admin)
     server.start()
     clients = [StoreClient(server.endpoint, timeout_ms=60_000) for _ in range(4)]
     results: list[int] = []
@@ -166,12 +167,15 @@ def test_a_full_queue_of_blocking_work_is_refused_busy_and_the_rest_served(
         assert unlinks.started.wait(30)  # the first runs (parked), ...
         threads[1].start()
         deadline = time.monotonic() + 30
-        while server.table_sizes()["server_offload"] < 2:  # ... the second waits its turn
+        while server.table_sizes()["server_admin"] < 2:  # ... the second waits its turn
             assert time.monotonic() < deadline, "the second Clear never reached the queue"
             time.sleep(0.01)
+        # The third finds the queue full: Refused(code="busy"), at once.
         with pytest.raises(TransferError, match="busy"):
-            clients[2].clear("disk")  # the third finds the queue full
-        assert clients[3].stats()["server_offload_busy"] == 1
+            clients[2].clear("disk")
+        stats = clients[3].stats()
+        assert stats["server_admin_busy"] == 1 and stats["server_offload_busy"] == 0
+        assert clients[3].lookup([1] * 32, hold="r").hit_chunks == 0  # the lookups queue: free
     finally:
         unlinks.gate.set()
         for thread in threads:
@@ -246,3 +250,84 @@ def test_a_reservation_nobody_releases_is_forgotten_after_its_lease() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def park_writes_behind(tier: TieredStore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Stall the disk writer on its next put, so a Clear waits in its flush;
+    returns the gate that lets it go on."""
+    assert tier.disk is not None
+    real_put, gate = tier.disk.put, threading.Event()
+
+    def put(key: bytes, data: object, checksum: int) -> bool:
+        assert gate.wait(60), "the test never opened the gate"
+        return real_put(key, data, checksum)
+
+    monkeypatch.setattr(tier.disk, "put", put)
+    return gate
+
+
+def test_lookups_are_answered_while_a_clear_and_a_pin_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator's Clear (waiting for the disk writer) and Pin (reading
+    from disk) never hold up the scheduler's Lookups: a Lookup that holds
+    (reading its chunks back from disk) is answered while both still wait."""
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=32, quarantine_ms=10))
+    disk = DiskTier(tmp_path / "disk", 1 << 30)
+    tier = TieredStore(store, chunk_tokens=16, fingerprint=FINGERPRINT, disk=disk)
+    pinned, looked_up = [7] * 16 + [8] * 16, [5] * 16 + [6] * 16  # 2 chunks each
+    for key in tier.keys(pinned) + tier.keys(looked_up):
+        store.commit(store.allocate(key), key, 64)
+    assert tier.flush() and store.drop_unused() == 4  # on disk only
+    pin_reads = ParkedReads(tier, monkeypatch, tier.keys(pinned)[0])
+    writes = park_writes_behind(tier, monkeypatch)
+    extra = chunk_key(77, 0)
+    store.commit(store.allocate(extra), extra, 64)  # queued for the (stalled) disk writer
+    config = TransferConfig(transport="loopback")
+    node = TransferNode(store, config, FINGERPRINT, name=f"live-a{next(_names)}", tier=tier)
+    assert node.server is not None
+    admins = [StoreClient(node.endpoint, timeout_ms=60_000) for _ in range(2)]
+    probe = StoreClient(node.endpoint, timeout_ms=30_000)  # NOTE: a hang guard only
+    results: dict[str, object] = {}
+    clear = threading.Thread(target=lambda: results.update(clear=admins[0].clear("disk")))
+    pin = threading.Thread(target=lambda: results.update(pin=admins[1].pin(pinned)))
+    try:
+        for count, thread in enumerate((clear, pin), 1):  # NOTE: the Clear first, then the Pin
+            thread.start()
+            deadline = time.monotonic() + 30
+            while sum(n for k, n in node.server.table_sizes().items() if k in OFFLOADS) < count:
+                assert time.monotonic() < deadline, "the Clear or the Pin never reached the server"
+                time.sleep(0.01)
+        hit = probe.lookup(looked_up, hold="r")
+        assert (hit.hit_chunks, hit.disk_chunks, hit.held) == (2, 2, True)
+        assert clear.is_alive() and pin.is_alive() and not results  # both still waiting
+        assert probe.release("r")
+    finally:
+        writes.set()
+        pin_reads.gate.set()
+        clear.join(60)
+        pin.join(60)
+        for client in (*admins, probe):
+            client.close()
+        node.close()
+        tier.close()
+    assert results == {"clear": 5, "pin": 0}  # the Pin ran after the Clear emptied the disk
+
+
+OFFLOADS = ("server_offload", "server_admin")
+
+
+class ParkedReads:
+    """The tier's disk reads of ``key`` parked until ``gate`` opens."""
+
+    def __init__(self, tier: TieredStore, monkeypatch: pytest.MonkeyPatch, key: bytes) -> None:
+        assert tier.disk is not None
+        self.real, self.key = tier.disk.read_into, key
+        self.parked, self.gate = threading.Event(), threading.Event()
+        monkeypatch.setattr(tier.disk, "read_into", self)
+
+    def __call__(self, key: bytes, out: object) -> int | None:
+        if key == self.key:
+            self.parked.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        return self.real(key, out)

@@ -181,6 +181,7 @@ class FabricConnector(KVConnectorBase_V1):
                 tp_rank=getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size),
                 tp_size=parallel.tensor_parallel_size,
                 engine_id=transfer.engine_id,
+                rank=getattr(parallel, "rank", 0),
             )
 
     # ------------------------------------------------------------ worker side

@@ -215,11 +215,23 @@ class Loader:
                 self._failed.add(load.plan.req_id)
 
     def _take_ended(self) -> None:
+        """End the loads whose requests vLLM named finished.
+
+        NOTE: a plan is always queued before its end (the worker submits it
+        in ``start_load``, before ``get_results`` of the same step names any
+        request finished, on the same thread), but both may be queued after
+        this round took the plans: an end that finds no
+        active load takes the plans queued since, then looks again. Still
+        none: the load was already reported (or never planned), and the
+        end has nothing to do.
+        """
         while True:
             try:
                 rid = self._ended.get_nowait()
             except queue.Empty:
                 return
+            if rid not in self._active:
+                self._take_plans(block=False)
             load = self._active.get(rid)
             if load is not None:
                 self._finish(load, ok=False, ended=True)

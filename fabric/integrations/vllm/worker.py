@@ -139,7 +139,12 @@ def endpoint_file(engine_id: str, rank: int) -> Path:
 
 
 class FabricWorker:
-    """Owns the store, the transfer node and the push/load threads."""
+    """Owns the store, the transfer node and the push/load threads.
+
+    ``rank``: this worker's global rank (vLLM's ``ParallelConfig.rank``;
+    ``tp_rank`` when not given), which names its table gauges
+    (``worker<rank>``), so no two workers of one engine share a name.
+    """
 
     def __init__(
         self,
@@ -152,10 +157,12 @@ class FabricWorker:
         tp_rank: int = 0,
         tp_size: int = 1,
         engine_id: str | None = None,
+        rank: int | None = None,
     ) -> None:
         self.config, self.produce, self.consume = config, produce, consume
         self.block_size, self.model = block_size, model
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.rank = tp_rank if rank is None else rank
         self.counters = FabricCounters()
         self.layout: KVLayout | None = None
         self.node: TransferNode | None = None
@@ -315,7 +322,7 @@ class FabricWorker:
         """Gauge this rank's table sizes (once per step, from ``get_results``);
         a failure is logged and counted, never raised into vLLM's step."""
         try:
-            self.counters.set_tables(f"worker{self.tp_rank}", self.table_sizes())
+            self.counters.set_tables(f"worker{self.rank}", self.table_sizes())
         except Exception:
             self.counters.add(thread_errors=1)
             logger.exception("fabric: reading the table sizes failed")
@@ -373,6 +380,9 @@ class FabricWorker:
         self.flush()
         for rid in meta.releases:
             if self.tier is not None:
+                # NOTE: may run while the lookup it answers still reads from
+                # disk on a server thread: that lookup then keeps nothing
+                # (see ``fabric.store.tier``), so no hold waits out its lease.
                 self.tier.release_hold(rid)
         for local in meta.local_loads:
             self._load_local(local)
