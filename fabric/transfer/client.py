@@ -20,14 +20,21 @@ delays only the caller connecting to it. A control socket never blocks a
 send: it queues only to a peer whose connection is up (``IMMEDIATE``), with
 small high-water marks, and a send that cannot leave before the deadline
 fails the call. A socket whose call timed out is closed (``LINGER`` 0) and
-rebuilt, so a request still queued in it never reaches the peer later and a
-late reply never answers a later request (``seq`` pairs replies with
-requests besides); the receiver sees a new identity and the link says
-Hello again. Per-request state is dropped when the request ends
+rebuilt, so a request still queued in it never reaches the peer later; the
+receiver sees a new identity and the link says Hello again. The link itself
+stays (and so does its data-plane peer, with the writes in flight to it).
+Replies are paired with requests by ``seq``: one that answers an earlier
+request (a late one, or the answer to a Cancel sent without waiting) is
+dropped, save a HelloAck, whose data-plane agent the link takes.
+
+``cancel_later`` never waits: it queues a Cancel on the link, sent (with a
+Hello first on a rebuilt socket) as soon as the socket takes it without
+blocking, by the next call or ``flush``, until its time is up; its answer is
+not waited for. Per-request state is dropped when the request ends
 (``PeerLink.forget``; ``cancel`` too); :meth:`TransferClient.table_sizes`
 reports what is left. A link's data-plane peer is removed when the last
-link to it closes. A link
-posts no write once the lease it knows of has run out (by its own clock,
+link to it closes (``TransferClient.disconnect``). A link posts no write
+once the lease it knows of has run out (by its own clock,
 from when it asked: never later than the receiver's) or was cancelled, and
 raises :class:`~fabric.errors.ReservationExpired` instead; so every byte it
 sends lands within ``write_timeout_ms`` of a live lease's end, inside the
@@ -45,13 +52,14 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
 
 from fabric.errors import (
+    FabricError,
     LayoutMismatch,
     PeerUnreachable,
     ProtocolError,
@@ -174,6 +182,7 @@ class PendingPush:
 # messages of queue is plenty; anything more would only be stale.
 CONTROL_HWM = 16
 MAX_LEASES = 256
+MAX_CANCELS = 256
 
 
 class PeerLink:
@@ -181,19 +190,22 @@ class PeerLink:
 
     Calls are serialized per link and each is bounded by
     ``control_timeout_ms``; ``close`` may come from any thread (a call in
-    progress closes the socket when it ends).
+    progress closes the socket when it ends). ``cancel_later`` and ``flush``
+    never wait (see the module docstring).
     """
 
     def __init__(self, client: TransferClient, endpoint: str) -> None:
         self.client, self.endpoint = client, endpoint
-        self._lock = threading.Lock()  # one call at a time
+        self._lock = threading.Lock()  # one call at a time; guards the socket
         self._state = threading.Lock()  # guards _closed and _busy
         self._closed = self._busy = False
-        self._sock = self._open_socket()
         self._seq = itertools.count(1)
+        self._sock = self._open_socket()
         # request_id -> when its lease runs out by our clock (see ``_post_check``).
         self._leases: dict[str, float] = {}
-        self._leases_lock = threading.Lock()
+        # request_id -> until when a Cancel for it is still worth sending.
+        self._cancels: dict[str, float] = {}
+        self._leases_lock = threading.Lock()  # guards _leases and _cancels
         try:
             ack = self._handshake()
             self.peer_agent = client.plane.add_peer(ack.data_descriptor)
@@ -204,6 +216,9 @@ class PeerLink:
         self.remote_num_slots = ack.num_slots
 
     def _open_socket(self) -> zmq.Socket[bytes]:
+        # NOTE: a new socket is a new identity the receiver has not heard Hello from.
+        self._hello_sent = False
+        self._hellos: set[int] = set()  # seqs of the Hellos sent without waiting
         config = self.client.config
         sock = self.client.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -224,12 +239,14 @@ class PeerLink:
     def closed(self) -> bool:
         return self._closed
 
-    def _handshake(self) -> proto.HelloAck:
+    def _hello(self) -> proto.Hello:
         plane = self.client.plane
-        hello = proto.Hello(
+        return proto.Hello(
             next(self._seq), plane.name, plane.kind, self.client.fingerprint, plane.descriptor()
         )
-        reply = self._call(hello)
+
+    def _handshake(self) -> proto.HelloAck:
+        reply = self._call(self._hello())
         if isinstance(reply, proto.Refused):
             if reply.code == "layout_mismatch":
                 raise LayoutMismatch(f"{self.endpoint}: {reply.reason}")
@@ -245,38 +262,55 @@ class PeerLink:
         Hello again and resend once."""
         reply = self._call(msg)
         if isinstance(reply, proto.Refused) and reply.code == "no_hello":
-            ack = self._handshake()
-            # NOTE: a receiver restarted on the same endpoint has a new agent;
-            # one that only forgot us has the same one, already loaded here.
-            with contextlib.suppress(TransportFailed):
-                agent = self.client.plane.add_peer(ack.data_descriptor)
-                old, self.peer_agent = self.peer_agent, agent
-                if old != agent:
-                    self.client.release_agent(old, self)
+            self._adopt(self._handshake())
             reply = self._call(msg)
         return reply
+
+    def _adopt(self, ack: proto.HelloAck) -> None:
+        """Use the data-plane agent a (new) HelloAck names.
+
+        NOTE: a receiver restarted on the same endpoint has a new agent; one
+        that only forgot us has the same one, already loaded here.
+        """
+        with contextlib.suppress(TransportFailed):
+            agent = self.client.plane.add_peer(ack.data_descriptor)
+            old, self.peer_agent = self.peer_agent, agent
+            if old != agent:
+                self.client.release_agent(old, self)
 
     def _call(self, msg: proto.Message) -> proto.Message:
         """Send ``msg`` and wait for the reply with its ``seq``; PeerUnreachable
         (socket rebuilt) when none comes within ``control_timeout_ms``."""
         timeout_ms = self.client.config.control_timeout_ms
         frame = self.client.codec.encode(msg)
-        with self._lock:
-            with self._state:
-                if self._closed:
-                    raise PeerUnreachable(f"{self.endpoint}: link closed")
-                self._busy = True
+        with self._lock, self._using():
+            if isinstance(msg, proto.Hello):
+                self._hello_sent = True
             try:
-                return self._exchange(msg, frame, time.monotonic() + timeout_ms / 1000)
+                reply = self._exchange(msg, frame, time.monotonic() + timeout_ms / 1000)
             except PeerUnreachable:
                 self._sock.close(linger=0)
                 self._sock = self._open_socket()
                 raise
-            finally:
-                with self._state:
-                    self._busy, closed = False, self._closed
-                if closed:  # NOTE: closed by another thread during the call
-                    self._sock.close(linger=0)
+            self._send_cancels()  # NOTE: after the call: its socket is up now
+            return reply
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """Use the socket (the lock is held): PeerUnreachable once the link
+        is closed; closed by another thread meanwhile, the socket is closed
+        here when done."""
+        with self._state:
+            if self._closed:
+                raise PeerUnreachable(f"{self.endpoint}: link closed")
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._state:
+                self._busy, closed = False, self._closed
+            if closed:
+                self._sock.close(linger=0)
 
     def _exchange(self, msg: proto.Message, frame: bytes, deadline: float) -> proto.Message:
         seq = msg.seq  # type: ignore[union-attr]
@@ -296,8 +330,79 @@ class PeerLink:
                 return reply
             if isinstance(reply, proto.Refused) and reply.seq == -1:
                 raise_refused(reply, self.endpoint)
-            # a stale reply to an earlier call that timed out: drop it
+            self._stale(reply)
         raise PeerUnreachable(f"{self.endpoint}: no answer to {name} in {timeout_ms} ms")
+
+    def _stale(self, reply: proto.Message) -> None:
+        """A reply to an earlier request (one that timed out, or a Hello or
+        Cancel sent without waiting): dropped, save the agent of a HelloAck
+        to a Hello of this socket (the lock is held)."""
+        seq = getattr(reply, "seq", None)
+        if seq in self._hellos:
+            self._hellos.discard(seq)
+            if isinstance(reply, proto.HelloAck):
+                self._adopt(reply)
+
+    # ------------------------------------------------------------ Cancels sent without waiting
+    def cancel_later(self, request_id: str, within_s: float) -> None:
+        """Give the reservation of ``request_id`` back without waiting: no
+        write for it is posted from here on, and a Cancel goes as soon as the
+        socket takes it (now, or on a later call or ``flush``), if within
+        ``within_s``. Best effort: its answer is not waited for."""
+        self._forget_lease(request_id)
+        with self._leases_lock:
+            self._cancels.pop(request_id, None)
+            self._cancels[request_id] = time.monotonic() + within_s
+            while len(self._cancels) > MAX_CANCELS:  # NOTE: the oldest goes first
+                del self._cancels[next(iter(self._cancels))]
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send the queued Cancels the socket takes now, and drop the replies
+        waiting in it; never waits (skipped while a call runs, which sends
+        them itself). True when none is left to send."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            with self._using():
+                with contextlib.suppress(zmq.ZMQError, FabricError):
+                    while self._sock.poll(0):
+                        frame = self._sock.recv(zmq.NOBLOCK)
+                        self._stale(decode_reply(self.client.codec, frame, self.endpoint))
+                self._send_cancels()
+        except PeerUnreachable:
+            return True  # NOTE: closed: its Cancels went with it
+        finally:
+            self._lock.release()
+        return not self.num_cancels
+
+    def _send_cancels(self) -> None:
+        """Send queued Cancels while the socket takes them without blocking;
+        a Hello first on a socket that has said none (the lock is held)."""
+        with self._leases_lock:
+            now = time.monotonic()
+            self._cancels = {r: t for r, t in self._cancels.items() if t > now}
+            pending = list(self._cancels)
+        try:
+            if not pending or not self._sock.poll(0, zmq.POLLOUT):
+                return
+            if not self._hello_sent:
+                hello = self._hello()
+                self._sock.send(self.client.codec.encode(hello), zmq.NOBLOCK)
+                self._hello_sent = True
+                self._hellos.add(hello.seq)
+            for request_id in pending:
+                cancel = proto.Cancel(next(self._seq), request_id)
+                self._sock.send(self.client.codec.encode(cancel), zmq.NOBLOCK)
+                with self._leases_lock:
+                    self._cancels.pop(request_id, None)
+        except zmq.ZMQError:
+            return  # NOTE: the rest goes with a later call or flush
+
+    @property
+    def num_cancels(self) -> int:
+        with self._leases_lock:
+            return len(self._cancels)
 
     def reserve(
         self,
@@ -495,6 +600,8 @@ class PeerLink:
             if self._closed:
                 return
             self._closed, busy = True, self._busy
+        with self._leases_lock:
+            self._cancels.clear()
         self.client.release_agent(self.peer_agent, self)
         if not busy:
             self._sock.close(linger=0)
@@ -532,12 +639,20 @@ class TransferClient:
             fresh.close()
         return link
 
-    def disconnect(self, endpoint: str) -> None:
-        """Drop the link to ``endpoint`` (if any); the next ``connect`` says Hello."""
+    def current_link(self, endpoint: str) -> PeerLink | None:
+        """The link ``connect`` would return now (None: it would say Hello)."""
         with self._lock:
-            link = self._links.pop(endpoint, None)
-        if link is not None:
-            link.close()
+            return self._links.get(endpoint)
+
+    def disconnect(self, endpoint: str, link: PeerLink | None = None) -> None:
+        """Drop the link to ``endpoint`` (if any; only if it is ``link`` when
+        given, never a newer one); the next ``connect`` says Hello."""
+        with self._lock:
+            current = self._links.get(endpoint)
+            if current is None or (link is not None and current is not link):
+                return
+            del self._links[endpoint]
+        current.close()
 
     def release_agent(self, agent: str, link: PeerLink) -> None:
         """``link`` no longer uses data-plane peer ``agent``: remove it unless
@@ -549,12 +664,14 @@ class TransferClient:
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of the per-peer and per-request tables: links, the leases
-        they track, and the data plane's peers."""
+        they track, the Cancels they have still to send, and the data plane's
+        peers."""
         with self._lock:
             links = list(self._links.values())
         return {
             "links": len(links),
             "leases": sum(link.num_leases for link in links),
+            "cancels": sum(link.num_cancels for link in links),
             "data_peers": self.plane.peer_count(),
         }
 

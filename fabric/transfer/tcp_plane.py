@@ -26,7 +26,8 @@ receive by ``IO_TIMEOUT_S`` (a write whose bytes stop moving fails), and
 idle connections are probed by TCP keepalive. A failed connect fails the
 writes that start within ``RETRY_S`` after it at once rather than each
 waiting out its own connect. ``remove_peer`` stops the peer's thread; the
-writes still queued to it that have not started fail at once.
+writes still queued to it that have not started fail at once. ``close``
+waits ``CLOSE_TIMEOUT_S`` in all for the send threads to end.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ Job = tuple[Sequence[Segment], bytes, WriteFence | None, _TcpWriteHandle]
 IO_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
 RETRY_S = 1.0
+CLOSE_TIMEOUT_S = 5.0  # for all the send threads together, however many peers
 _KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
 
 
@@ -356,8 +358,10 @@ class TcpDataPlane(DataPlane):
             self._senders.clear()
         for sender in senders:
             sender.stop()
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for sender in senders:
-            sender.thread.join(timeout=5)
+            # NOTE: one deadline: a peer stuck mid-write delays close once, not once per peer
+            sender.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._listener.close()
         for conn in self._conns:
             with contextlib.suppress(OSError):

@@ -1,15 +1,20 @@
 """PushSender: every slot ref released exactly once; a slow or dead decoder
-stalls only its own pushes; a dead one is backed off and holds nothing."""
+stalls only its own pushes; a dead one is backed off (once per outage) and
+holds nothing; a control timeout costs no other push its write."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
 
+from fabric.integrations.vllm import sender as sender_module
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
@@ -24,7 +29,13 @@ from fabric.integrations.vllm.sender import (
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.launch.process import free_port
 from fabric.store import ChunkStore, StoreConfig
-from tests.transfer.silent import KINDS, silent_endpoint
+from fabric.transfer import TransferClient, TransferConfig, TransferNode
+from fabric.transfer import protocol as proto
+from fabric.transfer.dataplane import LoopbackDataPlane, Segment, WriteFence, WriteHandle, XferState
+from tests.transfer.patterns import FINGERPRINT, fill_store
+from tests.transfer.silent import KINDS, SLOT, FakeReceiver, gated_endpoint, silent_endpoint
+
+HANG_S = 30  # NOTE: a guard against hangs, never a bound a test should meet
 
 
 class Landed:
@@ -69,7 +80,7 @@ def test_a_write_that_raises_after_another_landed_releases_each_slot_once() -> N
 
 BS, CT, LAYERS, BLOCKS = 16, 64, 3, 40
 GRACE_S = 1.0
-PER_REQUEST_TABLES = ("sender_jobs", "sender_queued", "sender_leases")
+PER_REQUEST_TABLES = ("sender_jobs", "sender_queued", "sender_leases", "sender_cancels")
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
@@ -148,31 +159,78 @@ def assert_nothing_held(p: FabricWorker) -> None:
     assert p.store.stats().filled == 0  # NOTE: a referenced slot cannot be dropped
 
 
+def slow_control(w: FabricWorker) -> None:
+    """Calls time out only after any test has ended: a gated receiver fails
+    them when the test says so, never because the test ran slowly."""
+    assert w.node is not None
+    w.node.client.config = dataclasses.replace(w.node.client.config, control_timeout_ms=120_000)
+
+
+class Tally:
+    """Counts taken from ``counters`` so far, summed (``take`` resets them)."""
+
+    def __init__(self, counters: FabricCounters) -> None:
+        self.counters, self.total = counters, Counter[str]()
+
+    def __getitem__(self, name: str) -> int:
+        for key, value in self.counters.take().items():
+            if isinstance(value, int):
+                self.total[key] += value
+        return self.total[name]
+
+
+def holds_no_slot(p: FabricWorker) -> bool:
+    p.store.drop_unused()
+    return p.store.stats().filled == 0  # NOTE: a referenced slot cannot be dropped
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_silent_decoder_delays_no_push_to_another(
     pair: tuple[FabricWorker, FabricWorker], kind: str
 ) -> None:
     """Pushes to a decoder that never answers are begun first, each time;
-    the real decoder's loads still succeed within a grace far shorter than
-    the silent one's Reserve takes (the control timeout, 5 s)."""
+    the real decoder's loads all succeed while the silent one still holds
+    the first Hello (until the test lets it refuse)."""
     p, d = pair
     assert d.node is not None and p.sender is not None
-    failures = 0
-    with silent_endpoint(kind) as silent:
+    slow_control(p)
+    sent = Tally(p.counters)
+    with gated_endpoint(kind) as gate:
         for n in range(3):
-            push(p, f"s{n}", silent, prompt(n))
+            push(p, f"s{n}", gate.endpoint, prompt(n))
             push(p, f"r{n}", d.node.endpoint, prompt(n))
             assert load(d, f"r{n}", prompt(n)) == ({f"r{n}"}, set())
-            failures += p.counters.take().get("push_failures", 0)
-            if n == 0:
-                assert failures == 0  # the silent one's Hello still waits
-        wait_for(
-            lambda: failures + p.counters.take().get("push_failures", 0) >= 3,
-            "the pushes to the silent decoder never failed",
-        )
+        assert sent["push_failures"] == 0  # the silent one's Hello still waits
+        gate.refuse()
+        wait_for(lambda: sent["push_failures"] >= 3, "the pushes to the silent one never failed")
+        assert sent["push_failures"] == 3 and sent["chunks_sent"] == 3
         counts = d.counters.take()
         assert counts["loads_ok"] == 3 and "load_failures" not in counts
         assert_nothing_held(p)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pushes_waiting_on_a_stalled_decoder_hold_none_of_their_chunks(kind: str) -> None:
+    """While the first Hello to a silent decoder waits (far longer than the
+    test), the chunks of the pushes waiting behind it are released: those
+    already handed over once it stalled, later ones as they come. Each
+    push fails (counted) once its thread gets to it."""
+    p = worker(produce=True, seed=1)
+    try:
+        slow_control(p)
+        sent = Tally(p.counters)
+        with gated_endpoint(kind) as gate:
+            push(p, "s0", gate.endpoint, prompt(0))
+            wait_for(lambda: holds_no_slot(p), "a stalled push kept its chunk", HANG_S)
+            push(p, "s1", gate.endpoint, prompt(1))
+            wait_for(lambda: holds_no_slot(p), "a push to a stalled decoder kept its chunk")
+            assert sent["push_failures"] == 0  # the Hello still waits
+            gate.refuse()
+            wait_for(lambda: sent["push_failures"] >= 2, "the stalled pushes never failed")
+            assert sent["push_failures"] == 2
+            assert_nothing_held(p)
+    finally:
+        p.shutdown()
 
 
 @pytest.mark.parametrize("pair", ["loopback"], indirect=True)
@@ -244,3 +302,235 @@ def test_backoff_doubles_up_to_its_limit() -> None:
         delays.append(peer.backoff_s)
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
     assert peer.backed_off(129.0) and not peer.backed_off(130.0)
+
+
+# ---------------------------------------------------------------- hand-driven receivers
+# A PushSender over a real TransferClient and a FakeReceiver (ZMQ ROUTER
+# answered by the test), or a real TransferNode.
+
+KEY = b"k" * 32
+_names = itertools.count()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeReceiver]:
+    receiver = FakeReceiver()
+    yield receiver
+    receiver.close()
+
+
+def node(*, serve: bool, **config: object) -> TransferNode:
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=16, quarantine_ms=10))
+    cfg = TransferConfig(transport="loopback", **config)  # type: ignore[arg-type]
+    return TransferNode(store, cfg, FINGERPRINT, name=f"push-{next(_names)}", serve=serve)
+
+
+def grant(msg: proto.Message, slot: int = 0) -> proto.Reserved:
+    assert isinstance(msg, proto.Reserve)
+    slots = list(range(slot, slot + len(msg.keys)))
+    present = [False] * len(slots)
+    return proto.Reserved(msg.seq, msg.request_id, slots, slots, present, msg.lease_ms)
+
+
+def hand_over(sender: PushSender, store: ChunkStore, req_id: str, index: int, key: bytes) -> None:
+    """What the model thread does once chunk ``index`` (``key``) is packed."""
+    sender.chunk(req_id, index, store.acquire([key])[0])
+
+
+def test_one_outage_backs_a_decoder_off_once(
+    fake: FakeReceiver, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three pushes hold reservations on a decoder that then stops
+    answering: each one's heartbeat times out, one after another, but the
+    outage backs the decoder off once (not thrice: 30, 60, 60 s)."""
+    monkeypatch.setattr(sender_module, "FIRST_BACKOFF_S", 30.0)  # NOTE: outlasts the test
+    caplog.set_level(logging.WARNING, logger="fabric.integrations.vllm.sender")
+    n = node(serve=False, control_timeout_ms=300)
+    counters = FabricCounters()
+    sender = PushSender(n.client, n.store, counters, lease_ms=900, push_timeout_s=60, backoff_s=60)
+    try:
+        for i in range(3):
+            sender.begin(PushJob(f"r{i}", f"t{i}", fake.endpoint, [KEY], [SLOT]))
+        fake.answer_hello()
+        for _ in range(3):
+            identity, reserve = fake.recv()
+            fake.reply(identity, grant(reserve))
+        # NOTE: silent from here on: no heartbeat is answered
+        sent = Tally(counters)
+        wait_for(lambda: sent["push_failures"] == 3, "the pushes never failed", HANG_S)
+        assert sender._peers[fake.endpoint].backoff_s == 30.0
+        assert caplog.text.count("fail at once for") == 1
+    finally:
+        sender.close()
+        n.close()
+
+
+def test_an_error_from_a_dropped_link_leaves_the_new_one_alone() -> None:
+    """Push A (reserved, waiting for its second chunk) keeps the link it
+    had after that link was dropped; its next heartbeat fails on it. That
+    is no news about the receiver: push B, on the new link, lands, the
+    endpoint is not backed off, and the new link stays."""
+    receiver, n = node(serve=True), node(serve=False)
+    counters = FabricCounters()
+    sender = PushSender(n.client, n.store, counters, lease_ms=600, push_timeout_s=60)
+    try:
+        keys, _ = fill_store(n, 1, 3, SLOT)
+        sent = Tally(counters)
+        sender.begin(PushJob("A", "t-A", receiver.endpoint, keys[:2], [SLOT, SLOT]))
+        hand_over(sender, n.store, "A", 0, keys[0])
+        wait_for(lambda: sent["chunks_sent"] == 1, "A's first chunk never went", HANG_S)
+        old = n.client.current_link(receiver.endpoint)
+        n.client.disconnect(receiver.endpoint)
+        sender.begin(PushJob("B", "t-B", receiver.endpoint, keys[2:], [SLOT]))
+        hand_over(sender, n.store, "B", 0, keys[2])
+        wait_for(lambda: sent["chunks_sent"] + sent["push_failures"] >= 3, "no outcome", HANG_S)
+        assert sent["push_failures"] == 1 and sent["chunks_sent"] == 2  # A failed, B landed
+        assert receiver.server is not None
+        prog = receiver.server.wait("t-B", HANG_S)
+        assert prog is not None and prog.complete
+        link = n.client.current_link(receiver.endpoint)
+        assert link is not None and link is not old and not link.closed
+        assert sender._peers[receiver.endpoint].backoff_s == 0
+    finally:
+        sender.close()
+        n.close()
+        receiver.close()
+
+
+class _Held(WriteHandle):
+    def __init__(self) -> None:
+        self.state = XferState.PROC
+
+    def poll(self) -> XferState:
+        return self.state
+
+
+class HeldPlane(LoopbackDataPlane):
+    """Loopback writes that stay in flight until ``land``; ``remove_peer``
+    fails those to that peer, as a stopped TCP sender or a removed NIXL
+    agent does."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.writes: list[tuple[str, _Held]] = []
+        self.removed: list[str] = []
+
+    def post_write(
+        self,
+        peer: str,
+        segments: Sequence[Segment],
+        notif: bytes,
+        fence: WriteFence | None = None,
+    ) -> WriteHandle:
+        super().post_write(peer, segments, notif, fence)
+        handle = _Held()
+        self.writes.append((peer, handle))
+        return handle
+
+    def remove_peer(self, peer: str) -> None:
+        self.removed.append(peer)
+        for to, handle in self.writes:
+            if to == peer and handle.state is XferState.PROC:
+                handle.state = XferState.ERR
+
+    def land(self) -> None:
+        for _, handle in self.writes:
+            if handle.state is XferState.PROC:
+                handle.state = XferState.DONE
+
+
+@pytest.fixture
+def held() -> Iterator[tuple[TransferClient, HeldPlane]]:
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=16))
+    plane = HeldPlane(f"held-{next(_names)}")
+    plane.register_pool(store.pool.base_address, store.pool.nbytes)
+    client = TransferClient(store, plane, TransferConfig(control_timeout_ms=300), FINGERPRINT)
+    yield client, plane
+    client.close()
+    plane.close()
+
+
+def fill_store_of(store: ChunkStore, n: int) -> tuple[list[bytes], list[int]]:
+    keys = [bytes([i]) * 32 for i in range(n)]
+    slots = []
+    for key in keys:
+        slot = store.allocate(key)
+        store.commit(slot, key, SLOT)
+        slots.append(slot)
+    return keys, slots
+
+
+def test_a_control_timeout_costs_no_other_push_its_write(
+    fake: FakeReceiver, held: tuple[TransferClient, HeldPlane]
+) -> None:
+    """Push A's write is in flight when push B's Reserve to the same decoder
+    times out (which takes the backoff to its limit at once): the
+    data-plane peer stays, A's write lands and A completes."""
+    client, plane = held
+    counters = FabricCounters()
+    sender = PushSender(
+        client, client.store, counters, lease_ms=30_000, push_timeout_s=60, backoff_s=1.0
+    )
+    try:
+        keys, _ = fill_store_of(client.store, 2)
+        sent = Tally(counters)
+        sender.begin(PushJob("A", "t-A", fake.endpoint, keys[:1], [SLOT]))
+        hand_over(sender, client.store, "A", 0, keys[0])
+        fake.answer_hello()
+        identity, reserve = fake.recv()
+        fake.reply(identity, grant(reserve))
+        wait_for(lambda: len(plane.writes) == 1, "A's write was never posted", HANG_S)
+        sender.begin(PushJob("B", "t-B", fake.endpoint, keys[1:], [SLOT]))
+        _, reserve_b = fake.recv()  # NOTE: never answered
+        assert isinstance(reserve_b, proto.Reserve) and reserve_b.request_id == "t-B"
+        wait_for(lambda: sent["push_failures"] >= 1, "B's Reserve never timed out", HANG_S)
+        plane.land()
+        wait_for(lambda: sent["chunks_sent"] + sent["push_failures"] >= 2, "A never ended", HANG_S)
+        assert sent["chunks_sent"] == 1 and sent["push_failures"] == 1
+        assert plane.removed == [] and client.current_link(fake.endpoint) is not None
+    finally:
+        sender.close()
+
+
+def test_a_decoder_dead_for_long_keeps_no_link(fake: FakeReceiver) -> None:
+    """Once its backoff is at its limit and nothing is in flight to it, the
+    link (and its data-plane peer) goes; the next push says Hello again."""
+    n = node(serve=False, control_timeout_ms=300)
+    counters = FabricCounters()
+    sender = PushSender(
+        n.client, n.store, counters, lease_ms=900, push_timeout_s=60, backoff_s=FIRST_BACKOFF_S
+    )
+    try:
+        sender.begin(PushJob("A", "t-A", fake.endpoint, [KEY], [SLOT]))
+        fake.answer_hello()
+        identity, reserve = fake.recv()
+        fake.reply(identity, grant(reserve))
+        sent = Tally(counters)
+        wait_for(lambda: sent["push_failures"] == 1, "the heartbeat never failed", HANG_S)
+        wait_for(lambda: n.client.table_sizes()["links"] == 0, "the link stayed", HANG_S)
+    finally:
+        sender.close()
+        n.close()
+
+
+def test_a_reserve_that_timed_out_is_cancelled(fake: FakeReceiver) -> None:
+    """The receiver may have granted a Reserve whose answer came too late:
+    the sender cancels it (a Hello first, on its rebuilt socket) instead of
+    leaving the receiver to hold the slots and wait for the writes."""
+    n = node(serve=False, control_timeout_ms=300)
+    counters = FabricCounters()
+    sender = PushSender(n.client, n.store, counters, lease_ms=30_000, push_timeout_s=60)
+    try:
+        sender.begin(PushJob("r", "t-r", fake.endpoint, [KEY], [SLOT]))
+        fake.answer_hello()
+        first, reserve = fake.recv()  # NOTE: never answered
+        assert isinstance(reserve, proto.Reserve) and reserve.request_id == "t-r"
+        identity, hello = fake.recv(HANG_S)
+        assert identity != first and isinstance(hello, proto.Hello)
+        again, cancel = fake.recv(HANG_S)
+        assert again == identity and isinstance(cancel, proto.Cancel)
+        assert cancel.request_id == "t-r"
+        assert Tally(counters)["push_failures"] == 1
+    finally:
+        sender.close()
+        n.close()

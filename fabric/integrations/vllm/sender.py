@@ -26,12 +26,30 @@ refusal, which is a live answer) is backed off: for a while every push to it
 fails at once, counted as a failure, its slots released here as its chunks
 come, and nothing about the request is kept (the decoder falls back to
 computing after its grace). The backoff starts at ``FIRST_BACKOFF_S`` and
-doubles up to ``backoff_s``; a completed push resets it. A link whose
-control call timed out is dropped (said Hello again next time). At most
-``max_waiting`` pushes per receiver wait for their Reserve; more fail at
-once, so a stalled receiver holds few of this store's slots. At most
-``MAX_PEERS`` endpoints have a thread at a time; a push to another fails at
-once.
+doubles up to ``backoff_s``, once per incident: a call that began before
+the running backoff ended (the other pushes one outage caught) fails its
+push without extending it; a completed push resets it. An error from a
+link that is no longer the client's link to the endpoint (closed meanwhile)
+says nothing about the receiver: that push fails, nothing else changes.
+
+A control call that timed out rebuilds the link's control socket and no
+more: the link and its data-plane peer stay, so the other pushes' writes to
+that receiver go on. They are dropped only while no write to the endpoint
+is in flight: once its backoff reached ``backoff_s`` (dead for a while), or
+when its thread ends. A Cancel never waits for its answer (queued on the
+link, sent as soon as the socket takes it, for up to a lease); a Reserve
+that got no answer is cancelled too, since the receiver may have granted it
+late and would hold the slots (and its loader wait) for nothing.
+
+At most ``max_waiting`` pushes per receiver wait for their Reserve; more
+fail at once. Their chunks are kept only while the receiver answers: once
+the endpoint's thread has waited ``stall_s`` in one control call (a silent
+receiver's Hello, a Reserve or heartbeat it does not answer), every chunk of
+a push still waiting for its Reserve is released unwritten (those queued and
+each one that comes) and the push fails. So a stalled receiver holds at
+most the chunks packed in the first ``stall_s``, plus those of the pushes it
+had granted. At most ``MAX_PEERS`` endpoints have a thread at a time; a push
+to another fails at once.
 
 Every table is pruned when its request ends however it ends (pushed,
 failed, timed out, finished early); an endpoint's thread ends, and its link
@@ -54,13 +72,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fabric.errors import (
     FabricError,
-    PeerUnreachable,
     ReservationExpired,
     ReservationRefused,
     TransferTimeout,
@@ -77,6 +94,7 @@ FIRST_BACKOFF_S = 1.0
 MAX_WAITING = 64
 MAX_PEERS = 256
 PEER_IDLE_S = 60.0
+STALL_S = 1.0
 _TEND_EVERY_S = 0.5
 
 
@@ -126,10 +144,31 @@ class PushJob:
     inflight: list[tuple[int, PendingPush, float]] = field(default_factory=list)
     last_heartbeat: float = 0.0
     dropped: bool = False  # forgotten by its endpoint's thread
+    asked: bool = False  # a Reserve went out without a refusal back: cancel it on failure
+    settled: bool = False  # its Reserve was answered or given up (endpoint thread)
+    # The dispatcher's: chunk refs handed over before it settled, and whether
+    # they were released unwritten (the receiver stalled).
+    early: list[_SlotRef] = field(default_factory=list)
+    starved: bool = False
 
     @property
     def complete(self) -> bool:
         return self.written == len(self.keys) and not self.inflight
+
+
+class _SlotRef:
+    """A chunk's slot ref on its way to the endpoint's thread: taken once,
+    by that thread (to write it) or by the dispatcher (to release it)."""
+
+    def __init__(self, slot: int) -> None:
+        self._slot: int | None = slot
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """The slot, to the first caller; None after."""
+        with self._lock:
+            slot, self._slot = self._slot, None
+            return slot
 
 
 Event = tuple[str, object]
@@ -150,6 +189,8 @@ class _Peer:
         self.backoff_s, self.backoff_until = 0.0, 0.0
         self.last_active = time.monotonic()
         self.stopped = self.saturated = False
+        self.calling_since = 0.0  # when its current control call began (0: in none)
+        self.cancelling: set[PeerLink] = set()  # links with Cancels still to send
         self.thread = threading.Thread(target=target, args=(self,), name=name, daemon=True)
 
     @property
@@ -163,6 +204,25 @@ class _Peer:
     def back_off(self, now: float, max_s: float) -> None:
         self.backoff_s = min(max_s, 2 * self.backoff_s or FIRST_BACKOFF_S)
         self.backoff_until = now + self.backoff_s
+
+    def news(self, started: float) -> bool:
+        """Whether a failure of a call begun at ``started`` is a new incident:
+        one begun before the running (or last) backoff ended is not."""
+        return started >= self.backoff_until
+
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """Around a blocking control call (see ``stalled``)."""
+        self.calling_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.calling_since = 0.0
+
+    def stalled(self, now: float, stall_s: float) -> bool:
+        """Whether the thread has waited over ``stall_s`` in one control call."""
+        since = self.calling_since
+        return bool(since) and now - since > stall_s
 
     def idle(self, now: float, idle_s: float) -> bool:
         return (
@@ -190,12 +250,14 @@ class PushSender:
         backoff_s: float = 30.0,
         max_waiting: int = MAX_WAITING,
         peer_idle_s: float = PEER_IDLE_S,
+        stall_s: float = STALL_S,
         name: str = "fabric-push",
     ) -> None:
         self.client, self.store, self.counters = client, store, counters
         self.lease_ms, self.push_timeout_s = lease_ms, push_timeout_s
         self.names, self.prepare, self.backoff_s = names, prepare, backoff_s
         self.max_waiting, self.peer_idle_s, self.name = max_waiting, peer_idle_s, name
+        self.stall_s = stall_s
         self._events: queue.Queue[Event] = queue.Queue()
         self._jobs: dict[str, PushJob] = {}  # req_id -> its live job (for routing)
         self._jobs_lock = threading.Lock()
@@ -287,8 +349,41 @@ class PushSender:
                 assert isinstance(payload, tuple)
                 self.store.release_slots([payload[2]])
             return
+        peer = self._peer(job.endpoint)
+        if kind == "chunk":
+            assert isinstance(payload, tuple)
+            self._route_chunk(peer, job, payload[1], payload[2])
+            return
         rest = payload[1:] if isinstance(payload, tuple) else ()
-        self._peer(job.endpoint).events.put((kind, (job, *rest)))
+        peer.events.put((kind, (job, *rest)))
+
+    def _route_chunk(self, peer: _Peer, job: PushJob, index: int, slot: int) -> None:
+        """Hand chunk ``index`` over; released at once instead if ``job``
+        still waits for its Reserve from a receiver that stalled."""
+        ref = _SlotRef(slot)
+        if job.settled:
+            job.early = []  # NOTE: its thread takes them from here on
+        else:
+            job.early.append(ref)
+            if job.starved or peer.stalled(time.monotonic(), self.stall_s):
+                self._starve(job)
+        peer.events.put(("chunk", (job, index, ref)))
+
+    def _starve(self, job: PushJob) -> None:
+        """Release the chunks ``job`` was handed before its Reserve settled
+        (the endpoint's thread fails it, finding them gone)."""
+        if not job.starved:
+            logger.info(
+                "fabric push %s (request %s): %s stalled before its Reserve; chunks released",
+                job.transfer_id,
+                job.req_id,
+                job.endpoint,
+            )
+        job.starved = True
+        early, job.early = job.early, []
+        slots = [slot for ref in early if (slot := ref.take()) is not None]
+        if slots:
+            self.store.release_slots(slots)
 
     def _admit(self, job: PushJob) -> None:
         """Hand ``job`` to its endpoint's thread, or fail it at once."""
@@ -338,6 +433,13 @@ class PushSender:
         self._next_tend = now + _TEND_EVERY_S
         with self._peers_lock:
             peers = list(self._peers.values())
+        stalled = {peer.endpoint for peer in peers if peer.stalled(now, self.stall_s)}
+        if stalled:
+            with self._jobs_lock:
+                jobs = [j for j in self._jobs.values() if j.endpoint in stalled and j.early]
+            for job in jobs:
+                if not job.settled:
+                    self._starve(job)
         for peer in peers:
             dead = not peer.thread.is_alive()
             if not dead and not peer.idle(now, self.peer_idle_s):
@@ -374,13 +476,17 @@ class PushSender:
             except queue.Empty:
                 break
             if event is not None and event[0] == "chunk":
-                assert isinstance(event[1], tuple)
-                self.store.release_slots([event[1][2]])
+                assert isinstance(event[1], tuple) and isinstance(event[1][2], _SlotRef)
+                slot = event[1][2].take()
+                if slot is not None:
+                    self.store.release_slots([slot])
 
     def _round(self, peer: _Peer) -> None:
         busy = any(job.inflight for job in peer.jobs.values())
         self._drain(peer, timeout=None if busy else 0.05)
         self._progress(peer)
+        if peer.cancelling:
+            peer.cancelling = {link for link in peer.cancelling if not link.flush()}
         if busy:
             time.sleep(5e-5)
         if peer.jobs:
@@ -419,12 +525,17 @@ class PushSender:
         assert isinstance(payload, tuple) and isinstance(payload[0], PushJob)
         job = payload[0]
         if kind == "chunk":
-            self._write(job, payload[1], payload[2])
+            assert isinstance(payload[2], _SlotRef)
+            slot = payload[2].take()
+            if slot is None:  # NOTE: released by the dispatcher: the receiver stalled
+                self._fail(job, f"chunk {payload[1]} released while {job.endpoint} stalled", peer)
+            else:
+                self._write(job, payload[1], slot)
         elif kind == "finished":
             job.finished = True
             self._maybe_drop(peer, job)
         elif kind == "fail":
-            self._fail(job, payload[1])
+            self._fail(job, payload[1], peer)
             self._maybe_drop(peer, job)
 
     def _abandon(self, peer: _Peer, job: PushJob, why: str) -> None:
@@ -438,32 +549,55 @@ class PushSender:
                 logger.exception("%s: releasing slot %d failed", self.name, entry[0])
         job.inflight = []
         try:
-            self._fail(job, why)
+            self._fail(job, why, peer)
         except Exception:
             logger.exception("%s: failing %s failed too", self.name, job.req_id)
         self._drop(peer, job)
 
     def _reserve(self, peer: _Peer, job: PushJob) -> None:
         try:
-            if peer.backed_off(time.monotonic()):
-                self._fail(job, f"{job.endpoint} failed recently", quiet=True)
+            if job.starved:
+                self._fail(job, f"{job.endpoint} stalled; its chunks were released", peer)
                 return
+            if peer.backed_off(time.monotonic()):
+                self._fail(job, f"{job.endpoint} failed recently", peer, quiet=True)
+                return
+            started = time.monotonic()
             try:
-                if self.prepare is not None:
-                    self.prepare(job.endpoint)
-                job.link = self.client.connect(job.endpoint)
-                job.res = job.link.reserve(job.transfer_id, job.keys, job.nbytes, self.lease_ms)
+                with peer.calling():
+                    if self.prepare is not None:
+                        self.prepare(job.endpoint)
+                    job.link = self.client.connect(job.endpoint)
+                    job.asked = True
+                    job.res = job.link.reserve(job.transfer_id, job.keys, job.nbytes, self.lease_ms)
                 job.last_heartbeat = time.monotonic()
             except FabricError as exc:
-                self._peer_failed(peer, exc, control=True)
-                self._fail(job, f"reserve on {job.endpoint} failed: {exc}")
+                job.asked = job.asked and not isinstance(exc, ReservationRefused)
+                self._peer_failed(peer, exc, started=started, link=job.link)
+                self._fail(job, f"reserve on {job.endpoint} failed: {exc}", peer)
         finally:
+            job.settled = True
             peer.settled += 1
+            if job.starved:  # NOTE: the dispatcher released chunks meanwhile
+                self._fail(job, f"{job.endpoint} stalled; its chunks were released", peer)
             self._maybe_drop(peer, job)
 
-    def _peer_failed(self, peer: _Peer, exc: FabricError, *, control: bool) -> None:
-        """Back off an endpoint that failed (a refusal is an answer, not a failure)."""
+    def _peer_failed(
+        self, peer: _Peer, exc: FabricError, *, started: float, link: PeerLink | None
+    ) -> None:
+        """Back off an endpoint that failed, once per incident (a refusal is
+        an answer, not a failure; see the module docstring). ``started``:
+        when the failed call began; ``link``: the link it used (None: none
+        was made)."""
         if isinstance(exc, ReservationRefused | ReservationExpired) or not self.backoff_s:
+            return
+        if link is not None and (
+            link.closed or self.client.current_link(peer.endpoint) is not link
+        ):
+            logger.debug("fabric: %s: a dropped link failed (%s); ignored", peer.endpoint, exc)
+            return
+        if not peer.news(started):
+            logger.debug("fabric: %s failed again (%s) in the same incident", peer.endpoint, exc)
             return
         peer.back_off(time.monotonic(), self.backoff_s)
         logger.warning(
@@ -472,13 +606,16 @@ class PushSender:
             exc,
             peer.backoff_s,
         )
-        if control and isinstance(exc, PeerUnreachable):
-            self.client.disconnect(peer.endpoint)  # NOTE: a dead peer keeps no link
+        if peer.backoff_s >= self.backoff_s and not any(j.inflight for j in peer.jobs.values()):
+            # NOTE: dead for a while and nothing in flight to it: keep no link
+            # (nor its data-plane peer); the next push says Hello again.
+            self.client.disconnect(peer.endpoint, link)
 
     def _write(self, job: PushJob, index: int, slot: int) -> None:
         if job.dropped or job.failed or job.link is None or job.res is None:
             self.store.release_slots([slot])
             return
+        started = time.monotonic()
         try:
             push = job.link.write(job.res, [index], [slot])
         except Exception as exc:
@@ -488,8 +625,8 @@ class PushSender:
             with self._peers_lock:
                 peer = self._peers.get(job.endpoint)
             if peer is not None:
-                self._peer_failed(peer, exc, control=False)
-            self._fail(job, f"write of chunk {index} failed: {exc}")
+                self._peer_failed(peer, exc, started=started, link=job.link)
+            self._fail(job, f"write of chunk {index} failed: {exc}", peer)
             return
         job.written += 1
         job.inflight.append((slot, push, time.monotonic()))
@@ -511,8 +648,8 @@ class PushSender:
                 done = push.done()
             except FabricError as exc:
                 self._drop_inflight(job, entry)
-                self._peer_failed(peer, exc, control=False)
-                self._fail(job, f"write failed: {exc}")
+                self._peer_failed(peer, exc, started=started, link=job.link)
+                self._fail(job, f"write failed: {exc}", peer)
                 continue
             if done:
                 self._drop_inflight(job, entry)
@@ -521,8 +658,8 @@ class PushSender:
                 push.abort()  # NOTE: no more bytes from it; the receiver quarantines the rest
                 self._drop_inflight(job, entry)
                 timeout = TransferTimeout(f"write not done in {self.push_timeout_s} s")
-                self._peer_failed(peer, timeout, control=False)
-                self._fail(job, str(timeout))
+                self._peer_failed(peer, timeout, started=started, link=job.link)
+                self._fail(job, str(timeout), peer)
         if job.complete and not job.failed:
             peer.backoff_s = peer.backoff_until = 0.0  # NOTE: a push landed: the peer serves
         self._heartbeat(peer, job, now)
@@ -548,13 +685,14 @@ class PushSender:
         if now - job.last_heartbeat > self.lease_ms / 3000:
             job.last_heartbeat = now
             try:
-                held = job.link.heartbeat(job.transfer_id, self.lease_ms)
+                with peer.calling():
+                    held = job.link.heartbeat(job.transfer_id, self.lease_ms)
             except FabricError as exc:
-                self._peer_failed(peer, exc, control=True)
-                self._fail(job, f"heartbeat failed: {exc}")
+                self._peer_failed(peer, exc, started=now, link=job.link)
+                self._fail(job, f"heartbeat failed: {exc}", peer)
                 return
             if not held:
-                self._fail(job, "the receiver no longer holds the reservation")
+                self._fail(job, "the receiver no longer holds the reservation", peer)
 
     def _maybe_drop(self, peer: _Peer, job: PushJob) -> None:
         if job.inflight or job.dropped:
@@ -562,7 +700,7 @@ class PushSender:
         if job.complete or job.failed:
             self._drop(peer, job)
         elif job.finished:
-            self._fail(job, "request finished before every chunk was computed")
+            self._fail(job, "request finished before every chunk was computed", peer)
             self._drop(peer, job)
 
     def _drop(self, peer: _Peer, job: PushJob) -> None:
@@ -578,15 +716,23 @@ class PushSender:
             job.link.forget(job.transfer_id)
         peer.dropped += 1
 
-    def _fail(self, job: PushJob, why: str, *, quiet: bool = False) -> None:
+    def _fail(
+        self, job: PushJob, why: str, peer: _Peer | None = None, *, quiet: bool = False
+    ) -> None:
+        """Count ``job`` failed and cancel its reservation (if it may have
+        one) without waiting: ``peer``'s thread sends what the socket did
+        not take at once."""
         if job.failed:
             return
         job.failed = True
         self.counters.add(**{self.names.failures: 1})
         log = logger.debug if quiet else logger.warning
         log("fabric push %s (request %s): %s", job.transfer_id, job.req_id, why)
-        if job.link is not None and job.res is not None:
-            try:
-                job.link.cancel(job.transfer_id)
-            except Exception as exc:  # NOTE: a failed cancel only delays the decoder's fallback
-                logger.info("cancel of %s failed too: %s", job.transfer_id, exc)
+        link = job.link
+        if link is None or not (job.res is not None or job.asked) or link.closed:
+            return
+        # NOTE: the decoder learns of the failure now rather than after its
+        # load timeout; a Cancel that never goes only delays that fallback.
+        link.cancel_later(job.transfer_id, self.lease_ms / 1000)
+        if link.num_cancels and peer is not None:
+            peer.cancelling.add(link)
