@@ -100,7 +100,7 @@ def create_app(topology: TopologyConfig) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_route("/v1/models", _guarded(lambda request: _models(state)), methods=["GET"])
+    app.add_route("/v1/models", _guarded(lambda request: _models(state, request)), methods=["GET"])
     app.add_route("/health", _guarded(lambda request: _health(state)), methods=["GET"])
     app.add_route("/metrics", _guarded(lambda request: _metrics(state)), methods=["GET"])
     app.add_route("/fabric/status", _guarded(lambda request: _status(state)), methods=["GET"])
@@ -180,19 +180,22 @@ def _guarded(handler: Handler) -> Handler:
     return route
 
 
-async def _models(state: ProxyState) -> Response:
-    """``/v1/models`` of the first decoder that answers (healthy ones first)."""
+async def _models(state: ProxyState, request: Request) -> Response:
+    """``/v1/models`` of the first decoder that answers (healthy ones first),
+    with the client's credentials (as a generation request's)."""
     decoders = sorted(state.pool.decoders, key=lambda e: not e.healthy)
+    authorization = request.headers.get("authorization")
+    headers = {"authorization": authorization} if authorization is not None else None
     reasons = []
     for engine in decoders:
         try:
             response = await state.client.get(
-                f"{engine.url}/v1/models", timeout=state.config.health_timeout_s
+                f"{engine.url}/v1/models", headers=headers, timeout=state.config.health_timeout_s
             )
         except httpx.HTTPError as exc:
             reasons.append(f"{engine.name}: {describe(exc)}")
             continue
-        if response.is_success:
+        if response.is_success or response.status_code in (401, 403):  # as the engine says
             return Response(response.content, response.status_code, media_type="application/json")
         reasons.append(f"{engine.name}: HTTP {response.status_code}")
     raise ProxyError(
@@ -322,6 +325,9 @@ async def _shared_store_status(state: ProxyState) -> dict[str, object] | None:
     endpoint = resolve_endpoint(state.shared_store)
     if endpoint is None:
         return {"endpoint": state.shared_store, "error": "endpoint file missing"}
+    previous, state.shared_endpoint = state.shared_endpoint, endpoint
+    if previous is not None and previous != endpoint:  # restarted on another port
+        state.stores.forget(previous)
     try:
         stats = await state.stores.call(endpoint, "stats")
     except (FabricError, OSError) as exc:

@@ -122,7 +122,7 @@ async def _token_ids(state: ProxyState, body: dict[str, Any], engines: list[Engi
     else:
         raise bad_request("give a prompt (text or token ids) or messages", "prompt")
     candidates = [*engines, *(e for e in state.pool.engines if e not in engines)]
-    token_ids = await prompt_token_ids(state, body, endpoint, candidates)
+    token_ids = await prompt_token_ids(state, body, endpoint, candidates, tries=len(candidates))
     if token_ids is None:
         raise ProxyError(
             503,

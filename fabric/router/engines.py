@@ -6,7 +6,7 @@ serving (for load-aware policies, and for draining).
 
 States (:class:`EngineState`), from two separate flags: ``healthy`` (probes
 and failures seen on requests) and ``draining`` (set by whoever runs the
-engine)::
+engine, or seen: the engine refused a request with its drain 503)::
 
              set_draining(True)
         up  -------------------->  draining
@@ -23,7 +23,12 @@ engine)::
 - ``draining``: policies never pick it; requests already on it continue.
   ``outstanding`` is exact (taken when a request or canary is routed to the
   engine, released however it ends), so ``await engine.wait_idle(timeout_s)``
-  is a correct drain.
+  is a correct drain. An engine whose gate (:mod:`fabric.launch.drain`)
+  answers a request or a health probe with its drain 503 is marked draining
+  at once (:meth:`Engine.saw_draining`): no other request is sent there. That
+  mark ends when a health probe passes again (``mark_up``: the engine was
+  restarted, or its drain was called off) or with ``set_draining(False)``;
+  a drain set by whoever runs the engine ends only with ``set_draining``.
 
 Health has two sources: a background probe of every engine's ``/health``
 every ``health_interval_s`` (which also brings engines back), and failures
@@ -37,7 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -52,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 SLOW_PROBES_DOWN = 3
 """Timed-out health probes in a row that mark an engine down (refused: one)."""
+
+API_KEY_ENV = "VLLM_API_KEY"
+"""vLLM's environment variable for ``--api-key`` (``vllm/envs.py``)."""
 
 
 class EngineState(enum.Enum):
@@ -73,13 +83,16 @@ class Engine:
         kv_endpoint: str | None,
         healthy: bool = True,
         outstanding: int = 0,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self.role = role
         self.url = url
         self.kv_endpoint = kv_endpoint
+        self.api_key = api_key  # what the proxy's own calls (canaries) authenticate with
         self.healthy = healthy
         self.draining = False
+        self.drain_seen = False  # draining because it refused a request so, not by set_draining
         self.last_error: str | None = None
         self.slow_probes = 0
         self.answered = False  # a health probe succeeded since it was last down
@@ -142,11 +155,14 @@ class Engine:
         self.last_error = reason
 
     def mark_up(self) -> None:
-        """Record a successful probe; logged once per transition."""
+        """Record a successful probe; logged once per transition. Ends a drain
+        that was only seen (:meth:`saw_draining`): the engine answers again."""
         if not self.healthy:
             logger.warning("engine %s (%s) is back", self.name, self.url)
             self.epoch += 1
             self.since = time.time()
+        if self.drain_seen:
+            self.set_draining(False)
         self.healthy = True
         self.answered = True
         self.last_error = None
@@ -154,12 +170,19 @@ class Engine:
 
     def set_draining(self, draining: bool) -> None:
         """Stop (True) or resume (False) routing new requests to it; logged on change."""
+        self.drain_seen = False
         if draining != self.draining:
             logger.warning(
                 "engine %s (%s) %s", self.name, self.url, "draining" if draining else "resumed"
             )
             self.draining = draining
             self.since = time.time()
+
+    def saw_draining(self) -> None:
+        """It answered with its drain 503: draining until a probe passes again."""
+        if not self.draining:
+            self.set_draining(True)
+            self.drain_seen = True
 
 
 @dataclass
@@ -231,6 +254,8 @@ async def probe(
             engine.mark_down(f"/health: {describe(exc)} ({engine.slow_probes} probes in a row)")
         return engine.healthy
     if response.status_code != 200:
+        if is_drain_refusal(response.status_code, response.content):
+            engine.saw_draining()
         engine.mark_down(f"/health answered {response.status_code}")
         return False
     broken = await fabric_check(engine) if fabric_check is not None else None
@@ -251,6 +276,34 @@ async def probe_all(
     await asyncio.gather(*(probe(client, e, timeout_s, fabric_check) for e in pool.engines))
 
 
+def is_drain_refusal(status: int, payload: bytes) -> bool:
+    """Whether an answer is a drain gate's refusal (:class:`fabric.launch.drain.DrainGate`:
+    503, ``{"error": {"type": "service_unavailable", "message": "... is draining ..."}}``).
+
+    NOTE: the gate answers before the app reads the request, so nothing of it ran.
+    """
+    if status != 503 or len(payload) > 4096:
+        return False
+    try:
+        error = json.loads(payload)["error"]
+        return error["type"] == "service_unavailable" and " is draining" in error["message"]
+    except (ValueError, LookupError, TypeError):
+        return False
+
+
+def api_key(config: EngineConfig) -> str | None:
+    """The API key an engine checks, where the topology says: its ``args``'
+    ``--api-key`` (the first key), else ``VLLM_API_KEY`` in its ``env``, else
+    in the proxy's environment (which the engines ``fabric up`` starts inherit)."""
+    args = config.args
+    for i, arg in enumerate(args):
+        if arg == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.partition("=")[2]
+    return config.env.get(API_KEY_ENV) or os.environ.get(API_KEY_ENV) or None
+
+
 def describe(exc: BaseException) -> str:
     """A short description of an HTTP client error for logs and messages."""
     text = str(exc)
@@ -262,4 +315,4 @@ def _engine(path: str, config: EngineConfig) -> Engine:
         url = config.base_url
     except ConfigError as exc:
         raise ConfigError(f"{path}.port: the proxy needs the engine's port or url") from exc
-    return Engine(config.name, config.role, url, config.kv_endpoint)
+    return Engine(config.name, config.role, url, config.kv_endpoint, api_key=api_key(config))

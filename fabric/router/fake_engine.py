@@ -1,10 +1,12 @@
 """A fake engine that speaks enough of vLLM's OpenAI API to drive the proxy.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE stream),
-``/v1/models`` and ``/health``, answering at once with deterministic tokens
-(a function of the prompt only, so a decoder's answer is the same with or
-without remote KV). A prefiller that gets ``kv_transfer_params`` with
-``do_remote_decode`` answers with the params a fabric prefiller returns::
+``/v1/models``, ``/tokenize`` and ``/health``, answering at once with
+deterministic tokens (a function of the prompt only, so a decoder's answer
+is the same with or without remote KV). With ``api_key`` it guards ``/v1``
+as vLLM's ``--api-key`` does (401 without ``Authorization: Bearer <key>``).
+A prefiller that gets ``kv_transfer_params`` with ``do_remote_decode``
+answers with the params a fabric prefiller returns::
 
     {"do_remote_prefill": true, "do_remote_decode": false,
      "transfer_id": ..., "num_tokens": N, "prefill_kv_endpoint": "tcp://..."}
@@ -59,7 +61,13 @@ class FakeEngineConfig:
     decoders count a load failure). ``load_fails``: a decoder that counts
     every load as failed. ``fabric_metrics``: False leaves the fabric
     counters off ``/metrics`` (an engine without the connector).
+    ``count_loads``: False exports the counters but never moves them (a
+    decoder whose metrics lag).
     ``pad_bytes``: a non-streamed answer carries this many extra bytes.
+    ``api_key``: the key ``/v1`` routes require. ``tokenize_delay_s``: wait
+    before answering ``/tokenize``; ``tokenize_text``: answer it 200 with
+    this text instead of token ids; ``tokenize_status``: answer it this
+    error status instead.
     """
 
     role: Literal["prefill", "decode", "both"] = "decode"
@@ -73,7 +81,12 @@ class FakeEngineConfig:
     push_fails: bool = False
     load_fails: bool = False
     fabric_metrics: bool = True
+    count_loads: bool = True
     pad_bytes: int = 0
+    api_key: str | None = None
+    tokenize_delay_s: float = 0.0
+    tokenize_text: str | None = None
+    tokenize_status: int | None = None
     max_recorded: int = 1000
 
 
@@ -86,6 +99,7 @@ class FakeEngineState:
     canaries: deque[dict[str, Any]] = field(default_factory=deque)
     loads_ok: int = 0
     load_failures: int = 0
+    tokenized: int = 0  # /tokenize calls
 
     def record(self, path: str, request: Request, body: Any) -> None:
         """Remember one generation request (a canary apart)."""
@@ -96,7 +110,9 @@ class FakeEngineState:
 
     def count_load(self, body: Any) -> None:
         """A decoder given a prefiller's params: count its "load"."""
-        if self.config.role == "prefill" or not isinstance(body, dict):
+        if self.config.role == "prefill" or not self.config.count_loads:
+            return
+        if not isinstance(body, dict):
             return
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
@@ -132,12 +148,27 @@ def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
     app.state.fake = state
 
     async def completions(request: Request) -> Response:
-        return await _generate(state, request, chat=False)
+        return _unauthorized(state, request) or await _generate(state, request, chat=False)
 
     async def chat(request: Request) -> Response:
-        return await _generate(state, request, chat=True)
+        return _unauthorized(state, request) or await _generate(state, request, chat=True)
+
+    async def tokenize(request: Request) -> Response:
+        state.tokenized += 1
+        if state.config.tokenize_delay_s:
+            await asyncio.sleep(state.config.tokenize_delay_s)
+        if state.config.tokenize_text is not None:
+            return PlainTextResponse(state.config.tokenize_text)
+        if state.config.tokenize_status is not None:
+            return _error(state.config.tokenize_status, "tokenize is failing on purpose")
+        body = json.loads(await request.body())
+        prompt = body.get("prompt", body.get("messages"))
+        tokens = [zlib.crc32(word.encode()) % 50000 for word in json.dumps(prompt).split()]
+        return JSONResponse({"tokens": tokens, "count": len(tokens)})
 
     async def models(request: Request) -> Response:
+        if (refused := _unauthorized(state, request)) is not None:
+            return refused
         card = {
             "id": config.model,
             "object": "model",
@@ -161,10 +192,19 @@ def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/tokenize", tokenize, methods=["POST"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/fake/requests", requests, methods=["GET", "DELETE"])
     return app
+
+
+def _unauthorized(state: FakeEngineState, request: Request) -> Response | None:
+    """vLLM's answer to a ``/v1`` request without the key, or None."""
+    key = state.config.api_key
+    if key is None or request.headers.get("authorization") == f"Bearer {key}":
+        return None
+    return JSONResponse({"error": "Unauthorized"}, 401)
 
 
 async def _generate(state: FakeEngineState, request: Request, *, chat: bool) -> Response:

@@ -20,7 +20,14 @@ serve with the chosen D (none healthy, all draining, or every pair with D
 failed its canary, see :mod:`fabric.router.ready`). A decoder failure is
 an OpenAI-style JSON error (see :mod:`fabric.router.relay`); after a
 stream has started, an error event ends it. When every decoder is
-draining, the request gets a 503 at once.
+draining (also when the last ones start draining while the prefix hints
+are looked up), the request gets a 503 at once.
+
+A decoder that got nothing of the request (unreachable, no free pooled
+connection in time, or its drain gate refused it with a 503, which marks
+it draining at once) is replaced by another routable decoder, each decoder
+tried once: that one computes the prompt itself (the KV P pushed went to
+the first one: counted as a fallback).
 
 Each request is in ``state.requests`` (the ``requests`` table) from its
 arrival until its answer ends, however it ends.
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Container
 from typing import Any
 from uuid import uuid4
 
@@ -63,11 +71,12 @@ from fabric.router.asgi import (
     send_answer,
     send_stream,
 )
-from fabric.router.engines import Engine, describe
+from fabric.router.engines import Engine, describe, is_drain_refusal
 from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_body
 from fabric.router.prefix import body_identity, lookup_all, prompt_token_ids
 from fabric.router.relay import (
     Relay,
+    check_drain_refusal,
     count_transport_error,
     deadline_exceeded,
     decode_failure,
@@ -101,14 +110,15 @@ async def serve_generation(
     """
     state.counters.requests += 1
     head = RequestHead.from_scope(scope)
-    transfer_id = new_transfer_id(head.request_id)
+    transfer_id = new_transfer_id(head.request_id, state.requests)
     record = state.requests[transfer_id] = InFlight(
         endpoint.path, asyncio.get_running_loop().time()
     )
     try:
         await _serve_request(state, endpoint, head, transfer_id, record, receive, send)
     finally:
-        del state.requests[transfer_id]
+        if state.requests.get(transfer_id) is record:
+            del state.requests[transfer_id]
 
 
 async def _serve_request(
@@ -146,14 +156,18 @@ async def _serve_request(
                 raise
 
 
-def new_transfer_id(client_id: str | None) -> str:
-    """A unique id for P and D (vLLM's request id): the client's id plus a suffix.
+def new_transfer_id(client_id: str | None, taken: Container[str] = ()) -> str:
+    """A unique id for P and D (vLLM's request id): the client's id plus a
+    suffix, never one in ``taken`` (the requests in flight).
 
-    NOTE: clients may reuse ids; P and D need unique ones, hence the suffix.
+    NOTE: clients may reuse ids; P and D need unique ones, hence the suffix
+    (32 random bits: two requests in flight may draw the same, so it is
+    drawn again then).
     """
-    if not client_id:
-        return uuid4().hex
-    return f"{client_id[:MAX_CLIENT_ID]}-{uuid4().hex[:8]}"
+    while True:
+        transfer_id = f"{client_id[:MAX_CLIENT_ID]}-{uuid4().hex[:8]}" if client_id else uuid4().hex
+        if transfer_id not in taken:
+            return transfer_id
 
 
 async def _flow(
@@ -210,11 +224,11 @@ async def _serve(
         raise
     local = _too_short(state, body, endpoint)
     prefillers = [] if local else state.pool.healthy_prefillers()
-    decoders = state.pool.candidate_decoders()
-    if not decoders:
-        raise ProxyError(503, "no decode engine to route to: every one is draining", UNAVAILABLE)
+    decoders = _candidate_decoders(state)
     hints = await _prefix_hints(state, body, endpoint, [*prefillers, *decoders])
-    prefill, decode = state.policy.pick(prefillers, decoders, body, hints, state.readiness.usable)
+    # NOTE: engines may have started draining during the lookups
+    decoders = [e for e in decoders if not e.draining] or _candidate_decoders(state)
+    prefill, decode = state.policy.pick(prefillers, decoders, body, hints, state.readiness.rank)
     record.prefill = prefill.name if prefill is not None else None
     record.decode = decode.name
     headers = _forward_headers(head, transfer_id)
@@ -235,25 +249,27 @@ async def _serve(
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)
         raise
-    try:
-        return await _send_decode(
-            state, prefill, decode, endpoint, body, content, headers, deadline
-        )
-    except ProxyError as exc:
-        retry = _other_decoder(state, decode) if exc.retryable else None
-        if retry is None:
-            raise
-    # D was unreachable before anything reached it: the KV P pushed there is
-    # lost, so another decoder computes the prompt itself (a fallback).
-    state.counters.fallbacks += 1
-    logger.warning(
-        "%s: decoder %s is unreachable; %s computes the prompt",
-        transfer_id, decode.name, retry.name,
-    )  # fmt: skip
-    retry.outstanding += 1
-    record.prefill, record.decode = None, retry.name
-    content = decode_content(raw, body, None)
-    return await _send_decode(state, None, retry, endpoint, body, content, headers, deadline)
+    tried = [decode]
+    while True:
+        try:
+            return await _send_decode(
+                state, prefill, decode, endpoint, body, content, headers, deadline
+            )
+        except ProxyError as exc:
+            retry = _other_decoder(state, tried) if exc.retryable else None
+            if retry is None:
+                raise
+            reason = exc.message
+        # D got nothing of the request: the KV P pushed there is lost, so
+        # another decoder computes the prompt itself (a fallback).
+        if prefill is not None and params is not None:
+            state.counters.fallbacks += 1
+        logger.warning("%s: %s; %s computes the prompt", transfer_id, reason, retry.name)
+        prefill, decode = None, retry
+        tried.append(decode)
+        decode.outstanding += 1
+        record.prefill, record.decode = None, decode.name
+        content = decode_content(raw, body, None)
 
 
 async def _send_decode(
@@ -273,9 +289,16 @@ async def _send_decode(
     return await _decode(state, prefill, decode, url, content, headers)
 
 
-def _other_decoder(state: ProxyState, failed: Engine) -> Engine | None:
-    """The least loaded routable decoder other than ``failed``, if any."""
-    others = [e for e in state.pool.decoders if e is not failed and e.routable]
+def _candidate_decoders(state: ProxyState) -> list[Engine]:
+    decoders = state.pool.candidate_decoders()
+    if not decoders:
+        raise ProxyError(503, "no decode engine to route to: every one is draining", UNAVAILABLE)
+    return decoders
+
+
+def _other_decoder(state: ProxyState, tried: list[Engine]) -> Engine | None:
+    """The least loaded routable decoder not in ``tried``, if any."""
+    others = [e for e in state.pool.decoders if e not in tried and e.routable]
     return min(others, key=lambda e: e.outstanding, default=None)
 
 
@@ -349,14 +372,17 @@ async def _call_prefill(
         return None, describe(exc)
     finally:
         prefill.outstanding -= 1
-    return _prefill_params(state, response.status, payload)
+    return _prefill_params(state, prefill, response.status, payload)
 
 
 def _prefill_params(
-    state: ProxyState, status: int, payload: bytes
+    state: ProxyState, prefill: Engine, status: int, payload: bytes
 ) -> tuple[dict[str, Any] | None, str]:
     if not 200 <= status < 300:
         state.counters.prefill_errors += 1
+        if is_drain_refusal(status, payload):
+            state.counters.drain_refusals += 1
+            prefill.saw_draining()
         return None, f"HTTP {status}: {payload[:200].decode(errors='replace')}"
     try:
         params = load_json(payload).get("kv_transfer_params")
@@ -388,6 +414,8 @@ async def _decode(
     finally:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, ok)
+    if not ok:
+        check_drain_refusal(state, decode, response.status, payload)
     content_type = response.content_type
     return Answer(
         response.status, payload, content_type.encode("latin-1") if content_type else JSON

@@ -9,6 +9,16 @@ the chosen decoder may be used, or the prompt is too short to
 disaggregate), and the decoder then computes the prompt itself. A draining
 engine is never picked (:class:`Routing` drops it from the candidates).
 
+Pairs are ranked (:data:`PairRank`, from :mod:`fabric.router.ready`): a
+pair whose canary failed is never used; a pair checked by a canary (ok, or
+unverified: nothing showed it broken) is preferred over a pending one (not
+checked since an engine came back). So right after an engine restarts, its
+pending pairs get requests only when no checked pair exists for the
+request: a decoder with only pending pairs is not picked while another has
+a checked one (a decoder with no usable pair at all still is: it computes
+prompts itself), and a prefiller with a pending pair to the chosen decoder
+is not picked while another's pair with it is checked.
+
 Load is ``Engine.outstanding``: a decoder counts a request from the moment
 it is picked until its answer ends (its prefill included), a prefiller
 while it prefills.
@@ -34,8 +44,9 @@ from fabric.router.engines import Engine
 Hints = Mapping[str, int] | None
 """Engine name -> prompt tokens its store holds (cache-aware routing)."""
 
-Pairable = Callable[[Engine, Engine], bool]
-"""Whether (prefiller, decoder) may serve a request together."""
+PairRank = Callable[[Engine, Engine], int | None]
+"""How (prefiller, decoder) may serve a request together: None not at all,
+else the lower the better (only the best rank among candidates is used)."""
 
 
 class Policy(ABC):
@@ -150,17 +161,20 @@ class Routing:
         decoders: Sequence[Engine],
         body: Mapping[str, Any],
         hints: Hints = None,
-        pairable: Pairable | None = None,
+        rank: PairRank | None = None,
     ) -> tuple[Engine | None, Engine]:
-        """The pair for ``body``, never a draining engine: P None when no
-        prefiller is left (none pairable with D); ValueError when no decoder is."""
+        """The pair for ``body``, never a draining engine, best ranked pairs
+        first (see the module docstring): P None when no prefiller is left
+        (none may pair with D). ValueError when no decoder is: callers check."""
         decoders = [e for e in decoders if not e.draining]
         if not decoders:
             raise ValueError("no decoder to pick: every candidate is draining")
+        prefillers = [e for e in prefillers if not e.draining]
+        if rank is not None and prefillers:
+            decoders = _best_decoders(decoders, prefillers, rank)
         decode = self.decode.pick(decoders, body, hints)
-        prefillers = [
-            e for e in prefillers if not e.draining and (pairable is None or pairable(e, decode))
-        ]
+        if rank is not None:
+            prefillers = _best_prefillers(prefillers, decode, rank)
         prefill = self.prefill.pick(prefillers, body, hints) if prefillers else None
         return prefill, decode
 
@@ -169,6 +183,25 @@ class Routing:
         if prefill is not None:
             self.prefill.on_finish(prefill, ok)
         self.decode.on_finish(decode, ok)
+
+
+def _best_decoders(
+    decoders: list[Engine], prefillers: list[Engine], rank: PairRank
+) -> list[Engine]:
+    """Decoders whose best pair ranks best; those without a usable pair stay."""
+    best = {d: _best_rank(prefillers, d, rank) for d in decoders}
+    top = min((r for r in best.values() if r is not None), default=None)
+    return [d for d in decoders if best[d] is None or best[d] == top]
+
+
+def _best_prefillers(prefillers: list[Engine], decode: Engine, rank: PairRank) -> list[Engine]:
+    """Prefillers whose pair with ``decode`` ranks best (none may: [])."""
+    top = _best_rank(prefillers, decode, rank)
+    return [p for p in prefillers if top is not None and rank(p, decode) == top]
+
+
+def _best_rank(prefillers: list[Engine], decode: Engine, rank: PairRank) -> int | None:
+    return min((r for p in prefillers if (r := rank(p, decode)) is not None), default=None)
 
 
 def make_policy(name: str, field: str = "proxy.policy", *, max_imbalance: int = 4) -> Policy:

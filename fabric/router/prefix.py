@@ -2,9 +2,12 @@
 
 Used by the cache-aware policy and the ``/fabric/lookup|pin`` admin routes:
 
-1. the prompt's token ids: given as ids, or from an engine's ``/tokenize``
+1. the prompt's token ids: given as ids, or from one engine's ``/tokenize``
    (vLLM's endpoint: the same tokenizer and chat template the engine
-   applies to the request);
+   applies to the request), asked in turn among the routable ones (not
+   draining, not down), bounded by ``proxy.lookup_timeout_ms``; a failure,
+   a timeout or an answer that is not token ids is a miss, not retried on
+   another engine;
 2. one ``Lookup`` per engine over its fabric control channel, all at once,
    each bounded by ``proxy.lookup_timeout_ms`` in all, never on the event
    loop and never queued behind another request's lookup; a store that
@@ -58,9 +61,20 @@ class EngineHit:
 
 
 async def prompt_token_ids(
-    state: ProxyState, body: dict[str, Any], endpoint: Endpoint, engines: Sequence[Engine]
+    state: ProxyState,
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    engines: Sequence[Engine],
+    *,
+    tries: int = 1,
 ) -> list[int] | None:
-    """The token ids of the request's (single) prompt, or None."""
+    """The token ids of the request's (single) prompt, or None.
+
+    Asks ``/tokenize`` of at most ``tries`` of the routable ``engines`` in
+    turn, each call bounded by ``proxy.lookup_timeout_ms``: a request waits
+    at most that long for its hints' tokens (the admin routes, given an
+    engine, ask it first and more of them).
+    """
     prompt: Any = body.get("prompt")
     if endpoint.input_field == "prompt" and _is_ids(prompt):
         return list(prompt)
@@ -72,22 +86,46 @@ async def prompt_token_ids(
         return None  # batches of prompts: no single prefix
     if "model" in body:
         payload["model"] = body["model"]
-    for engine in engines:
-        if not engine.healthy:
-            continue
-        try:
-            response = await state.client.post(
-                f"{engine.url}/tokenize", json=payload, timeout=state.config.health_timeout_s
-            )
-        except httpx.HTTPError as exc:
-            logger.debug("tokenize on %s failed: %s", engine.name, describe(exc))
-            continue
-        if response.status_code == 200:
-            tokens = response.json().get("tokens")
-            if _is_ids(tokens):
-                return list(tokens)
-        logger.debug("tokenize on %s answered %s", engine.name, response.status_code)
+    for engine in _tokenizers(state, engines, tries):
+        tokens = await _tokenize(state, engine, payload)
+        if tokens is not None:
+            return tokens
     return None
+
+
+def _tokenizers(state: ProxyState, engines: Sequence[Engine], tries: int) -> list[Engine]:
+    """Up to ``tries`` routable engines, the first one taken in turn across calls."""
+    routable = [e for e in engines if e.routable]
+    if not routable:
+        return []
+    if tries == 1:
+        state.tokenize_turn += 1
+        return [routable[state.tokenize_turn % len(routable)]]
+    return routable[:tries]
+
+
+async def _tokenize(state: ProxyState, engine: Engine, payload: dict[str, Any]) -> list[int] | None:
+    """``engine``'s ``/tokenize`` of ``payload`` within the lookup bound; None on any failure."""
+    bound_s = state.config.lookup_timeout_ms / 1000
+    try:
+        async with asyncio.timeout(bound_s):
+            response = await state.client.post(
+                f"{engine.url}/tokenize", json=payload, timeout=bound_s
+            )
+    except (httpx.HTTPError, TimeoutError) as exc:
+        logger.debug("tokenize on %s failed: %s", engine.name, describe(exc))
+        return None
+    if response.status_code != 200:
+        logger.debug("tokenize on %s answered %s", engine.name, response.status_code)
+        return None
+    try:
+        tokens = response.json().get("tokens")
+    except (ValueError, AttributeError):
+        tokens = None
+    if not _is_ids(tokens):
+        logger.debug("tokenize on %s: the answer holds no token ids", engine.name)
+        return None
+    return list(tokens)
 
 
 def body_identity(body: dict[str, Any]) -> KeyIdentity:

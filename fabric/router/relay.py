@@ -10,7 +10,10 @@ the ``streams`` table of :meth:`fabric.router.state.ProxyState.tables`.
 
 Decoder errors reach the client as OpenAI-style JSON: 502 (unreachable,
 failed, or an answer past ``max_answer_bytes``), 503 (no free pooled
-connection to it in time) or 504 (timed out).
+connection to it in time, or it is draining) or 504 (timed out). Those
+where nothing reached D (unreachable, no free connection, its drain gate's
+refusal) are ``retryable``: :mod:`fabric.router.pd` sends the request to
+another decoder first.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from fabric.router.asgi import Answer
-from fabric.router.engines import Engine, describe
+from fabric.router.engines import Engine, describe, is_drain_refusal
 from fabric.router.errors import (
     UNAVAILABLE,
     UPSTREAM_ERROR,
@@ -48,8 +51,10 @@ def decode_failure(state: ProxyState, decode: Engine, exc: httpx.HTTPError) -> P
     state.counters.decode_errors += 1
     count_transport_error(state, exc)
     what = f"decode engine {decode.name} ({decode.url})"
-    if isinstance(exc, httpx.PoolTimeout):
-        return ProxyError(503, f"{what}: {exc}", UNAVAILABLE)
+    if isinstance(exc, httpx.PoolTimeout):  # NOTE: raised before anything is sent
+        error = ProxyError(503, f"{what}: {exc}", UNAVAILABLE)
+        error.retryable = True
+        return error
     if isinstance(exc, AnswerTooLarge):
         return ProxyError(
             502,
@@ -66,6 +71,18 @@ def decode_failure(state: ProxyState, decode: Engine, exc: httpx.HTTPError) -> P
         timeout = state.config.decode_timeout_s
         return ProxyError(504, f"{what} timed out after {timeout} s", UPSTREAM_TIMEOUT)
     return ProxyError(502, f"{what} failed: {describe(exc)}", UPSTREAM_ERROR)
+
+
+def check_drain_refusal(state: ProxyState, decode: Engine, status: int, payload: bytes) -> None:
+    """Raise a retryable 503 if D's error answer is its drain gate's refusal
+    (D is marked draining at once: nothing new is sent there)."""
+    if not is_drain_refusal(status, payload):
+        return
+    state.counters.drain_refusals += 1
+    decode.saw_draining()
+    error = ProxyError(503, f"decode engine {decode.name} ({decode.url}) is draining", UNAVAILABLE)
+    error.retryable = True
+    raise error
 
 
 def deadline_exceeded(state: ProxyState) -> ProxyError:
@@ -111,6 +128,7 @@ async def relay_stream(
         raise decode_failure(state, decode, exc) from exc
     finally:
         await relay.close()
+    check_drain_refusal(state, decode, response.status, body)
     return Answer(response.status, body, relay.content_type)
 
 

@@ -66,8 +66,11 @@ class Counters:
     ``proxy.request_deadline_s`` (504, or an error event ending the stream).
     ``pool_timeouts``: engine calls that found no free pooled connection in
     time. ``answers_too_large``: engine answers past the answer size limit.
-    ``canaries`` / ``canary_failures``: readiness transfers that proved a
-    P->D pair / that failed (:mod:`fabric.router.ready`).
+    ``canaries`` / ``canary_failures`` / ``canaries_unverified``: readiness
+    transfers that proved a P->D pair / that showed it broken / that could
+    not tell (:mod:`fabric.router.canary`). ``drain_refusals``: engine
+    answers that were a drain gate's 503 (the engine is marked draining;
+    a decode goes to another decoder).
     """
 
     requests: int = 0
@@ -83,6 +86,8 @@ class Counters:
     answers_too_large: int = 0
     canaries: int = 0
     canary_failures: int = 0
+    canaries_unverified: int = 0
+    drain_refusals: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""
@@ -117,6 +122,7 @@ class ProxyState:
         self.counters = Counters()
         self.store_secret = store_secret  # signs the store clients' frames (connector.secret_env)
         self.shared_store = shared_store  # the host's shared store (connector.shared_store)
+        self.shared_endpoint: str | None = None  # where it was last found
         endpoints = sum(e.kv_endpoint is not None for e in pool.engines) + bool(shared_store)
         self.stores = StoreCalls(
             config.lookup_timeout_ms,
@@ -131,6 +137,7 @@ class ProxyState:
         self.decode_timeouts = Timeouts(connect, config.decode_timeout_s, pool_s)
         self.requests: dict[str, InFlight] = {}  # transfer id -> request in flight
         self.streams = 0  # decoder streams open (relay.Relay)
+        self.tokenize_turn = 0  # which engine the next /tokenize goes to (prefix.py)
         self.readiness = Readiness(self)
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, while it runs
         self._client: httpx.AsyncClient | None = None

@@ -26,7 +26,13 @@ each caller one bound (``proxy.lookup_timeout_ms``) in all::
   is skipped (:class:`StoreSkipped`, at once) for ``BACKOFF_BASE_S``,
   doubling with each further timeout up to ``BACKOFF_MAX_S``; then a single
   call tries it again (the others are still skipped until it answers).
-  Any answer (a ``Refused`` included) ends the backoff.
+  Any answer (a ``Refused`` included) ends the backoff; a call that failed
+  in the client (a ZMQ or socket error: no answer) counts as a timeout,
+  and reaches its caller as :class:`~fabric.errors.PeerUnreachable`.
+- Endpoints not asked for ``idle_s``, or forgotten (a shared store
+  restarted on a new port leaves its old endpoint behind), are dropped with
+  their clients at the next call, once none of them is in use; the clients
+  are closed in a pool thread. Kept, their sockets would reconnect forever.
 
 Everything but the calls themselves runs on the proxy's event loop.
 """
@@ -37,10 +43,13 @@ import asyncio
 import collections
 import functools
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fabric.errors import PeerUnreachable
+import zmq
+
+from fabric.errors import FabricError, PeerUnreachable
 from fabric.transfer.lookup import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -56,6 +65,9 @@ BACKOFF_MAX_S = 30.0
 
 GRACE_S = 0.05
 """Past the bound, how long a caller still waits for the client's own error."""
+
+IDLE_S = 300.0
+"""An endpoint not asked this long is dropped, its clients closed."""
 
 
 class StoreSkipped(PeerUnreachable):
@@ -73,6 +85,12 @@ class _Endpoint:
         self.timeouts = 0  # calls in a row without an answer
         self.skip_until = 0.0  # loop time
         self.trial = False  # a call is trying the store after its backoff
+        self.used_at = 0.0  # loop time of the last call
+
+    @property
+    def idle_clients(self) -> bool:
+        """No call running or waiting: every client is idle."""
+        return not self.waiters and len(self.idle) == len(self.clients)
 
     def release(self, client: StoreClient) -> None:
         while self.waiters:
@@ -93,9 +111,11 @@ class StoreCalls:
         secret: str | None = None,
         max_threads: int = CLIENTS_PER_ENDPOINT,
         clients_per_endpoint: int = CLIENTS_PER_ENDPOINT,
+        idle_s: float = IDLE_S,
     ) -> None:
         self.timeout_ms = timeout_ms
         self.secret = secret
+        self.idle_s = idle_s
         self.clients_per_endpoint = clients_per_endpoint
         self.max_threads = max_threads
         self._executor: ThreadPoolExecutor | None = None  # made on first use
@@ -103,11 +123,17 @@ class StoreCalls:
         self.in_flight = 0  # calls running in a thread (their caller may have left)
         self.timeouts = 0  # calls that got no answer within the bound
         self.skipped = 0  # calls not made: the store was backing off
+        self._pruned_at = 0.0  # loop time
 
     @property
     def waiting(self) -> int:
         """Callers waiting for a free client."""
         return sum(len(e.waiters) for e in self._endpoints.values())
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoints it holds clients for."""
+        return list(self._endpoints)
 
     def backing_off(self, endpoint: str) -> bool:
         """Whether calls to ``endpoint`` are skipped now."""
@@ -122,7 +148,9 @@ class StoreCalls:
         the store backs off.
         """
         loop = asyncio.get_running_loop()
+        self._prune(loop.time())
         state = self._endpoint(endpoint)
+        state.used_at = loop.time()
         deadline = loop.time() + self.timeout_ms / 1000
         trial = self._admit(state, loop.time())
         try:
@@ -137,12 +165,8 @@ class StoreCalls:
             state.release(client)
             self.skipped += 1
             raise StoreSkipped(self._skip_message(state, loop.time()))
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                self.max_threads, thread_name_prefix="fabric-proxy-store"
-            )
         future = loop.run_in_executor(
-            self._executor, functools.partial(getattr(client, method), *args, **kw)
+            self._pool(), functools.partial(getattr(client, method), *args, **kw)
         )
         self.in_flight += 1
         future.add_done_callback(functools.partial(self._done, state, client, trial))
@@ -153,6 +177,8 @@ class StoreCalls:
             raise PeerUnreachable(
                 f"{endpoint}: no answer to {method} within {self.timeout_ms} ms"
             ) from None
+        except (zmq.ZMQError, OSError) as exc:
+            raise PeerUnreachable(f"{endpoint}: {method} failed: {exc}") from exc
 
     async def close(self) -> None:
         """Stop the threads and close every client (in a thread: a client
@@ -168,6 +194,37 @@ class StoreCalls:
                 client.close()
 
         await asyncio.to_thread(close_all)
+
+    def forget(self, endpoint: str) -> None:
+        """Drop ``endpoint`` at the next call (once no call uses it): it moved."""
+        state = self._endpoints.get(endpoint)
+        if state is not None:
+            state.used_at = -math.inf
+            self._pruned_at = -math.inf
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                self.max_threads, thread_name_prefix="fabric-proxy-store"
+            )
+        return self._executor
+
+    def _prune(self, now: float) -> None:
+        """Drop the endpoints idle for ``idle_s``; close their clients in a pool thread."""
+        if now - self._pruned_at < min(self.idle_s, 1.0):
+            return
+        self._pruned_at = now
+        stale = [
+            e for e in self._endpoints.values() if now - e.used_at >= self.idle_s and e.idle_clients
+        ]
+        clients = [c for e in stale for c in e.clients]
+        for e in stale:
+            del self._endpoints[e.endpoint]
+            logger.info(
+                "store %s not asked for %.0f s: its clients are closed", e.endpoint, now - e.used_at
+            )
+        if clients:
+            self._pool().submit(_close_all, clients)
 
     def _endpoint(self, endpoint: str) -> _Endpoint:
         state = self._endpoints.get(endpoint)
@@ -233,7 +290,11 @@ class StoreCalls:
         if future.cancelled():  # never ran: the pool was shut down
             return
         error = future.exception()
-        if isinstance(error, PeerUnreachable):
+        # NOTE: a FabricError other than PeerUnreachable is an answer (a
+        # refusal, a bad reply); anything else failed in the client: no answer
+        if error is not None and (
+            isinstance(error, PeerUnreachable) or not isinstance(error, FabricError)
+        ):
             self._timed_out(state)
         elif state.timeouts:
             logger.info("store %s answers again", state.endpoint)
@@ -257,3 +318,8 @@ class StoreCalls:
                 state.timeouts,
                 backoff,
             )
+
+
+def _close_all(clients: list[StoreClient]) -> None:
+    for client in clients:
+        client.close()

@@ -29,10 +29,12 @@ def servers() -> Iterator[list[ServerThread]]:
 
 @pytest.fixture
 def start_engine(servers: list[ServerThread]) -> StartEngine:
-    """Start a fake engine: ``start_engine("prefill", delay_s=1.0)``."""
+    """Start a fake engine: ``start_engine("prefill", delay_s=1.0)`` (``gated=True``:
+    behind an engine's drain gate)."""
 
-    def start(role: str = "decode", **options: Any) -> FakeEngine:
-        engine = FakeEngine(FakeEngineConfig(role=role, **options)).start()  # type: ignore[arg-type]
+    def start(role: str = "decode", *, gated: bool = False, **options: Any) -> FakeEngine:
+        config = FakeEngineConfig(role=role, **options)  # type: ignore[arg-type]
+        engine = FakeEngine(config, gated=gated).start()
         servers.append(engine)
         return engine
 

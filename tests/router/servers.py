@@ -10,8 +10,10 @@ from typing import Any, Self, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from fabric.config import TopologyConfig, parse_topology
+from fabric.launch.drain import EngineDrain
 from fabric.launch.process import free_port
 from fabric.router import create_app
 from fabric.router.fake_engine import FakeEngineConfig, FakeEngineState, create_fake_engine
@@ -24,7 +26,7 @@ T = TypeVar("T")
 class ServerThread:
     """An ASGI app served by uvicorn in a daemon thread on a free loopback port."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._sock = bind_socket("127.0.0.1", 0)
         self.url = socket_url(self._sock)
@@ -58,16 +60,22 @@ class ServerThread:
 
 
 class FakeEngine(ServerThread):
-    """A fake engine in a thread; ``seen`` holds the requests it received."""
+    """A fake engine in a thread; ``seen`` holds the requests it received.
 
-    def __init__(self, config: FakeEngineConfig) -> None:
-        super().__init__(create_fake_engine(config))
+    ``gated``: behind the drain gate engines run (``fabric.launch.drain``);
+    ``gate.draining = True`` makes it refuse new work as a draining engine.
+    """
+
+    def __init__(self, config: FakeEngineConfig, *, gated: bool = False) -> None:
+        self.fake_app = create_fake_engine(config)
+        self.gate = EngineDrain(self.fake_app, timeout_s=30.0, drain_file=None)
+        super().__init__(self.gate if gated else self.fake_app)
         self.config = config
 
     @property
     def state(self) -> FakeEngineState:
         """The engine's recorded state."""
-        state: FakeEngineState = self.app.state.fake
+        state: FakeEngineState = self.fake_app.state.fake
         return state
 
     @property
@@ -78,6 +86,8 @@ class FakeEngine(ServerThread):
 
 class Proxy(ServerThread):
     """A proxy in a thread."""
+
+    app: FastAPI
 
     def __init__(self, topology: TopologyConfig) -> None:
         super().__init__(create_app(topology))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -17,6 +18,14 @@ from .conftest import StartEngine, StartProxy
 from .servers import ServerThread
 from .test_pd_flow import COMPLETION, sse_events
 from .test_prefix_routes import PROMPT, Store, start, stores  # noqa: F401 (fixture)
+
+
+def wait_for(check: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    """Until ``check()`` is true (a hang guard only)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def test_a_draining_decoder_finishes_its_stream_gets_nothing_new_and_drains(
@@ -40,11 +49,9 @@ def test_a_draining_decoder_finishes_its_stream_gets_nothing_new_and_drains(
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         streamed = pool.submit(stream)  # round robin: decode-0
-        deadline = time.monotonic() + 10
-        while decoder.outstanding == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: decoder.outstanding == 1, "the stream never reached decode-0")
         drained = pool.submit(proxy.run, drain)
-        time.sleep(0.1)
+        wait_for(lambda: decoder.draining, "the drain was not applied")
         others = [httpx.post(url, json=COMPLETION, timeout=10) for _ in range(4)]
         events = streamed.result()
         during, done = drained.result()
@@ -158,3 +165,87 @@ def test_outstanding_is_exact_and_wait_idle_wakes_when_it_reaches_zero() -> None
     engine = Engine("d0", "decode", "http://d0", None)
     with pytest.raises(AssertionError, match="outstanding would be -1"):
         engine.outstanding -= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decoder_refusing_with_its_drain_503_is_marked_draining_and_replaced(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, stream: bool
+) -> None:
+    """D0's gate refuses (it got SIGTERM; nobody told the proxy yet): the
+    request goes to D1, which computes the prompt, and D0 gets nothing new.
+    Before, the client got D0's 503 although D1 was free."""
+    p = start_engine("prefill")
+    d0, d1 = start_engine("decode", gated=True), start_engine("decode")
+    proxy = start_proxy([p.url], [d0.url, d1.url])
+    d0.gate.draining = True
+    url = f"{proxy.url}/v1/completions"
+    body = {**COMPLETION, "stream": stream}
+
+    first = client.post(url, json=body)  # round robin: decode-0 first
+    others = [client.post(url, json=body) for _ in range(3)]
+
+    assert first.status_code == 200, first.text
+    assert [r.status_code for r in others] == [200] * 3
+    assert d0.seen == [] and len(d1.seen) == 4
+    assert "kv_transfer_params" not in d1.seen[0]["body"]  # its KV went to decode-0
+    counters = proxy.state.counters
+    assert (counters.drain_refusals, counters.fallbacks) == (1, 1)
+    engine = proxy.state.engine("decode-0")
+    assert engine.state is EngineState.DRAINING
+    status = client.get(f"{proxy.url}/fabric/status").json()
+    assert status["engines"][1]["state"] == "draining"
+
+
+def test_a_drain_seen_ends_when_the_engine_answers_its_probe_again(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """Its /health 503 while it drains also marks it draining (so the proxy
+    can be ready without it); once it answers /health again (restarted,
+    or its drain called off) it is routed to again."""
+    p = start_engine("prefill")
+    d0, d1 = start_engine("decode", gated=True), start_engine("decode")
+    proxy = start_proxy([p.url], [d0.url, d1.url])
+    d0.gate.draining = True
+
+    assert proxy.run(lambda state: state.wait_ready(30)) == []
+    assert proxy.state.engine("decode-0").draining
+
+    d0.gate.draining = False
+    assert proxy.run(lambda state: state.wait_ready(30)) == []
+    engine = proxy.state.engine("decode-0")
+    assert engine.state is EngineState.UP and not engine.draining
+    for _ in range(2):
+        assert client.post(f"{proxy.url}/v1/completions", json=COMPLETION).status_code == 200
+    assert len(d0.seen) == 1
+
+
+def test_a_drain_set_by_whoever_runs_the_engine_outlives_its_probes(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    p, d0, d1 = start_engine("prefill"), start_engine("decode"), start_engine("decode")
+    proxy = start_proxy([p.url], [d0.url, d1.url])
+
+    async def drain_then_probe(state: ProxyState) -> bool:
+        state.set_draining("decode-0", True)
+        await state.probe_engines()  # decode-0 answers /health 200
+        return state.engine("decode-0").draining
+
+    assert proxy.run(drain_then_probe) is True
+
+
+def test_a_prefiller_refusing_with_its_drain_503_is_marked_draining(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """The refused prefill falls back (D computes the prompt); the next
+    requests go through the other prefiller, not to the draining one."""
+    p0, p1 = start_engine("prefill", gated=True), start_engine("prefill")
+    d = start_engine("decode")
+    proxy = start_proxy([p0.url, p1.url], [d.url])
+    p0.gate.draining = True
+
+    statuses = [client.post(f"{proxy.url}/v1/completions", json=COMPLETION) for _ in range(4)]
+
+    assert [r.status_code for r in statuses] == [200] * 4
+    assert len(p1.seen) == 3 and proxy.state.counters.fallbacks == 1
+    assert proxy.state.engine("prefill-0").draining
+    assert proxy.state.counters.drain_refusals == 1

@@ -156,3 +156,19 @@ def test_a_decoder_whose_fabric_thread_is_down_is_marked_down(
         assert body["healthy"] is False and "thread(s) down" in body["error"]
     finally:
         worker.shutdown()
+
+
+def test_models_carry_the_client_credentials(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """A decoder started with --api-key: the client's key reaches it, and
+    without one the client gets the engine's 401 (before: no key was sent,
+    so every client got a 503)."""
+    d = start_engine("decode", api_key="k")
+    proxy = start_proxy([start_engine("prefill").url], [d.url])
+
+    allowed = client.get(f"{proxy.url}/v1/models", headers={"Authorization": "Bearer k"})
+    refused = client.get(f"{proxy.url}/v1/models")
+
+    assert allowed.status_code == 200 and allowed.json()["data"][0]["id"] == "fake"
+    assert refused.status_code == 401

@@ -141,3 +141,32 @@ def test_a_wait_for_a_pooled_connection_is_bounded_and_a_503(
     assert error["type"] == "service_unavailable"
     assert proxy.state.counters.pool_timeouts == 1
     assert proxy.state.pool.decoders[0].healthy  # busy is not down
+
+
+def test_a_decoder_without_a_free_connection_sends_the_request_to_another(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    """D0's only connection is held by a slow decode; the next request for
+    D0 waits the pool bound, then goes to D1 (nothing reached D0), which
+    computes the prompt. Before, that client got the 503 although D1 was free."""
+    p = start_engine("prefill")
+    d0, d1 = start_engine("decode", delay_s=3.0), start_engine("decode")
+    proxy = start_proxy([p.url], [d0.url, d1.url], max_connections=1, connect_timeout_s=0.5)
+    url = f"{proxy.url}/v1/completions"
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url, json=COMPLETION, timeout=30)  # round robin: D0
+        deadline = time.monotonic() + 10
+        while len(d0.seen) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = httpx.post(url, json=COMPLETION, timeout=30)  # D1
+        third = httpx.post(url, json=COMPLETION, timeout=30)  # D0: no free connection
+        assert first.result().status_code == 200
+
+    assert (second.status_code, third.status_code) == (200, 200), third.text
+    assert len(d0.seen) == 1 and len(d1.seen) == 2
+    assert "kv_transfer_params" not in d1.seen[1]["body"]  # its KV went to D0
+    counters = proxy.state.counters
+    assert (counters.pool_timeouts, counters.fallbacks) == (1, 1)
+    d0_engine = proxy.state.pool.decoders[0]
+    assert d0_engine.healthy and not d0_engine.draining  # busy is not down

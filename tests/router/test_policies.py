@@ -128,3 +128,39 @@ def test_proxy_keys_are_validated_in_the_topology() -> None:
         parse_topology({**base, "proxy": {"disaggregate_min_prompt_tokens": -1}})
     with pytest.raises(ConfigError, match=r"proxy\.decode_policy: Input should be"):
         parse_topology({**base, "proxy": {"decode_policy": "random"}})
+
+
+def test_routing_uses_the_best_ranked_pairs() -> None:
+    """Rank 0 (checked) before 1 (pending); None (failed) never; a decoder
+    with only pending pairs waits while another has a checked one, one with
+    no usable pair at all still serves (it computes the prompt itself)."""
+    p0, p1 = engines(0, 0)
+    d_ok, d_pending, d_failed = (Engine(f"d{i}", "decode", f"http://d{i}", None) for i in range(3))
+    ranks = {
+        (p0, d_ok): 0,
+        (p1, d_ok): 1,
+        (p0, d_pending): 1,
+        (p1, d_pending): 1,
+        (p0, d_failed): None,
+        (p1, d_failed): None,
+    }
+    routing = Routing(RoundRobin(), RoundRobin())
+
+    picks = [
+        routing.pick([p0, p1], [d_ok, d_pending, d_failed], {}, None, lambda p, d: ranks[p, d])
+        for _ in range(4)
+    ]
+
+    assert [(p and p.name, d.name) for p, d in picks] == [
+        ("e0", "d0"),
+        (None, "d2"),
+        ("e0", "d0"),
+        (None, "d2"),
+    ]
+    # nothing checked: pending pairs serve, in turn
+    pending = {key: 1 for key in ranks}
+    picks = [
+        routing.pick([p0, p1], [d_ok, d_pending], {}, None, lambda p, d: pending[p, d])
+        for _ in range(2)
+    ]
+    assert sorted(d.name for _, d in picks) == ["d0", "d1"]

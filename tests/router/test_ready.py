@@ -1,6 +1,10 @@
 """Readiness: ``/health`` and ``wait_ready`` mean every engine answers and every
 P->D pair moved KV (a canary through the PD path, proven by the decoder's
-load counters; the fake engines count loads as a fabric decoder does)."""
+load counters; the fake engines count loads as a fabric decoder does).
+
+A canary that shows the transfer broken takes its pair out of routing; one
+that cannot tell (credentials, no metrics, a timeout) leaves it routed,
+reported unverified, and retried."""
 
 from __future__ import annotations
 
@@ -11,15 +15,31 @@ from typing import Any
 import httpx
 import pytest
 
+from fabric.config import EngineConfig, parse_topology
+from fabric.router.engines import api_key
 from fabric.router.fake_engine import FakeEngineConfig
+from fabric.router.ready import PairState
 
 from .conftest import StartEngine, StartProxy
 from .servers import FakeEngine, Proxy, ServerThread
 from .test_pd_flow import COMPLETION
 
+HANG_GUARD_S = 60.0
+
 
 def wait_ready(proxy: Proxy, timeout_s: float) -> list[str]:
-    return proxy.run(lambda state: state.wait_ready(timeout_s))
+    return proxy.run(lambda state: state.wait_ready(timeout_s), timeout=timeout_s + 30)
+
+
+def settle(proxy: Proxy) -> list[str]:
+    """What is missing once no pair's canary is pending any more (however
+    long the canaries take on a loaded machine; a hang guard only)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        missing = wait_ready(proxy, 0.5)
+        if not any(line.endswith(": canary pending") for line in missing):
+            return missing
+        assert time.monotonic() < deadline, missing
 
 
 def poll(check: Any, what: str, timeout: float = 30.0) -> None:
@@ -27,6 +47,21 @@ def poll(check: Any, what: str, timeout: float = 30.0) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
+
+
+def pair_states(client: httpx.Client, proxy: Proxy, route: str = "/health") -> dict[str, str]:
+    pairs = client.get(f"{proxy.url}{route}").json()["pairs"]
+    return {f"{p['prefill']} -> {p['decode']}": p["state"] for p in pairs}
+
+
+def restart(proxy: Proxy, name: str) -> None:
+    """What the supervisor does when an engine comes back: a new epoch."""
+
+    async def go(state: Any) -> None:
+        state.mark_down(name, "restarting")
+        state.mark_up(name)
+
+    proxy.run(go)
 
 
 def test_wait_ready_runs_one_canary_per_pair(
@@ -63,7 +98,7 @@ def test_a_failed_pair_is_reported_not_used_and_retried(
     d = start_engine("decode")
     proxy = start_proxy([p0.url, p1.url], [d.url])
 
-    missing = wait_ready(proxy, 1.0)
+    missing = settle(proxy)
 
     assert len(missing) == 1
     assert missing[0].startswith("prefill-0 -> decode-0: canary failed: decode-0 could not load")
@@ -91,15 +126,14 @@ def test_a_failed_pair_is_reported_not_used_and_retried(
 @pytest.mark.parametrize(
     ("prefill", "decode", "reason"),
     [
-        ({}, {"fabric_metrics": False}, "decode-0 exports no vllm:fabric_loads_ok_total"),
         ({}, {"load_fails": True}, "decode-0 could not load the KV prefill-0 pushed"),
         ({"kv_params": False}, {}, "prefill-0 returned no kv_transfer_params"),
         ({}, {"fail_status": 500}, "decode-0 answered HTTP 500"),
-        ({"delay_s": 5.0}, {}, "ReadTimeout"),
+        ({"fail_status": 400}, {}, "prefill-0 answered HTTP 400"),
     ],
-    ids=["no-metrics", "load-fails", "no-params", "decoder-500", "prefill-timeout"],
+    ids=["load-fails", "no-params", "decoder-500", "prefill-400"],
 )
-def test_a_canary_fails_with_the_reason(
+def test_a_canary_fails_on_evidence_the_transfer_is_broken(
     start_engine: StartEngine,
     start_proxy: StartProxy,
     prefill: dict[str, Any],
@@ -107,13 +141,192 @@ def test_a_canary_fails_with_the_reason(
     reason: str,
 ) -> None:
     p, d = start_engine("prefill", **prefill), start_engine("decode", **decode)
-    proxy = start_proxy([p.url], [d.url], prefill_timeout_s=0.5)
+    proxy = start_proxy([p.url], [d.url])
 
-    missing = wait_ready(proxy, 2.0)
+    missing = settle(proxy)
 
     assert len(missing) == 1 and missing[0].startswith("prefill-0 -> decode-0: canary failed")
     assert reason in missing[0]
+    assert proxy.state.readiness.pairs[0].state is PairState.FAILED
     assert all(e.outstanding == 0 for e in proxy.state.pool.engines)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "reason"),
+    [
+        ({}, {"fabric_metrics": False}, "decode-0 exports no vllm:fabric_loads_ok_total"),
+        ({}, {"count_loads": False}, "did not move within"),
+        ({"delay_s": 5.0}, {}, "ReadTimeout"),
+        ({"fail_status": 503}, {}, "prefill-0 answered HTTP 503"),
+        ({}, {"fail_status": 429}, "decode-0 answered HTTP 429"),
+        ({"api_key": "sekrit"}, {}, "prefill-0 answered HTTP 401 (started with --api-key?"),
+        ({}, {"api_key": "sekrit"}, "decode-0: /v1/models answered HTTP 401"),
+    ],
+    ids=[
+        "no-metrics",
+        "metrics-lag",
+        "prefill-timeout",
+        "prefill-busy",
+        "decoder-429",
+        "prefill-api-key",
+        "decoder-api-key",
+    ],
+)
+def test_a_canary_that_cannot_tell_leaves_the_pair_unverified(
+    start_engine: StartEngine,
+    start_proxy: StartProxy,
+    prefill: dict[str, Any],
+    decode: dict[str, Any],
+    reason: str,
+) -> None:
+    """Not ready (readiness needs a verified canary), but nothing showed the
+    transfer broken: the pair stays routable. Before, it was failed."""
+    p, d = start_engine("prefill", **prefill), start_engine("decode", **decode)
+    proxy = start_proxy([p.url], [d.url], prefill_timeout_s=0.5)
+
+    missing = settle(proxy)
+
+    assert len(missing) == 1, missing
+    assert missing[0].startswith("prefill-0 -> decode-0: canary unverified (pair still used)")
+    assert reason in missing[0]
+    readiness = proxy.state.readiness
+    assert readiness.pairs[0].state is PairState.UNVERIFIED
+    assert readiness.rank(*proxy.state.pool.engines) is not None
+    assert proxy.state.counters.canary_failures == 0
+    assert all(e.outstanding == 0 for e in proxy.state.pool.engines)
+
+
+def test_an_unverified_pair_serves_requests_is_reported_and_retried(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """A decoder with its stats off (no fabric counters): requests still go
+    P -> D with P's KV (before: the pair was failed and D recomputed every
+    prompt); ``/health`` stays 503 naming it; its canary is retried."""
+    p, d = start_engine("prefill"), start_engine("decode", fabric_metrics=False)
+    proxy = start_proxy([p.url], [d.url])
+    settle(proxy)
+
+    for _ in range(2):
+        assert client.post(f"{proxy.url}/v1/completions", json=COMPLETION).status_code == 200
+
+    assert len(p.seen) == 2 and all("kv_transfer_params" in r["body"] for r in d.seen)
+    assert proxy.state.counters.fallbacks == 0
+    health = client.get(f"{proxy.url}/health")
+    assert health.status_code == 503 and health.json()["ready"] is False
+    [pair] = health.json()["pairs"]
+    assert pair["state"] == "unverified" and "exports no" in pair["error"]
+    status = client.get(f"{proxy.url}/fabric/status").json()
+    assert status["pairs"][0]["state"] == "unverified" and status["ready"] is False
+    counters = proxy.state.counters
+    tries = counters.canaries_unverified
+    proxy.state.readiness.retry_s = 0.05
+    poll(
+        lambda: client.get(f"{proxy.url}/health") and counters.canaries_unverified > tries,
+        "no retry",
+    )
+    d.state.config = dataclasses.replace(d.config, fabric_metrics=True)
+    poll(lambda: client.get(f"{proxy.url}/health").status_code == 200, "not verified once fixed")
+
+
+def test_canaries_carry_the_api_key_the_topology_gives(
+    start_engine: StartEngine, servers: list[ServerThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One engine's key in its ``args`` (``--api-key``), the other's from
+    ``VLLM_API_KEY``: every canary passes. Before, canaries sent no
+    ``Authorization`` and every pair failed on the 401."""
+    p, d = start_engine("prefill", api_key="p-key"), start_engine("decode", api_key="d-key")
+    monkeypatch.setenv("VLLM_API_KEY", "d-key")
+    data = {
+        "prefill": [{"url": p.url, "args": ["--api-key", "p-key"]}],
+        "decode": [{"url": d.url, "kv_port": 7002}],
+        "proxy": {"port": None, "health_interval_s": 0},
+    }
+    proxy = Proxy(parse_topology(data, source="test")).start()
+    servers.append(proxy)
+
+    assert wait_ready(proxy, 30) == []
+
+    assert d.state.loads_ok == 1
+    assert [e.api_key for e in proxy.state.pool.engines] == ["p-key", "d-key"]
+
+
+def test_pending_pairs_are_used_only_when_no_checked_pair_exists(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    """Right after P1 comes back, its pair is pending: requests go through
+    P0, whose pair is ok (before: round robin gave P1 half of them). Once
+    P1's canary passes it gets its share again."""
+    p0, p1, d = start_engine("prefill"), start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p0.url, p1.url], [d.url])
+    assert wait_ready(proxy, 30) == []
+    restart(proxy, "prefill-1")  # nothing asks for readiness: its canary waits
+
+    for _ in range(4):
+        assert httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=20).is_success
+
+    assert (len(p0.seen), len(p1.seen)) == (4, 0)
+    assert wait_ready(proxy, 30) == []
+    for _ in range(2):
+        httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=20)
+    assert len(p1.seen) == 1
+
+
+def test_a_decoder_with_only_pending_pairs_waits_while_another_has_checked_ones(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    p, d0, d1 = start_engine("prefill"), start_engine("decode"), start_engine("decode")
+    proxy = start_proxy([p.url], [d0.url, d1.url])
+    assert wait_ready(proxy, 30) == []
+    restart(proxy, "decode-1")
+
+    for _ in range(4):
+        assert httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=20).is_success
+
+    assert (len(d0.seen), len(d1.seen)) == (4, 0)
+    assert proxy.state.counters.fallbacks == 0
+    assert wait_ready(proxy, 30) == []
+    for _ in range(2):
+        httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=20)
+    assert len(d1.seen) == 1
+
+
+def test_pending_pairs_are_used_when_there_is_nothing_better(
+    start_engine: StartEngine, start_proxy: StartProxy
+) -> None:
+    """Before any canary (or with every pair pending) the proxy routes as without them."""
+    p0, p1, d = start_engine("prefill"), start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p0.url, p1.url], [d.url])
+
+    for _ in range(4):
+        assert httpx.post(f"{proxy.url}/v1/completions", json=COMPLETION, timeout=20).is_success
+
+    assert (len(p0.seen), len(p1.seen)) == (2, 2)
+
+
+def test_a_hanging_canary_holds_up_only_its_own_decoder(
+    start_engine: StartEngine, start_proxy: StartProxy, servers: list[ServerThread]
+) -> None:
+    """D0's canary hangs (its decode never answers within the guard); D1,
+    down at first, comes up: its canary runs and passes at once. Before,
+    the canaries ran in passes, and D1's waited for D0's to time out."""
+    p, d0 = start_engine("prefill"), start_engine("decode", delay_s=300.0)
+    late = FakeEngine(FakeEngineConfig(role="decode"))  # its port is bound, nobody accepts
+    servers.append(late)
+    proxy = start_proxy([p.url], [d0.url, late.url], decode_timeout_s=600)
+    client = httpx.Client(timeout=20, trust_env=False)
+    client.get(f"{proxy.url}/health")
+    poll(lambda: len(d0.state.canaries) == 1, "D0's canary never reached it")
+
+    late.start()
+    poll(
+        lambda: pair_states(client, proxy)["prefill-0 -> decode-1"] == "ok",
+        "D1's canary waited for D0's",
+    )
+
+    assert pair_states(client, proxy, "/fabric/status")["prefill-0 -> decode-0"] == "pending"
+    assert proxy.state.readiness.in_flight == 1  # D0's is still running
+    assert late.state.loads_ok == 1 and d0.state.loads_ok == 0
+    client.close()
 
 
 def test_a_decoder_unreachable_at_start_keeps_the_proxy_unready_until_it_answers(
@@ -126,7 +339,7 @@ def test_a_decoder_unreachable_at_start_keeps_the_proxy_unready_until_it_answers
     servers.append(late)
     proxy = start_proxy([p.url], [d0.url, late.url])
 
-    missing = wait_ready(proxy, 1.0)
+    missing = settle(proxy)
 
     assert len(missing) == 1 and missing[0].startswith("decode-1: down (/health: ConnectError")
     for _ in range(2):
@@ -161,11 +374,7 @@ def test_an_engine_back_up_gets_its_canaries_again(
     proxy = start_proxy([p.url], [d.url])
     assert wait_ready(proxy, 30) == []
 
-    async def restart(state: Any) -> None:
-        state.mark_down("decode-0", "restarting")
-        state.mark_up("decode-0")
-
-    proxy.run(restart)
+    restart(proxy, "decode-0")
     first = client.get(f"{proxy.url}/health").json()
     poll(lambda: client.get(f"{proxy.url}/health").status_code == 200, "not ready again")
 
@@ -188,3 +397,21 @@ def test_the_health_loop_retries_failed_canaries_in_the_background(
     poll(lambda: d.state.load_failures >= 2, "failed canary not retried")
     d.state.config = dataclasses.replace(d.config, load_fails=False)
     poll(lambda: readiness.ready, "not ready after the decoder was fixed")
+
+
+def test_an_engines_api_key_comes_from_its_args_its_env_or_the_proxys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def key(**fields: Any) -> str | None:
+        return api_key(EngineConfig(name="e", role="decode", url="http://127.0.0.1:1", **fields))
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert key() is None
+    assert key(args=["--api-key", "a", "--api-key", "b"]) == "a"
+    assert key(args=["--port", "1", "--api-key=c"]) == "c"
+    assert key(env={"VLLM_API_KEY": "d"}) == "d"
+    monkeypatch.setenv("VLLM_API_KEY", "e")
+    assert key() == "e"
+    assert (
+        key(args=["--api-key", "a"], env={"VLLM_API_KEY": "d"}) == "a"
+    )  # the CLI wins, as in vLLM

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import time
 
 import httpx
 import pytest
+
+from fabric.router import pd
 
 from .conftest import StartEngine, StartProxy
 from .servers import dead_url
@@ -57,3 +61,49 @@ def test_errors_carry_the_request_id(
 
     assert (bad.status_code, down.status_code) == (400, 502)
     assert bad.headers["x-request-id"] == down.headers["x-request-id"] == "abc"
+
+
+class _Uuid:
+    def __init__(self, hex: str) -> None:
+        self.hex = hex
+
+
+def test_transfer_ids_are_drawn_again_when_one_is_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    draws = iter(["a" * 32, "a" * 32, "b" * 32])
+    monkeypatch.setattr(pd, "uuid4", lambda: _Uuid(next(draws)))
+
+    first = pd.new_transfer_id("client", {})
+    second = pd.new_transfer_id("client", {first: object()})
+
+    assert (first, second) == ("client-aaaaaaaa", "client-bbbbbbbb")
+
+
+def test_two_requests_in_flight_never_share_a_transfer_id(
+    start_engine: StartEngine,
+    start_proxy: StartProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The random suffix drawn twice the same while the first request is in
+    flight: the second still gets an id of its own (before: both went to
+    P and D as one request id, and the first to end dropped the other's
+    entry from the requests table)."""
+    draws = iter(["c" * 32, "c" * 32, "d" * 32])
+    monkeypatch.setattr(pd, "uuid4", lambda: _Uuid(next(draws)))
+    p, d = start_engine("prefill"), start_engine("decode", delay_s=3.0)
+    proxy = start_proxy([p.url], [d.url])
+    url = f"{proxy.url}/v1/completions"
+    headers = {"X-Request-Id": "same"}
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url, json=COMPLETION, headers=headers, timeout=30)
+        deadline = time.monotonic() + 10
+        while len(d.seen) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = httpx.post(url, json=COMPLETION, headers=headers, timeout=30)
+        assert first.result().status_code == 200
+    assert second.status_code == 200
+
+    assert sorted(s["request_id"] for s in d.seen) == ["same-cccccccc", "same-dddddddd"]
+    assert proxy.state.requests == {}

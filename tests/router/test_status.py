@@ -130,3 +130,36 @@ def test_status_without_a_shared_store_says_none(
     status = client.get(f"{proxy.url}/fabric/status").json()
     assert status["shared_store"] is None
     assert "shared store" not in render_plain(status)
+
+
+def test_status_forgets_the_shared_store_endpoint_it_moved_from(
+    start_engine: StartEngine, servers: list[ServerThread], client: httpx.Client, tmp_path: Path
+) -> None:
+    """The shared store restarted on another port (its endpoint file says
+    so): the proxy drops its clients of the old endpoint, whose sockets
+    would otherwise reconnect to a dead port forever."""
+    first = SharedStore(ServiceConfig(mem_bytes=1 << 20, transport="tcp")).start()
+    second = SharedStore(ServiceConfig(mem_bytes=1 << 20, transport="tcp")).start()
+    try:
+        endpoint_file = tmp_path / "store.endpoint"
+        endpoint_file.write_text(first.endpoint)
+        p, d = start_engine("prefill"), start_engine("decode")
+        config, _ = topology([p.url], [d.url])
+        connector = config.connector.model_copy(update={"shared_store": str(endpoint_file)})
+        proxy = Proxy(config.model_copy(update={"connector": connector})).start()
+        servers.append(proxy)
+        calls = proxy.state.stores
+
+        assert client.get(f"{proxy.url}/fabric/status").json()["shared_store"]["endpoint"] == (
+            first.endpoint
+        )
+        assert first.endpoint in calls.endpoints
+        endpoint_file.write_text(second.endpoint)
+        client.get(f"{proxy.url}/fabric/status")  # finds it moved
+        status = client.get(f"{proxy.url}/fabric/status").json()  # the next calls drop it
+
+        assert status["shared_store"]["endpoint"] == second.endpoint
+        assert first.endpoint not in calls.endpoints and second.endpoint in calls.endpoints
+    finally:
+        first.close()
+        second.close()
