@@ -2,9 +2,11 @@
 
 While the soak's requests run, :class:`Chaos` SIGKILLs a random engine of
 the ``fabric up`` topology every ``every_s`` seconds (and, once, the shared
-store), then watches it come back: ``fabric up`` must restart it, and the
-time from the kill until the restarted process answers ``/health`` again is
-its restart-to-serving time. :class:`Scraper` reads every engine's
+store) -- its whole process group, or every other time its leader only, as
+when vLLM's API server crashes alone -- then watches it come back: ``fabric
+up`` must restart it, and the time from the kill until ``fabric up``
+reports it serving again (the proxy took it back into rotation) is its
+restart-to-serving time. :class:`Scraper` reads every engine's
 ``/metrics`` periodically (a SIGKILLed engine's counters are gone with it, so
 the last reading of each incarnation is kept) for the scheduler-hold
 histogram; :func:`rss_growth` compares each long-lived process's resident
@@ -43,6 +45,7 @@ class Kill:
     at: float
     new_pid: int | None = None
     serving_at: float | None = None
+    group: bool = True
 
     @property
     def restart_to_serving_s(self) -> float | None:
@@ -53,6 +56,7 @@ class Kill:
         return {
             "victim": self.victim,
             "pid": self.pid,
+            "group": self.group,
             "new_pid": self.new_pid,
             "restart_to_serving_s": None if back is None else round(back, 1),
         }
@@ -105,16 +109,23 @@ class Chaos:
                 return None
             victim = rng.choice(engines)
             name, pid = victim["name"], int(victim["pid"])
-        self.log(f"  chaos: SIGKILL {name} (pid {pid})")
+        # NOTE: every other kill takes the leader only (an API server that
+        # crashed alone leaves vLLM's engine core behind: fabric up must reap
+        # it), the rest the whole process group (fabric up starts each in a
+        # session of its own)
+        group = len(self.kills) % 2 == 0
+        self.log(f"  chaos: SIGKILL {name} (pid {pid}{', its group' if group else ' only'})")
         try:
-            # NOTE: fabric up starts each in its own session: the group takes vLLM's children
-            os.killpg(pid, signal.SIGKILL)
+            if group:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 return None
-        return Kill(name, pid, time.monotonic())
+        return Kill(name, pid, time.monotonic(), group=group)
 
     async def _watch(self, kill: Kill, stop: asyncio.Event, timeout_s: float = 900) -> None:
         """Until the victim has a new pid that answers ``/health`` (the store:
@@ -148,8 +159,13 @@ class Chaos:
 
     @staticmethod
     async def _serving(client: httpx.AsyncClient, name: str, entry: dict[str, Any]) -> bool:
-        if name == "store":  # NOTE: fabric up marks it up once its endpoint file is back
-            return entry.get("state") == "up"
+        """``fabric up`` reports it up: the store once its endpoint file is
+        back, an engine once the proxy's health probe took it back into
+        rotation (and it answers ``/health``)."""
+        if entry.get("state", "up") != "up":
+            return False
+        if name == "store":
+            return True
         try:
             return (await client.get(entry["url"] + "/health")).status_code == 200
         except httpx.HTTPError:

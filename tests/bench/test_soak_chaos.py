@@ -125,3 +125,13 @@ def test_a_killed_process_is_timed_until_its_restart_answers(
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_only_errors_no_kill_explains_count_against_a_chaos_run(chaos: ModuleType) -> None:
+    soak = load("soak")
+    kills = [
+        chaos.Kill("decode-0", 1, at=100.0, serving_at=150.0),
+        chaos.Kill("store", 2, at=300.0),
+    ]
+    # in a window (100..180), after it (200), before any kill (50), a victim not back (900)
+    assert soak.outside_kills([120.0, 179.0, 200.0, 50.0, 900.0], kills, 30.0) == 2
