@@ -3,7 +3,7 @@
 The engine's own scheduler asks its workers (which own the store) before it
 computes a prompt; the proxy asks every engine for cache-aware routing and
 its admin endpoints. No Hello and no data plane: one DEALER socket per
-endpoint, one request at a time per client, every call bounded by
+endpoint, one call at a time per client, every call bounded by
 ``timeout_ms``::
 
     client = StoreClient("tcp://127.0.0.1:5600")
@@ -34,7 +34,8 @@ bound, not N. A call fails in one of two ways, both
                         time (a peer that is busy, stalled or hung).
 
 A ``Refused`` reply raises :class:`TransferError` (:class:`LayoutMismatch`
-for a layout refusal). With ``secret`` (the engines'
+for a layout refusal; :class:`PeerBusy` when the peer's queue for it was
+full: transient, nothing was done, ask again later). With ``secret`` (the engines'
 ``TransferConfig.secret``) requests are signed and replies verified; a
 secret that differs from the engine's fails the call at once with a
 :class:`TransferError` saying so.
@@ -45,6 +46,23 @@ carries a sequence number from the client's own counter and a reply is
 taken only for the request it names; a reply to an earlier request that
 arrives during a later call is read and dropped, so a late answer is never
 taken for a later call's.
+
+Requests in flight across calls (the engine's scheduler, which cannot wait
+inside one vLLM step): :meth:`StoreClient.post` sends without waiting and
+:meth:`StoreClient.take_reply` takes the answer once it came, by sequence
+number, so several requests can be in flight on one socket; every reply
+read is kept for the request it names until taken or :meth:`forgotten
+<StoreClient.forget>`. :func:`wait_ready` waits (bounded) for any of them::
+
+    client.post(msg)                 # False: no connection takes it now
+    wait_ready([client], 5)          # a reply came, or 5 ms passed
+    client.take_reply(msg.seq)       # the reply (or its error), or None
+
+Queues are small (``SOCKET_HWM``) and ``LINGER`` is 0: requests still
+queued in a client's socket die with it when it closes, and a connection
+the peer stopped reading pushes back within a few requests. (What the peer
+already read stays there and runs when it resumes: the engine's scheduler
+caps its requests in flight per peer, :mod:`fabric.integrations.vllm.tier_client`.)
 """
 
 from __future__ import annotations
@@ -71,8 +89,13 @@ from fabric.errors import (
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.transfer import protocol as proto
 from fabric.transfer.client import decode_reply
+from fabric.transfer.offload import BUSY
 
 DEFAULT_TIMEOUT_MS = 2000
+# NOTE: a client has a few requests in flight at most (one per call; the
+# scheduler caps its lookups per rank): nothing needs a deep queue, and a
+# shallow one keeps little to run late, or to drop, when a peer stalls.
+SOCKET_HWM = 16
 
 ReplyT = TypeVar("ReplyT")
 
@@ -84,6 +107,11 @@ class NoConnection(PeerUnreachable):
 
 class ReplyTimeout(PeerUnreachable):
     """The request was sent; its answer did not arrive within the bound."""
+
+
+class PeerBusy(TransferError):
+    """The peer refused the request for now (``Refused(code="busy")``: the
+    queue it runs on was full): nothing was done, ask again later."""
 
 
 def resolve_endpoint(value: str | None) -> str | None:
@@ -127,6 +155,8 @@ class StoreClient:
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._sock: zmq.Socket[bytes] | None = None
+        self._outstanding: set[int] = set()  # seqs sent whose reply is awaited
+        self._replies: dict[int, proto.Message | FabricError] = {}  # read, not taken
 
     def lookup_message(
         self,
@@ -136,7 +166,7 @@ class StoreClient:
         lease_ms: int = 30_000,
         identity: KeyIdentity = BASE,
     ) -> proto.Lookup:
-        """The Lookup :meth:`lookup` sends (for :func:`call_all`)."""
+        """The Lookup :meth:`lookup` sends (for :func:`call_all`, :meth:`post`)."""
         return proto.Lookup(
             next(self._seq),
             hold or "",
@@ -196,7 +226,28 @@ class StoreClient:
         identity: KeyIdentity = BASE,
     ) -> proto.Fetching:
         """Ask a shared store to push a prompt's held chunks to ``endpoint``."""
-        msg = proto.Fetch(
+        msg = self.fetch_message(
+            transfer_id,
+            token_ids,
+            endpoint,
+            min_chunks=min_chunks,
+            lease_ms=lease_ms,
+            identity=identity,
+        )
+        return _expect(self._call(msg), proto.Fetching)
+
+    def fetch_message(
+        self,
+        transfer_id: str,
+        token_ids: Sequence[int],
+        endpoint: str,
+        *,
+        min_chunks: int = 0,
+        lease_ms: int = 30_000,
+        identity: KeyIdentity = BASE,
+    ) -> proto.Fetch:
+        """The Fetch :meth:`fetch` sends (for :meth:`post`)."""
+        return proto.Fetch(
             next(self._seq),
             transfer_id,
             list(token_ids),
@@ -205,13 +256,98 @@ class StoreClient:
             lease_ms,
             identity.encode(),
         )
-        return _expect(self._call(msg), proto.Fetching)
 
     def close(self) -> None:
+        """Close the socket; requests still queued in it, and replies not
+        taken, are dropped (a later call connects again)."""
         with self._lock:
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
+            self._outstanding.clear()
+            self._replies.clear()
+
+    # ------------------------------------------------------------ in flight
+    def post(self, msg: proto.Message) -> bool:
+        """Send ``msg`` without waiting for its reply (take it with
+        :meth:`take_reply`). False when no connection takes it now (not
+        connected yet or any more, or the peer's queue is full): nothing is
+        queued, post it again later. Raises :class:`ProtocolError` for a
+        message that cannot be encoded, :class:`TransferError` for a socket
+        error."""
+        frame = self.codec.encode(msg)
+        with self._lock:
+            return self._post(frame, _seq(msg))
+
+    def take_reply(self, seq: int) -> proto.Message | FabricError | None:
+        """The reply to the request ``seq`` posted, or why it has none (a
+        refusal, a reply that failed to decode); None while it has not come."""
+        with self._lock:
+            self._read()
+            return self._take(seq)
+
+    def forget(self, seq: int) -> None:
+        """Stop waiting for the reply to ``seq``: when it comes, it is dropped."""
+        with self._lock:
+            self._outstanding.discard(seq)
+            self._replies.pop(seq, None)
+
+    def in_flight(self) -> int:
+        """Requests posted whose replies were neither taken nor forgotten."""
+        with self._lock:
+            return len(self._outstanding)
+
+    def _post(self, frame: bytes, seq: int) -> bool:
+        """Send one frame (caller holds ``_lock``); whether a connection took it."""
+        try:
+            self._socket().send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False  # NOTE: IMMEDIATE: not connected, or SNDHWM reached
+        except zmq.ZMQError as exc:
+            raise TransferError(f"{self.endpoint}: cannot send: {exc}") from exc
+        self._outstanding.add(seq)
+        return True
+
+    def _take(self, seq: int) -> proto.Message | FabricError | None:
+        """``seq``'s reply if it was read (caller holds ``_lock``)."""
+        reply = self._replies.pop(seq, None)
+        if reply is not None:
+            self._outstanding.discard(seq)
+        return reply
+
+    def _read(self) -> None:
+        """Read every reply queued (caller holds ``_lock``); keep those for
+        requests in flight, drop the rest (answers to calls given up on)."""
+        if self._sock is None:
+            return
+        while self._outstanding:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                error = TransferError(f"{self.endpoint}: cannot receive: {exc}")
+                for seq in self._outstanding - self._replies.keys():
+                    self._replies[seq] = error
+                return
+            try:
+                reply = decode_reply(self.codec, frame, self.endpoint)
+            except FabricError as exc:
+                self._keep(None, exc)
+                continue
+            if isinstance(reply, proto.Refused):
+                # NOTE: seq -1: a refusal the peer could not tie to a request
+                # (a bad signature): it answers the oldest request in flight.
+                self._keep(None if reply.seq == -1 else reply.seq, _refusal(reply, self.endpoint))
+            else:
+                self._keep(getattr(reply, "seq", None), reply)
+
+    def _keep(self, seq: int | None, reply: proto.Message | FabricError) -> None:
+        waiting = self._outstanding - self._replies.keys()
+        if seq is None:
+            seq = min(waiting, default=None)
+        if seq is not None and seq in waiting:
+            self._replies[seq] = reply
 
     def _done(self, msg: proto.Message) -> int:
         return _expect(self._call(msg), proto.Done).count
@@ -231,6 +367,8 @@ class StoreClient:
             # for a peer that is not there fails (NoConnection) instead of
             # waiting in ZMQ to reach it after its caller has given up.
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+            sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + proto.SOCKET_SLACK_BYTES)
             sock.connect(self.endpoint)
             self._sock = sock
@@ -270,7 +408,7 @@ def call_all(
     client's) from now. Per call, in order: its reply, or the error it got
     (:class:`NoConnection`, :class:`ReplyTimeout`, :class:`TransferError`
     for a refusal or a secret mismatch, :class:`ProtocolError`); one peer's
-    failure never fails the others."""
+    failure never fails the others. An answer that comes later is dropped."""
     if timeout_ms is None:
         timeout_ms = max((client.timeout_ms for client, _ in calls), default=0)
     clients = [client for client, _ in calls]
@@ -279,8 +417,29 @@ def call_all(
         for client in sorted(clients, key=id):  # NOTE: one order: no deadlock
             locks.enter_context(client._lock)
         pending = [_Call(client, msg) for client, msg in calls]
-        _exchange(pending, time.monotonic() + timeout_ms / 1000)
+        try:
+            _exchange(pending, time.monotonic() + timeout_ms / 1000)
+        finally:
+            for call in pending:
+                call.client._outstanding.discard(call.seq)
+                call.client._replies.pop(call.seq, None)
     return [call.outcome(timeout_ms) for call in pending]
+
+
+def wait_ready(
+    receiving: Sequence[StoreClient], timeout_ms: float, sending: Sequence[StoreClient] = ()
+) -> None:
+    """Block until a reply can be read on one of ``receiving``, or one of
+    ``sending`` can take a request, or ``timeout_ms`` passed (0: just look).
+    For clients used by this thread only (the scheduler's)."""
+    poller = zmq.Poller()
+    for client in receiving:
+        with client._lock:
+            poller.register(client._socket(), zmq.POLLIN)
+    for client in sending:
+        with client._lock:
+            poller.register(client._socket(), zmq.POLLOUT)
+    poller.poll(max(0, math.ceil(timeout_ms)))
 
 
 def _exchange(calls: list[_Call], deadline: float) -> None:
@@ -307,11 +466,12 @@ def _exchange(calls: list[_Call], deadline: float) -> None:
 
 
 class _Call:
-    """One request on one client's socket, within a :func:`call_all`."""
+    """One request on one client's socket, within a :func:`call_all`
+    (which holds the client's lock)."""
 
     def __init__(self, client: StoreClient, msg: proto.Message) -> None:
         self.client, self.msg = client, msg
-        self.seq: int = msg.seq  # type: ignore[union-attr]
+        self.seq = _seq(msg)
         self.sent = False
         self.result: proto.Message | FabricError | None = None
         self.frame = b""
@@ -325,41 +485,15 @@ class _Call:
         if self.result is not None:
             return
         try:
-            self.sock.send(self.frame, zmq.NOBLOCK)
-        except zmq.Again:
-            return  # not connected (yet): polled for POLLOUT until the deadline
-        except zmq.ZMQError as exc:
-            self.result = TransferError(f"{self.client.endpoint}: cannot send: {exc}")
-            return
-        self.sent = True
+            self.sent = self.client._post(self.frame, self.seq)
+        except TransferError as exc:
+            self.result = exc
 
     def receive(self) -> None:
         """Read every reply queued; keep the one for this request."""
-        while self.result is None:
-            try:
-                frame = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:
-                self.result = TransferError(f"{self.client.endpoint}: cannot receive: {exc}")
-                return
-            try:
-                self.result = self._match(
-                    decode_reply(self.client.codec, frame, self.client.endpoint)
-                )
-            except FabricError as exc:
-                self.result = exc
-
-    def _match(self, reply: proto.Message) -> proto.Message | None:
-        """``reply`` if it answers this request, None for a stale one."""
-        endpoint = self.client.endpoint
-        if isinstance(reply, proto.Refused) and reply.seq in (self.seq, -1):
-            if reply.code == "layout_mismatch":
-                raise LayoutMismatch(f"{endpoint}: {reply.reason}")
-            raise TransferError(f"{endpoint} refused: {reply.code}: {reply.reason}")
-        if getattr(reply, "seq", None) != self.seq:
-            return None  # NOTE: the answer to an earlier call that timed out
-        return reply
+        if self.result is None:
+            self.client._read()
+            self.result = self.client._take(self.seq)
 
     def outcome(self, timeout_ms: int) -> proto.Message | FabricError:
         if self.result is not None:
@@ -371,6 +505,20 @@ class _Call:
                 "(nothing listening there, or the peer stopped reading)"
             )
         return ReplyTimeout(f"{endpoint}: no answer to {kind} in {timeout_ms} ms")
+
+
+def _seq(msg: proto.Message) -> int:
+    seq = getattr(msg, "seq", None)
+    assert isinstance(seq, int), f"{type(msg).__name__} carries no seq"
+    return seq
+
+
+def _refusal(reply: proto.Refused, endpoint: str) -> FabricError:
+    if reply.code == "layout_mismatch":
+        return LayoutMismatch(f"{endpoint}: {reply.reason}")
+    if reply.code == BUSY:
+        return PeerBusy(f"{endpoint} refused: {reply.code}: {reply.reason}")
+    return TransferError(f"{endpoint} refused: {reply.code}: {reply.reason}")
 
 
 def _expect(reply: proto.Message, kind: type[ReplyT]) -> ReplyT:

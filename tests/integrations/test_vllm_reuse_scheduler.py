@@ -11,7 +11,8 @@ from tests.integrations.test_vllm_scheduler import BS, CT, Cached, NewReq, Out, 
 
 
 class FakeTier:
-    """Holds ``chunks`` leading chunks of every prompt; records calls."""
+    """Holds ``chunks`` leading chunks of every prompt and answers at once
+    (``lookup``, for subclasses to override); records calls."""
 
     def __init__(self, chunks: int) -> None:
         self.chunks = chunks
@@ -20,6 +21,20 @@ class FakeTier:
     def lookup(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int:
         self.calls.append((request_id, len(token_ids)))
         return min(self.chunks, len(token_ids) // CT)
+
+    def ask(
+        self, request_id: str, token_ids: list[int], identity: KeyIdentity, wait_s: float
+    ) -> int | None:
+        return self.lookup(request_id, token_ids, identity)
+
+    def cancel(self, request_id: str) -> bool:
+        return False
+
+    def poll(self) -> list[str]:
+        return []
+
+    def table_sizes(self) -> dict[str, int]:
+        return {}
 
 
 class Clock:
@@ -134,3 +149,109 @@ def test_no_tier_means_no_lookup_and_no_save() -> None:
     s.update_state_after_alloc(req, [], 0)
     meta = s.build_connector_meta(Out([NewReq("r1", (list(range(19)),), 0)], Cached(), {"r1": 300}))
     assert not meta.sends and not meta.saves
+
+
+# ---------------------------------------------------------------- answers across steps
+class ScriptedTier(FakeTier):
+    """A tier whose lookups stay in flight until the test answers them
+    (``answers[rid] = chunks``); ``late``: what ``poll`` reports next."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.answers: dict[str, int] = {}
+        self.pending: set[str] = set()
+        self.cancelled: list[str] = []
+        self.late: list[str] = []
+
+    def ask(
+        self, request_id: str, token_ids: list[int], identity: KeyIdentity, wait_s: float
+    ) -> int | None:
+        if request_id not in self.pending:
+            self.calls.append((request_id, len(token_ids)))
+        if request_id in self.answers:
+            self.pending.discard(request_id)
+            return self.answers.pop(request_id)
+        self.pending.add(request_id)
+        return None
+
+    def cancel(self, request_id: str) -> bool:
+        if request_id not in self.pending:
+            return False
+        self.pending.discard(request_id)
+        self.cancelled.append(request_id)
+        return True
+
+    def poll(self) -> list[str]:
+        late, self.late = self.late, []
+        return late
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"scheduler_lookups": len(self.pending)}
+
+
+def test_a_lookup_in_flight_is_asked_again_not_sent_again() -> None:
+    tier = ScriptedTier()
+    s = sched(tier)
+    req = Req("r1", list(range(300)))
+    for _ in range(3):  # vLLM skips r1 and asks again each step
+        assert s.get_num_new_matched_tokens(req, 16) == (None, False)
+        s.build_connector_meta(Out())
+    assert s.table_sizes()["scheduler_lookups"] == 1
+    tier.answers["r1"] = 3
+    assert s.get_num_new_matched_tokens(req, 16) == (3 * CT - 16, False)
+    assert tier.calls == [("r1", 256)]
+    assert s.table_sizes()["scheduler_lookups"] == 0
+
+
+def test_a_request_that_ends_or_is_scheduled_while_asked_is_released_at_once() -> None:
+    tier = ScriptedTier()
+    s = sched(tier)
+    ended, scheduled = Req("ended", list(range(300))), Req("scheduled", list(range(300)))
+    assert s.get_num_new_matched_tokens(ended, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(scheduled, 0) == (None, False)
+    s.request_finished(ended)
+    s.update_state_after_alloc(scheduled, list(range(19)), 0)  # vLLM went on without it
+    assert tier.cancelled == ["ended", "scheduled"]
+    assert s.build_connector_meta(Out()).releases == ["ended", "scheduled"]
+    assert s.table_sizes()["scheduler_lookups"] == 0
+
+
+def test_a_late_hold_is_released_unless_its_request_loads_a_newer_one() -> None:
+    tier = ScriptedTier()
+    s = sched(tier)
+    loading, missed = Req("loading", list(range(300))), Req("missed", list(range(300)))
+    tier.answers |= {"loading": 2, "missed": 0}
+    assert s.get_num_new_matched_tokens(loading, 0) == (2 * CT, False)
+    assert s.get_num_new_matched_tokens(missed, 0) == (0, False)
+    s.update_state_after_alloc(loading, list(range(19)), 2 * CT)
+    # answers that came late for lookups of these requests given up on earlier
+    tier.late = ["loading", "missed", "gone"]
+    meta = s.build_connector_meta(Out())
+    assert [load.req_id for load in meta.local_loads] == ["loading"]
+    assert meta.releases == ["missed", "gone"]  # loading's hold is the one it loads now
+
+
+def test_a_hit_refreshed_before_its_lease_ends_waits_for_the_answer() -> None:
+    tier, clock = ScriptedTier(), Clock()
+    s = sched(tier, clock=clock)
+    req = Req("r1", list(range(300)))
+    tier.answers["r1"] = 2
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CT, False)
+    clock.now = 6.0  # past half the 10 s lease: hold again
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    tier.answers["r1"] = 1  # fewer chunks now
+    assert s.get_num_new_matched_tokens(req, 0) == (CT, False)
+    clock.now = 12.0
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    s.request_finished(req)  # ends with its refresh in flight
+    assert s.build_connector_meta(Out()).releases == ["r1"]  # once
+    assert tier.cancelled == ["r1"]
+
+
+def test_requests_vllm_reads_no_cache_for_are_not_looked_up() -> None:
+    tier = FakeTier(chunks=3)
+    s = sched(tier)
+    req = Req("r1", list(range(300)))
+    req.skip_reading_prefix_cache = True  # type: ignore[attr-defined]
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert tier.calls == []

@@ -165,6 +165,9 @@ def test_config_from_extra_names_bad_fields() -> None:
         ConnectorConfig.from_extra({"chunk_tokens": 0})
     with pytest.raises(ConfigError, match="load_timeout_s"):
         ConnectorConfig.from_extra({"load_timeout_s": "soon"})
+    with pytest.raises(ConfigError, match="lookup_deadline_ms: 100 is below lookup_timeout_ms 200"):
+        ConnectorConfig.from_extra({"lookup_timeout_ms": 200, "lookup_deadline_ms": 100})
+    assert ConnectorConfig.from_extra({"lookup_deadline_ms": "5000"}).lookup_deadline_ms == 5000
 
 
 def test_decoder_tries_a_load_once_then_computes() -> None:

@@ -1,10 +1,14 @@
 """The engine's scheduler never waits on the network for long.
 
 Reuse-tier lookups against real ZMQ ROUTER sockets standing in for TP
-ranks (one answers, one reads and never answers, one is not there); the
-shared store's fetch on the same terms; the scheduler hold observed once
-per step; the scheduler's per-request tables empty once every request has
-ended, however it ended.
+ranks (one answers, one answers late, one reads and never answers, one is
+not there), driven through FabricScheduler in vLLM's hook order: a request
+not answered within the step's wait is asked again in later steps, a miss
+only past the deadline (deadlines and backoffs run on a fake clock, so no
+test depends on how fast this box schedules threads); the shared store's
+fetch on the same terms; holds that late answers leave are released; the
+scheduler hold observed once per step; the scheduler's per-request tables
+empty once every request has ended, however it ended.
 """
 
 from __future__ import annotations
@@ -18,22 +22,34 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import zmq
 
+from fabric.integrations.vllm import tier_client as tier_module
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import TABLES_KEY, FabricCounters
+from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
-from fabric.integrations.vllm.tier_client import MAX_TIMEOUTS, SharedTierClient, WorkerTierClient
+from fabric.integrations.vllm.tier_client import (
+    MAX_IN_FLIGHT,
+    MAX_TIMEOUTS,
+    SharedTierClient,
+    WorkerTierClient,
+)
 from fabric.integrations.vllm.worker import endpoint_file
-from fabric.kv.identity import KeyIdentity
+from fabric.kv.identity import BASE, KeyIdentity
 from fabric.launch.process import free_port
-from fabric.transfer.lookup import write_endpoint
-from tests.integrations.test_vllm_reuse_scheduler import FakeTier
+from fabric.transfer.lookup import SOCKET_HWM, write_endpoint
+from tests.integrations.test_vllm_reuse_scheduler import Clock, FakeTier
 from tests.integrations.test_vllm_scheduler import BS, CT, Cached, NewReq, Out, Req
 from tests.integrations.test_vllm_shared_store import FakeShared
 from tests.transfer.test_lookup import FakeRank
 
 TOKENS = list(range(4 * CT))
-BOUND_MS = 200
+PROMPT = [*TOKENS, 7]  # 4 full chunks usable (vLLM computes the last token)
+STEP_MS = 50  # lookup_timeout_ms (the default): the step's wait
+DEADLINE_MS = 2000
+BACKOFF_S = 10.0
+GUARD_S = 30  # hang guard only
 
 
 @pytest.fixture
@@ -67,46 +83,95 @@ def engine() -> Iterator[Callable[[list[str]], str]]:
         path.unlink(missing_ok=True)
 
 
+def config(**extra: Any) -> ConnectorConfig:
+    settings: dict[str, Any] = {"lookup_timeout_ms": STEP_MS, "lookup_deadline_ms": DEADLINE_MS}
+    return ConnectorConfig(chunk_tokens=CT, lease_ms=10_000, **(settings | extra))
+
+
 def tier(
-    engine_id: str, tp_size: int, *, backoff_s: float = 10.0, **extra: Any
+    engine_id: str, tp_size: int, clock: Clock | None = None, **extra: Any
 ) -> WorkerTierClient:
-    config = ConnectorConfig(chunk_tokens=CT, lookup_timeout_ms=BOUND_MS, **extra)
-    return WorkerTierClient(config, tp_size=tp_size, engine_id=engine_id, backoff_s=backoff_s)
+    """The scheduler's client of the engine's ranks; its deadlines and
+    backoffs run on ``clock`` (the waits inside a step are real)."""
+    return WorkerTierClient(
+        config(**extra),
+        tp_size=tp_size,
+        engine_id=engine_id,
+        backoff_s=BACKOFF_S,
+        clock=clock or Clock(),
+    )
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
+def counts(counters: FabricCounters) -> dict[str, Any]:
+    """The counters since the last call, less ``lookups_deferred`` (whether a
+    first ask was answered within its step's wait depends on this box)."""
+    taken = counters.take()
+    taken.pop("lookups_deferred", None)
+    taken.pop(TABLES_KEY, None)
+    return taken
+
+
+def answer(client: WorkerTierClient, rid: str) -> int:
+    """Ask as steps do until the request is answered (the clock stands still)."""
+    deadline = time.monotonic() + GUARD_S
+    while (chunks := client.ask(rid, TOKENS, BASE, STEP_MS / 1000)) is None:
+        assert time.monotonic() < deadline, f"{rid} never answered"
+        client.poll()
+        time.sleep(0.001)
+    return chunks
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + GUARD_S
     while not check():
         assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+        time.sleep(0.005)
+
+
+def answered_but(
+    client: WorkerTierClient, rid: str, endpoint: str, reached: FakeRank | None = None
+) -> Callable[[], bool]:
+    """Whether every rank but ``endpoint`` answered ``rid`` (asking again, as
+    steps do) and, with ``reached``, that rank got it."""
+
+    def check() -> bool:
+        pending = client.ask(rid, TOKENS, BASE, 0) is None
+        got = reached is None or rid in reached.request_ids()
+        return pending and got and client.waiting_on(rid) == [endpoint]
+
+    return check
 
 
 # ---------------------------------------------------------------- reuse tier
 def test_tp_ranks_are_asked_in_parallel(ranks, engine) -> None:
     """Rank 0 answers only once rank 1 got its request: asked one after the
-    other (rank 1 after rank 0's answer), rank 0 would time out."""
+    other (rank 1 after rank 0's answer), rank 0 would never answer."""
     rank1_asked = threading.Event()
-    rank0 = ranks(3, before_answer=lambda: rank1_asked.wait(30))
+    rank0 = ranks(3, before_answer=lambda: rank1_asked.wait(GUARD_S))
     rank1 = ranks(2, on_request=rank1_asked.set)
     client = tier(engine([rank0.endpoint, rank1.endpoint]), 2)
     try:
-        assert client.lookup("r1", TOKENS) == 2  # the smaller hit wins
-        assert client.counters.take() == {}
+        assert answer(client, "r1") == 2  # the smaller hit wins
+        assert counts(client.counters) == {}
     finally:
         client.close()
 
 
-def test_one_late_rank_is_a_miss_for_that_request_not_a_blackout(ranks, engine) -> None:
+def test_one_late_rank_is_a_miss_only_past_the_deadline_not_a_blackout(ranks, engine) -> None:
     answering, stalled = ranks(3), ranks(None)
-    client = tier(engine([answering.endpoint, stalled.endpoint]), 2)
+    clock = Clock()
+    client = tier(engine([answering.endpoint, stalled.endpoint]), 2, clock)
     try:
-        started = time.monotonic()
-        assert client.lookup("r1", TOKENS) == 0  # a miss: vLLM computes r1
-        assert time.monotonic() - started >= BOUND_MS / 1000  # it waited for the bound
-        assert client.counters.take() == {"lookup_timeouts": 1}
+        assert client.ask("r1", TOKENS, BASE, STEP_MS / 1000) is None
+        wait_until(answered_but(client, "r1", stalled.endpoint, stalled), "not asked")
+        clock.now += DEADLINE_MS / 1000 - 0.001
+        assert client.ask("r1", TOKENS, BASE, 0) is None  # not yet
+        clock.now += 0.001
+        assert client.ask("r1", TOKENS, BASE, 0) == 0  # a miss: vLLM computes r1
+        assert counts(client.counters) == {"lookup_timeouts": 1}
         assert not client.backoff.skipping()
         stalled.hit = 3  # the rank catches up
-        assert client.lookup("r2", TOKENS) == 3  # the next request asks again: a hit
+        assert answer(client, "r2") == 3  # the next request asks again: a hit
         assert answering.request_ids() == ["r1", "r2"]
     finally:
         client.close()
@@ -114,55 +179,78 @@ def test_one_late_rank_is_a_miss_for_that_request_not_a_blackout(ranks, engine) 
 
 def test_a_late_answer_is_not_taken_for_the_next_request(ranks, engine) -> None:
     rank = ranks(None)
-    client = tier(engine([rank.endpoint]), 1)
+    clock = Clock()
+    client = tier(engine([rank.endpoint]), 1, clock)
     try:
-        assert client.lookup("r1", TOKENS) == 0
+        assert client.ask("r1", TOKENS, BASE, 0) is None
+        wait_until(lambda: client.ask("r1", TOKENS, BASE, 0) is None and rank.requests, "sent")
+        clock.now += DEADLINE_MS / 1000
+        assert client.ask("r1", TOKENS, BASE, 0) == 0
         rank.answer_stalled(4)  # r1's answer, late
-        assert client.lookup("r2", TOKENS) == 0  # r2 gets none: not r1's 4
+        assert client.ask("r2", TOKENS, BASE, 0) is None  # r2 gets none: not r1's 4
+        wait_until(lambda: client.poll() == ["r1"], "r1's late hold never showed")
+        rank.wait_requests(2)
+        clock.now += DEADLINE_MS / 1000
+        assert client.ask("r2", TOKENS, BASE, 0) == 0
         rank.hit = 1
-        assert client.lookup("r3", TOKENS) == 1
-        assert client.counters.take() == {"lookup_timeouts": 2}
+        assert answer(client, "r3") == 1
+        assert counts(client.counters) == {"lookup_timeouts": 2}
     finally:
         client.close()
 
 
-def test_repeated_timeouts_back_off_then_a_recovered_rank_is_used_again(ranks, engine) -> None:
+def test_repeated_deadline_misses_back_off_then_a_recovered_rank_is_used_again(
+    ranks, engine
+) -> None:
     answering, stalled = ranks(2), ranks(None)
-    client = tier(engine([answering.endpoint, stalled.endpoint]), 2, backoff_s=0.5)
+    clock = Clock()
+    client = tier(engine([answering.endpoint, stalled.endpoint]), 2, clock)
     try:
         for i in range(MAX_TIMEOUTS):
             assert not client.backoff.skipping()
-            assert client.lookup(f"r{i}", TOKENS) == 0
+            assert client.ask(f"r{i}", TOKENS, BASE, 0) is None
+            wait_until(answered_but(client, f"r{i}", stalled.endpoint, stalled), "not asked")
+            clock.now += DEADLINE_MS / 1000
+            assert client.ask(f"r{i}", TOKENS, BASE, 0) == 0
         assert client.backoff.skipping()
         assert f"{MAX_TIMEOUTS} calls in a row without an answer" in client.backoff.reason
-        assert client.counters.take() == {"lookup_timeouts": MAX_TIMEOUTS, "lookup_backoffs": 1}
-        asked = len(stalled.requests)
-        assert client.lookup("skipped", TOKENS) == 0  # backing off: nobody is asked
-        assert len(stalled.requests) == asked == MAX_TIMEOUTS
-        wait_until(lambda: not client.backoff.skipping(), "the backoff never ended")
-        assert client.lookup("probe", TOKENS) == 0  # still stalled: the one probe is late
+        assert counts(client.counters) == {"lookup_timeouts": MAX_TIMEOUTS, "lookup_backoffs": 1}
+        # the sockets went with the backoff: nothing is watched for the stalled rank
+        assert set(client.table_sizes().values()) == {0}
+        assert client.ask("skipped", TOKENS, BASE, 0) == 0  # backing off: nobody is asked
+        clock.now += BACKOFF_S
+        assert client.ask("probe", TOKENS, BASE, 0) is None  # one request probes it...
+        assert client.ask("other", TOKENS, BASE, 0) == 0  # ...the others miss meanwhile
+        wait_until(answered_but(client, "probe", stalled.endpoint, stalled), "not asked")
+        clock.now += DEADLINE_MS / 1000
+        assert client.ask("probe", TOKENS, BASE, 0) == 0  # still stalled
         assert client.backoff.skipping()  # and backs off again at once
-        assert client.counters.take() == {"lookup_timeouts": 1, "lookup_backoffs": 1}
+        assert counts(client.counters) == {"lookup_timeouts": 1, "lookup_backoffs": 1}
+        assert stalled.request_ids() == [*(f"r{i}" for i in range(MAX_TIMEOUTS)), "probe"]
         stalled.answer_stalled(9)  # it comes back, answering what it had read...
         stalled.hit = 2  # ...and what comes next
-        wait_until(lambda: not client.backoff.skipping(), "the backoff never ended")
-        assert client.lookup("r-back", TOKENS) == 2  # the tier is used again
-        assert client.lookup("r-next", TOKENS) == 2
-        assert client.counters.take() == {}
+        clock.now += BACKOFF_S
+        assert answer(client, "r-back") == 2  # the tier is used again
+        assert answer(client, "r-next") == 2
+        assert counts(client.counters) == {}
     finally:
         client.close()
 
 
-def test_a_dead_rank_backs_off_at_once_saying_why(ranks, engine) -> None:
+def test_a_dead_rank_backs_off_at_the_deadline_saying_why(ranks, engine) -> None:
     answering = ranks(2)
     dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens
-    client = tier(engine([answering.endpoint, dead]), 2)
+    clock = Clock()
+    client = tier(engine([answering.endpoint, dead]), 2, clock)
     try:
-        assert client.lookup("r1", TOKENS) == 0
+        assert client.ask("r1", TOKENS, BASE, 0) is None
+        wait_until(answered_but(client, "r1", dead), "rank 0 never answered")
+        clock.now += DEADLINE_MS / 1000
+        assert client.ask("r1", TOKENS, BASE, 0) == 0
         assert client.backoff.skipping()
         assert f"{dead}: no connection took Lookup" in client.backoff.reason
-        assert client.counters.take() == {"lookup_backoffs": 1}
-        assert client.lookup("r2", TOKENS) == 0
+        assert counts(client.counters) == {"lookup_backoffs": 1}
+        assert client.ask("r2", TOKENS, BASE, 0) == 0
         assert answering.request_ids() == ["r1"]
     finally:
         client.close()
@@ -172,67 +260,355 @@ def test_a_rank_with_another_secret_backs_off_at_once(ranks, engine) -> None:
     rank = ranks(2, secret="theirs")
     client = tier(engine([rank.endpoint]), 1, secret="ours")
     try:
-        assert client.lookup("r1", TOKENS) == 0
+        assert answer(client, "r1") == 0  # refused: no deadline needed (the clock stands still)
         assert client.backoff.skipping() and "same transfer secret" in client.backoff.reason
+    finally:
+        client.close()
+
+
+def test_a_busy_rank_is_asked_again_not_backed_off(ranks, engine) -> None:
+    rank = ranks(3, busy=2)  # its queue is full for the first two lookups
+    client = tier(engine([rank.endpoint]), 1)
+    try:
+        assert answer(client, "r1") == 3
+        assert rank.request_ids() == ["r1"] * 3
+        assert counts(client.counters) == {}
+        assert not client.backoff.skipping()
     finally:
         client.close()
 
 
 def test_ranks_not_known_yet_back_off_and_are_looked_for_again() -> None:
     engine_id = f"liveness-{uuid.uuid4().hex[:8]}"
-    client = tier(engine_id, 1, backoff_s=0.2)
+    clock = Clock()
+    client = tier(engine_id, 1, clock)
     rank = FakeRank(3)
     path = endpoint_file(engine_id, 0)
     try:
-        assert client.lookup("r1", TOKENS) == 0
+        assert client.ask("r1", TOKENS, BASE, 0) == 0
         assert "no endpoint file" in client.backoff.reason
         write_endpoint(path, rank.endpoint)  # the worker came up
-        wait_until(lambda: not client.backoff.skipping(), "the backoff never ended")
-        assert client.lookup("r2", TOKENS) == 3
+        clock.now += BACKOFF_S
+        assert answer(client, "r2") == 3
     finally:
         client.close()
         rank.close()
         path.unlink(missing_ok=True)
 
 
-# ---------------------------------------------------------------- shared store
-def shared_client(
-    store: str, own: str, counters: FabricCounters, *, backoff_s: float = 10.0
-) -> SharedTierClient:
-    config = ConnectorConfig(chunk_tokens=CT, lookup_timeout_ms=BOUND_MS, shared_store=store)
-    worker = WorkerTierClient(config, tp_size=1, engine_id=None)
-    worker.endpoint = lambda: own  # type: ignore[method-assign]
-    return SharedTierClient(config, worker, counters, backoff_s=backoff_s)
-
-
-def test_a_late_shared_fetch_is_a_miss_for_that_request_only(ranks) -> None:
-    store = ranks(None)
-    counters = FabricCounters()
-    client = shared_client(store.endpoint, "tcp://127.0.0.1:1", counters)
+def test_the_clients_sockets_queue_little_and_never_linger(ranks, engine) -> None:
+    rank = ranks(2)
+    client = tier(engine([rank.endpoint]), 1)
     try:
-        started = time.monotonic()
-        assert client.fetch("t1", TOKENS, 0) == 0
-        assert time.monotonic() - started >= BOUND_MS / 1000
+        assert answer(client, "r1") == 2
+        [store] = client._clients or []
+        sock = store._sock
+        assert sock is not None
+        assert sock.getsockopt(zmq.SNDHWM) == sock.getsockopt(zmq.RCVHWM) == SOCKET_HWM <= 16
+        assert sock.getsockopt(zmq.LINGER) == 0 and sock.getsockopt(zmq.IMMEDIATE) == 1
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- through the scheduler
+class Engine:
+    """Drives a FabricScheduler in vLLM 0.32's hook order: per step,
+    schedule() (get_num_new_matched_tokens for waiting requests,
+    update_state_after_alloc for each one admitted, then
+    build_connector_meta), then update_from_output (request_finished for
+    what ended, then the stats: report_tables). Aborts call
+    request_finished between steps. A request answered (None, False) is
+    skipped for the step and asked again in the next one
+    (``vllm/v1/core/sched/scheduler.py:990``)."""
+
+    def __init__(self, s: FabricScheduler) -> None:
+        self.s = s
+        self.blocks: dict[str, list[int]] = {}
+        self._next_block = 0
+
+    def ask(self, req: Req, computed: int = 0) -> tuple[int | None, bool]:
+        return self.s.get_num_new_matched_tokens(req, computed)
+
+    def admit(self, req: Req, external: int) -> None:
+        n = -(-len(req.prompt_token_ids) // BS)
+        self.blocks[req.request_id] = list(range(self._next_block, self._next_block + n))
+        self._next_block += n
+        self.s.update_state_after_alloc(req, self.blocks[req.request_id], external)
+
+    def step(
+        self,
+        new: tuple[tuple[Req, int, int], ...] = (),
+        cached: tuple[tuple[Req, int, int], ...] = (),
+        resumed: frozenset[str] = frozenset(),
+        finished: tuple[Req, ...] = (),
+    ) -> FabricMetadata:
+        """``new``/``cached``: (request, computed tokens, scheduled tokens)."""
+        cached_reqs = Cached(
+            [r.request_id for r, _, _ in cached],
+            set(resumed),
+            [
+                (self.blocks[r.request_id],) if r.request_id in resumed else None
+                for r, _, _ in cached
+            ],
+            [c for _, c, _ in cached],
+        )
+        scheduled = {r.request_id: n for r, _, n in (*new, *cached)}
+        news = [NewReq(r.request_id, (self.blocks[r.request_id],), c) for r, c, _ in new]
+        meta = self.s.build_connector_meta(Out(news, cached_reqs, scheduled))
+        for req in finished:
+            self.s.request_finished(req)
+        self.s.report_tables()
+        return meta
+
+    def ask_until_answered(self, req: Req) -> tuple[tuple[int | None, bool], list[str]]:
+        """Ask once per (empty) step until answered; the answer and the
+        releases the steps shipped. vLLM sleeps 1 ms after a step that ran
+        nothing (``vllm/v1/engine/core.py:1616``)."""
+        deadline, releases = time.monotonic() + GUARD_S, []
+        while (answer := self.ask(req))[0] is None:
+            assert time.monotonic() < deadline, f"{req.request_id} never answered"
+            releases += self.step().releases
+            time.sleep(0.001)
+        return answer, releases
+
+
+def scheduler(client: Any, clock: Clock) -> FabricScheduler:
+    """A scheduler over ``client``, sharing its counters (as the connector does)."""
+    counters = getattr(client, "counters", None)
+    return FabricScheduler(
+        config(), BS, produce=False, consume=False, tier=client, clock=clock, counters=counters
+    )
+
+
+def test_a_rank_slower_than_the_steps_wait_costs_steps_not_the_hit(
+    ranks, engine, monkeypatch
+) -> None:
+    """A hold that reads its chunks from disk first answers after the step's
+    wait: the request waits a step or a few and loads its hit."""
+    waits: list[float] = []
+    real_wait = tier_module.wait_ready
+
+    def recording_wait(receiving: Any, timeout_ms: float, sending: Any = ()) -> None:
+        waits.append(timeout_ms)
+        real_wait(receiving, timeout_ms, sending)
+
+    monkeypatch.setattr(tier_module, "wait_ready", recording_wait)
+    fast = ranks(3)
+    slow = ranks(3, before_answer=lambda: time.sleep(0.3))  # 6x the step's wait
+    clock = Clock()
+    client = tier(engine([fast.endpoint, slow.endpoint]), 2, clock)
+    s = scheduler(client, clock)
+    e = Engine(s)
+    req = Req("r1", PROMPT)
+    try:
+        assert e.ask(req) == (None, False)  # not this step: vLLM skips r1, asks again
+        assert 0 < max(waits) <= STEP_MS  # the first ask waited, within the step's wait
+        assert s.table_sizes()["scheduler_lookups"] == 1
+        waits.clear()
+        answer, releases = e.ask_until_answered(req)
+        assert answer == (3 * CT, False)  # the hit, not a miss
+        assert waits == []  # the later asks never waited
+        assert releases == []
+        e.admit(req, 3 * CT)
+        meta = e.step(new=((req, 3 * CT, 1),))
+        assert [load.num_chunks for load in meta.local_loads] == [3]
+        assert s.counters.take()["lookups_deferred"] == 1
+        assert counts(s.counters) == {}  # no timeout, no backoff
         assert not client.backoff.skipping()
-        assert counters.take() == {"lookup_timeouts": 1}
+    finally:
+        client.close()
+
+
+def test_a_rank_that_never_answers_is_a_miss_at_the_deadline(ranks, engine) -> None:
+    answering, stalled = ranks(3), ranks(None)
+    clock = Clock()
+    client = tier(engine([answering.endpoint, stalled.endpoint]), 2, clock)
+    e = Engine(scheduler(client, clock))
+    req = Req("r1", PROMPT)
+
+    def step() -> bool:
+        """One step in which r1 is not answered; whether both ranks got it."""
+        assert e.ask(req) == (None, False)
+        assert e.step().releases == []
+        return "r1" in stalled.request_ids() and client.waiting_on("r1") == [stalled.endpoint]
+
+    try:
+        wait_until(step, "r1 never reached both ranks")
+        for _ in range(4):  # steps go by: still not answered
+            clock.now += DEADLINE_MS / 4000 - 0.001
+            step()
+        clock.now += 0.01
+        assert e.ask(req) == (0, False)  # past the deadline: a miss, vLLM computes it
+        assert counts(e.s.counters) == {"lookup_timeouts": 1}
+        assert not client.backoff.skipping()
+        e.admit(req, 0)
+        assert e.step(new=((req, 0, len(PROMPT)),)).releases == ["r1"]  # what rank 0 held
+    finally:
+        client.close()
+
+
+def test_a_request_that_ends_while_its_lookup_is_in_flight_has_its_hold_released(
+    ranks, engine
+) -> None:
+    rank = ranks(None)  # reads the lookup; answers (holding) when told
+    clock = Clock()
+    client = tier(engine([rank.endpoint]), 1, clock)
+    s = scheduler(client, clock)
+    e = Engine(s)
+    req = Req("r1", PROMPT)
+    try:
+        wait_until(lambda: e.ask(req) == (None, False) and bool(rank.requests), "not sent")
+        s.request_finished(req)  # the client went away before the rank answered
+        assert e.step().releases == ["r1"]  # at once (a lookup running then keeps nothing)
+        assert s.table_sizes()["scheduler_lookups_abandoned"] == 1  # its answer is awaited
+        rank.answer_stalled(2)  # the lookup runs only now, after that release: it holds
+        releases: list[str] = []
+
+        def released() -> bool:
+            releases.extend(e.step().releases)
+            return bool(releases)
+
+        wait_until(released, "the late hold was never released")
+        assert releases == ["r1"]  # so it is released again, once its answer says it held
+        assert set(s.table_sizes().values()) == {0}
+    finally:
+        client.close()
+
+
+def test_stale_lookups_do_not_pile_up_on_a_rank_stuck_on_some(ranks, engine) -> None:
+    """A rank stuck on some lookups (say a disk read that hangs) while it
+    answers the others at once: at most MAX_IN_FLIGHT of the stuck ones
+    ever reach it (each would take a hold when it resumes), and they are
+    let go with the sockets when the tier backs off."""
+    rank = ranks(2, stalls=lambda msg: getattr(msg, "request_id", "").startswith("stuck"))
+    clock = Clock()
+    client = tier(engine([rank.endpoint]), 1, clock)
+    e = Engine(scheduler(client, clock))
+    reqs = [Req(f"{kind}{i}", PROMPT) for i in range(3 * MAX_IN_FLIGHT) for kind in ("stuck", "ok")]
+
+    answered: set[str] = set()
+
+    def stuck() -> list[str]:
+        return [rid for rid in rank.request_ids() if rid.startswith("stuck")]
+
+    def step() -> bool:
+        """One step: every request not answered asks; whether the rank is full."""
+        for req in reqs:
+            if req.request_id not in answered and e.ask(req)[0] is not None:
+                answered.add(req.request_id)
+        e.step()
+        return len(stuck()) == MAX_IN_FLIGHT
+
+    try:
+        wait_until(step, f"{MAX_IN_FLIGHT} stuck lookups never reached the rank")
+        for _ in range(20):  # more steps go by; every request still asks
+            step()
+            time.sleep(0.01)  # NOTE: a grace for more to arrive; none may
+        assert len(stuck()) == MAX_IN_FLIGHT
+        clock.now += DEADLINE_MS / 1000
+        waiting = [req for req in reqs if req.request_id not in answered]
+        assert all(rid.startswith("ok") for rid in answered)
+        assert {e.ask(req) for req in waiting} == {(0, False)}  # misses; the tier backs off
+        assert client.backoff.skipping()
+        assert set(client.table_sizes().values()) == {0}  # nothing watched: sockets gone
+        rank.answer_stalled(2)  # it resumes: no socket is there to take those answers
+        clock.now += BACKOFF_S
+        answer, _ = e.ask_until_answered(Req("ok-fresh", PROMPT))
+        assert answer == (2 * CT, False)
+        assert len(stuck()) == MAX_IN_FLIGHT
+    finally:
+        client.close()
+
+
+def test_the_steps_wait_is_shared_by_its_first_asks() -> None:
+    """However many requests ask in one step, they wait lookup_timeout_ms
+    in all: each first ask gets what the ones before it left."""
+
+    class Stalled(FakeTier):
+        def __init__(self) -> None:
+            super().__init__(0)
+            self.waits: list[float] = []
+
+        def ask(
+            self, request_id: str, token_ids: list[int], identity: KeyIdentity, wait_s: float
+        ) -> int | None:
+            self.waits.append(wait_s)
+            time.sleep(wait_s)  # waits all it may, unanswered
+            return None
+
+    stalled = Stalled()
+    e = Engine(scheduler(stalled, Clock()))
+    for i in range(3):
+        assert e.ask(Req(f"r{i}", PROMPT)) == (None, False)
+    assert stalled.waits == [STEP_MS / 1000, 0.0, 0.0]
+    e.step()
+    assert e.ask(Req("r3", PROMPT)) == (None, False)
+    assert stalled.waits[-1] == STEP_MS / 1000  # a new step, a new wait
+
+
+# ---------------------------------------------------------------- shared store
+def shared_client(store: str, counters: FabricCounters, clock: Clock) -> SharedTierClient:
+    settings = config(shared_store=store)
+    worker = WorkerTierClient(settings, tp_size=1, engine_id=None)
+    worker.endpoint = lambda: "tcp://127.0.0.1:1"  # type: ignore[method-assign]
+    return SharedTierClient(settings, worker, counters, backoff_s=BACKOFF_S, clock=clock)
+
+
+def test_a_late_shared_fetch_is_a_miss_only_past_the_deadline(ranks) -> None:
+    store = ranks(None)
+    counters, clock = FabricCounters(), Clock()
+    client = shared_client(store.endpoint, counters, clock)
+    try:
+        assert client.ask("t1", TOKENS, 0, BASE, STEP_MS / 1000) is None
+        wait_until(lambda: client.ask("t1", TOKENS, 0, BASE, 0) is None and store.requests, "")
+        clock.now += DEADLINE_MS / 1000
+        assert client.ask("t1", TOKENS, 0, BASE, 0) == 0
+        assert not client.backoff.skipping()
+        assert counts(counters) == {"lookup_timeouts": 1}
         store.answer_stalled(4)  # t1's answer, late: not t2's
         store.hit = 3
-        assert client.fetch("t2", TOKENS, 0) == 3
-        assert counters.take() == {}
+        deadline = time.monotonic() + GUARD_S
+        while (chunks := client.ask("t2", TOKENS, 0, BASE, STEP_MS / 1000)) is None:
+            assert time.monotonic() < deadline, "t2 never answered"
+            client.poll()
+            time.sleep(0.001)
+        assert chunks == 3
+        assert counts(counters) == {}
+    finally:
+        client.close()
+
+
+def test_a_slow_shared_fetch_loads_in_a_later_step(ranks) -> None:
+    store = ranks(3, before_answer=lambda: time.sleep(0.3))
+    counters, clock = FabricCounters(), Clock()
+    client = shared_client(store.endpoint, counters, clock)
+    s = FabricScheduler(
+        config(), BS, produce=False, consume=False, tier=FakeTier(1), shared=client, clock=clock
+    )
+    e = Engine(s)
+    req = Req("r1", PROMPT)
+    try:
+        assert e.ask(req) == (None, False)
+        assert s.table_sizes()["scheduler_fetches"] == 1
+        answer, releases = e.ask_until_answered(req)
+        assert answer == (3 * CT, True)  # pushed by the shared store: an async load
+        assert releases == []
+        e.admit(req, 3 * CT)
+        meta = e.step()
+        assert [(load.num_tokens, load.shared) for load in meta.loads] == [(3 * CT, True)]
+        assert meta.releases == ["r1"]  # the own store's 1-chunk hold
+        assert len(store.requests) == 1  # one fetch, however many steps it took
+        assert counts(counters) == {}
     finally:
         client.close()
 
 
 # ---------------------------------------------------------------- scheduler
-class LateTier:
-    """A TierClient whose answers come too late: a miss, though a rank may hold."""
+class LateTier(FakeTier):
+    """A TierClient whose answers came too late: a miss, though a rank may hold."""
 
     def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def lookup(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int:
-        self.calls.append(request_id)
-        return 0
+        super().__init__(0)
 
 
 def test_a_missed_lookup_releases_whatever_a_rank_held() -> None:
@@ -275,53 +651,6 @@ class SomeShared(FakeShared):
         if not any(transfer_id.startswith(f"shared-{rid}-") for rid in self.rids):
             return 0
         return super().fetch(transfer_id, token_ids, min_chunks, identity)
-
-
-class Engine:
-    """Drives a FabricScheduler in vLLM 0.32's hook order: per step,
-    schedule() (get_num_new_matched_tokens for waiting requests,
-    update_state_after_alloc for each one admitted, then
-    build_connector_meta), then update_from_output (request_finished for
-    what ended, then the stats: report_tables). Aborts call
-    request_finished between steps."""
-
-    def __init__(self, s: FabricScheduler) -> None:
-        self.s = s
-        self.blocks: dict[str, list[int]] = {}
-        self._next_block = 0
-
-    def ask(self, req: Req, computed: int = 0) -> tuple[int, bool]:
-        return self.s.get_num_new_matched_tokens(req, computed)
-
-    def admit(self, req: Req, external: int) -> None:
-        n = -(-len(req.prompt_token_ids) // BS)
-        self.blocks[req.request_id] = list(range(self._next_block, self._next_block + n))
-        self._next_block += n
-        self.s.update_state_after_alloc(req, self.blocks[req.request_id], external)
-
-    def step(
-        self,
-        new: tuple[tuple[Req, int, int], ...] = (),
-        cached: tuple[tuple[Req, int, int], ...] = (),
-        resumed: frozenset[str] = frozenset(),
-        finished: tuple[Req, ...] = (),
-    ) -> None:
-        """``new``/``cached``: (request, computed tokens, scheduled tokens)."""
-        cached_reqs = Cached(
-            [r.request_id for r, _, _ in cached],
-            set(resumed),
-            [
-                (self.blocks[r.request_id],) if r.request_id in resumed else None
-                for r, _, _ in cached
-            ],
-            [c for _, c, _ in cached],
-        )
-        scheduled = {r.request_id: n for r, _, n in (*new, *cached)}
-        news = [NewReq(r.request_id, (self.blocks[r.request_id],), c) for r, c, _ in new]
-        self.s.build_connector_meta(Out(news, cached_reqs, scheduled))
-        for req in finished:
-            self.s.request_finished(req)
-        self.s.report_tables()
 
 
 def test_every_table_is_empty_once_every_request_ended_however_it_ended() -> None:

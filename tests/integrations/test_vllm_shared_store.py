@@ -43,6 +43,25 @@ class FakeShared:
         hit = min(self.chunks, len(token_ids) // CT)
         return hit if hit > min_chunks else 0
 
+    def ask(
+        self,
+        transfer_id: str,
+        token_ids: list[int],
+        min_chunks: int,
+        identity: KeyIdentity,
+        wait_s: float,
+    ) -> int | None:
+        return self.fetch(transfer_id, token_ids, min_chunks, identity)
+
+    def cancel(self, transfer_id: str) -> None:
+        return
+
+    def poll(self) -> None:
+        return
+
+    def table_sizes(self) -> dict[str, int]:
+        return {}
+
 
 def sched(own: int, shared: int) -> tuple[FabricScheduler, FakeShared]:
     config = ConnectorConfig(chunk_tokens=CT, lease_ms=10_000)
@@ -193,3 +212,11 @@ def test_a_dead_shared_store_never_blocks_saving_or_lookups() -> None:
         client.close()
     finally:
         w.shutdown()
+
+
+def test_a_shared_store_with_no_more_is_asked_once_not_every_step() -> None:
+    s, shared = sched(own=2, shared=1)
+    req = Req("r1", list(range(300)))
+    for _ in range(3):  # waiting for blocks: vLLM asks every step
+        assert s.get_num_new_matched_tokens(req, 0) == (2 * CT, False)
+    assert len(shared.calls) == 1

@@ -22,6 +22,7 @@ from fabric.transfer import protocol as proto
 from fabric.transfer.lookup import (
     SOCKET_HWM,
     NoConnection,
+    PeerBusy,
     ReplyTimeout,
     StoreClient,
     call_all,
@@ -39,7 +40,8 @@ class FakeRank:
     ``hit``: the hit_chunks it answers every Lookup with; None: it reads
     each request and never answers (a stalled worker; ``answer_stalled``
     answers them later); ``stalls``: which requests it so stalls on, when
-    not all. ``before_answer`` runs (on its thread) before each answer,
+    not all; ``busy``: how many requests it first refuses as busy (its
+    queue full, as the real server does). ``before_answer`` runs (on its thread) before each answer,
     ``on_request`` as each request arrives."""
 
     def __init__(
@@ -51,8 +53,9 @@ class FakeRank:
         before_answer: Callable[[], object] | None = None,
         on_request: Callable[[], object] | None = None,
         stalls: Callable[[proto.Message], bool] | None = None,
+        busy: int = 0,
     ) -> None:
-        self.hit, self.stalls = hit, stalls
+        self.hit, self.stalls, self.busy = hit, stalls, busy
         self.codec = proto.Codec(secret)
         self.port = port or free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
@@ -109,6 +112,12 @@ class FakeRank:
             self.requests.append(msg)
             if self.on_request is not None:
                 self.on_request()
+            if self.busy:
+                self.busy -= 1
+                seq = msg.seq  # type: ignore[union-attr]
+                busy = proto.Refused(seq, "", "busy", "offload queue full")
+                self._sock.send_multipart([identity, self.codec.encode(busy)])
+                continue
             if self.hit is None or (self.stalls is not None and self.stalls(msg)):
                 self._stalled.append((identity, msg))
                 continue
@@ -260,6 +269,15 @@ def test_call_all_reports_each_failure_without_failing_the_others(ranks) -> None
     assert isinstance(ok, proto.LookupResult) and ok.hit_chunks == 4
     absent.close()
     present.close()
+
+
+def test_a_busy_refusal_says_ask_again(ranks) -> None:
+    rank = ranks(2, busy=1)  # its queue is full for the first request
+    client = StoreClient(rank.endpoint, timeout_ms=30_000)
+    with pytest.raises(PeerBusy, match="refused: busy"):
+        client.lookup(TOKENS)
+    assert client.lookup(TOKENS).hit_chunks == 2  # nothing was done: asked again
+    client.close()
 
 
 # ---------------------------------------------------------------- in flight across calls

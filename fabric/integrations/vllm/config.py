@@ -28,13 +28,16 @@ class ConnectorConfig:
     binds. ``model_revision``: names the weights in chunk keys instead of
     the digest of the model's weight files (for weights the engine does not
     read as local files; see :mod:`fabric.integrations.vllm.identity`).
-    ``lookup_timeout_ms``: how long vLLM's scheduler waits for its workers'
-    reuse tiers (all TP ranks at once) and, separately, for the shared store,
-    inside ``get_num_new_matched_tokens``, while the engine schedules nothing;
-    a late answer is a miss for that request (the prompt is computed). The
-    default, 50 ms, is far above a local round trip yet short enough that a
-    stalled worker does not stall the engine; raise it when hits come from
-    the disk tier (a hold reads them in before the worker answers).
+    ``lookup_timeout_ms``: how long vLLM's scheduler waits, per scheduler
+    step and for all the requests it asks in that step together, for its
+    workers' reuse tiers (all TP ranks at once) and the shared store, inside
+    ``get_num_new_matched_tokens``, while the engine schedules nothing. A
+    request not answered by then is skipped for this step and asked again in
+    the next ones (no wait), until ``lookup_deadline_ms`` from its first ask:
+    only then is it a miss (the prompt is computed). So a slow answer (a hold
+    reading disk-tier hits in before the worker answers) costs the request a
+    step or a few, not its hit, and the engine at most ``lookup_timeout_ms``
+    per step. ``lookup_deadline_ms`` must be >= ``lookup_timeout_ms``.
 
     ``secret`` signs the control channel and notifications (HMAC-SHA256);
     ``secret_env`` names an environment variable to read it from instead, so
@@ -64,6 +67,7 @@ class ConnectorConfig:
     disk_gib: float = 16.0
     eviction: str = "lru"
     lookup_timeout_ms: int = 50
+    lookup_deadline_ms: int = 2000
     shared_store: str | None = None
     secret: str | None = field(default=None, repr=False)
     secret_env: str | None = None
@@ -83,6 +87,12 @@ class ConnectorConfig:
             )
         if self.lookup_timeout_ms < 1:
             raise ConfigError("kv_connector_extra_config.lookup_timeout_ms: must be >= 1")
+        if self.lookup_deadline_ms < self.lookup_timeout_ms:
+            raise ConfigError(
+                f"kv_connector_extra_config.lookup_deadline_ms: {self.lookup_deadline_ms} is "
+                f"below lookup_timeout_ms {self.lookup_timeout_ms} (the deadline bounds a "
+                "lookup over all the steps it waits; raise it with lookup_timeout_ms)"
+            )
         for name in ("load_timeout_s", "unknown_transfer_grace_s", "push_timeout_s", "disk_gib"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be > 0")

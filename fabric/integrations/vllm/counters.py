@@ -38,11 +38,13 @@ COUNTERS = {
     "thread_errors": "exceptions caught in a fabric thread (load, pack, push); the "
     "request(s) it served recompute, the thread keeps serving",
     "lookup_timeouts": "reuse-tier lookups (one per TP rank) and shared-store fetches with no "
-    "answer within lookup_timeout_ms: a miss for that request, the prompt is computed",
+    "answer within lookup_deadline_ms: a miss for that request, the prompt is computed",
     "lookup_backoffs": "times the scheduler stopped asking its reuse tier or the shared store "
     "for a while (a hard failure or repeated late answers; the log says why)",
     "loads_ended": "loads given up because their request ended first (aborted while its KV "
     "was on the way): released at once, not a load failure",
+    "lookups_deferred": "reuse-tier lookups and shared-store fetches not answered within the "
+    "step's wait (lookup_timeout_ms): vLLM skipped the request and asked again next step",
 }
 
 

@@ -18,7 +18,7 @@ worker where to unpack. vLLM recomputes the last prompt token itself.
 
 Reuse tier (any role, any other request): before vLLM computes a prompt the
 scheduler asks its worker's store how many leading full chunks it holds
-(``TierClient.lookup``, which also holds them for this request); those
+(``TierClient.ask``, which also holds them for this request); those
 tokens load synchronously (a ``LocalLoad`` unpacked before the forward pass)
 and vLLM computes only the rest. The full chunks the engine computes are
 packed into its store as they complete (save-only ``SendPlan``), so the next
@@ -30,7 +30,7 @@ prompt with the same prefix finds them.
 
 Shared store (``shared_store``): when the engine's own store holds less than
 the usable prefix, the scheduler asks the host's shared store to fetch the
-prompt (``SharedTier.fetch``, one bounded call). If the shared store holds
+prompt (``SharedTier.ask``). If the shared store holds
 more chunks, it pushes them into this engine's store as a transfer, exactly
 as a prefiller pushes to a decoder, and the request loads asynchronously
 (``(n, True)``, a ``LoadPlan`` the worker's Loader completes; chunks the own
@@ -42,12 +42,24 @@ request; a failed load makes vLLM recompute.
     shared:   [ held    ][ held   ][ held   ]           -> Fetch: chunks 1, 2 pushed
     vLLM:     (waits for the load)                  [ computes ] -> save chunk 3
 
-A lookup or fetch that fails or answers late (see
-:mod:`fabric.integrations.vllm.tier_client`) is a miss: vLLM computes the
-prompt. When a looked-up hit goes unused (a miss, a hit vLLM did not take,
-a request that ends first), the scheduler releases the request's hold in
-the next step's metadata, so a hold a late answer left on some rank does
-not wait for its lease.
+Asking never waits across a step (see
+:mod:`fabric.integrations.vllm.tier_client`): a lookup or fetch is sent on
+the request's first ask, which waits at most what is left of the step's
+``lookup_timeout_ms`` (one budget for all the step's asks, reset by
+``build_connector_meta``); not answered by then, the request answers
+``(None, False)`` and vLLM asks again next step (later asks do not wait).
+A lookup or fetch that fails, or is not answered by ``lookup_deadline_ms``,
+is a miss: vLLM computes the prompt.
+
+    step 1  ask r1: Lookup sent, wait <= what is left of the step's wait -> (None, False)
+    step 2  ask r1: answers not all in                                   -> (None, False)
+    step 3  ask r1: every rank answered: 2 chunks                        -> (2 * chunk, False)
+
+When a looked-up hit goes unused (a miss, a hit vLLM did not take, a
+request that ends first, a lookup given up on), the scheduler releases the
+request's hold in the next step's metadata; a late answer saying a rank
+held for a lookup given up on is released the same way (:meth:`_late_holds`),
+so no hold waits for its lease.
 
 Per-request tables and when they are pruned (vLLM 0.32,
 ``vllm/v1/core/sched/scheduler.py``):
@@ -68,6 +80,13 @@ Per-request tables and when they are pruned (vLLM 0.32,
         After a request ends vLLM runs one more schedule() to tell the
         workers (has_finished_requests, :2813), which drains what its end
         queued.
+    scheduler_lookups, scheduler_fetches (the tier clients' asks in flight)
+        answered, past their deadline, or given up on by request_finished
+        or update_state_after_alloc.
+    scheduler_lookups_abandoned, scheduler_fetches_abandoned
+        asks given up on, watched for their late answer; at most
+        ``MAX_IN_FLIGHT`` per peer, read by every build_connector_meta and
+        forgotten once answered or past their lease.
 
 :meth:`FabricScheduler.report_tables` records their sizes once per step
 (``vllm:fabric_table_entries``); 0 when no request is in flight.
@@ -78,6 +97,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -106,24 +126,52 @@ class RequestLike(Protocol):
 
 
 class TierClient(Protocol):
-    """The scheduler's line to its worker's reuse tier."""
+    """The scheduler's line to its worker's reuse tier (answers across steps)."""
 
-    def lookup(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int:
+    def ask(
+        self, request_id: str, token_ids: list[int], identity: KeyIdentity, wait_s: float
+    ) -> int | None:
         """Leading full chunks of ``token_ids`` (keyed with ``identity``)
-        held, now held for the request (0 when the worker cannot be asked)."""
+        held, now held for the request (0 when the worker cannot be asked);
+        None: not answered yet, ask again later. Only a request's first ask
+        waits, at most ``wait_s``."""
         ...
+
+    def cancel(self, request_id: str) -> bool:
+        """Give up on the request's lookup; True when a worker may hold for it."""
+        ...
+
+    def poll(self) -> list[str]:
+        """Once per step, no wait: requests a given-up lookup left a hold for."""
+        ...
+
+    def table_sizes(self) -> dict[str, int]: ...
 
 
 class SharedTier(Protocol):
-    """The scheduler's line to the host's shared store."""
+    """The scheduler's line to the host's shared store (answers across steps)."""
 
-    def fetch(
-        self, transfer_id: str, token_ids: list[int], min_chunks: int, identity: KeyIdentity
-    ) -> int:
+    def ask(
+        self,
+        transfer_id: str,
+        token_ids: list[int],
+        min_chunks: int,
+        identity: KeyIdentity,
+        wait_s: float,
+    ) -> int | None:
         """Leading full chunks of ``token_ids`` the shared store now pushes into
         this engine as ``transfer_id``; 0 when it pushes nothing (it holds at
-        most ``min_chunks``, or it cannot be asked)."""
+        most ``min_chunks``, or it cannot be asked); None: not answered yet,
+        ask again later. Only the first ask of a fetch waits, at most ``wait_s``."""
         ...
+
+    def cancel(self, transfer_id: str) -> None: ...
+
+    def poll(self) -> None:
+        """Once per step, no wait: take the answers that came."""
+        ...
+
+    def table_sizes(self) -> dict[str, int]: ...
 
 
 def chunk_block_counts(num_tokens: int, chunk_tokens: int, block_size: int) -> list[int]:
@@ -163,6 +211,8 @@ class _Hit:
     at: float  # when it was looked up (and held)
     # NOTE: 0 tokens does not mean nothing is held: a rank may hold more
     # than the smallest hit, or held before its answer came too late.
+    fetch: str | None = None  # the shared-store fetch in flight (its transfer id)
+    fetched: bool = False  # the shared store answered for this hit
 
 
 class FabricScheduler:
@@ -203,6 +253,8 @@ class FabricScheduler:
         # NOTE: a request waiting for blocks asks again every step; its hit is
         # looked up once and refreshed only before the hold's lease could end.
         self._hit_refresh_s = config.lease_ms / 2000
+        # NOTE: what the step's first asks may wait for answers, all together.
+        self._step_wait_s = self._wait_left = config.lookup_timeout_ms / 1000
 
     # ------------------------------------------------------------ identity
     def identity(self, request: RequestLike) -> KeyIdentity | None:
@@ -224,15 +276,20 @@ class FabricScheduler:
         return identity
 
     # ------------------------------------------------------------ reuse tier
-    def _local_match(self, request: RequestLike, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond vLLM's own prefix hit that the store holds (sync load)."""
+    def _local_match(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's own prefix hit that the store holds (sync
+        load) or the shared store pushes (async); None: not answered yet."""
         rid = request.request_id
         tokens = list(request.prompt_token_ids or [])
         chunk_tokens = self.config.chunk_tokens
         # vLLM must compute at least the last prompt token itself.
         usable = (len(tokens) - 1) // chunk_tokens * chunk_tokens
-        if self.tier is None or usable <= num_computed_tokens:
-            self._drop_hit(rid)
+        # NOTE: vLLM takes 0 for these whatever we say (vllm/v1/core/sched/scheduler.py:983).
+        skips_cache = getattr(request, "skip_reading_prefix_cache", False)
+        if self.tier is None or usable <= num_computed_tokens or skips_cache:
+            self._forget_lookup(rid)
             return 0, False
         identity = self.identity(request)
         if identity is None:
@@ -243,50 +300,119 @@ class FabricScheduler:
                 fetching.num_local_tokens = num_computed_tokens
                 return fetching.num_tokens - num_computed_tokens, True
             del self._receiving[rid]
-        hit = self._hits.get(rid)
-        now = self._clock()
-        if hit is None or now - hit.at > self._hit_refresh_s:
-            chunks = self.tier.lookup(rid, tokens[:usable], identity)
-            hit = self._hits[rid] = _Hit(min(chunks * chunk_tokens, usable), now)
+        hit = self._look_up(rid, tokens[:usable], identity)
+        if hit is None:
+            return None, False
         have = max(hit.tokens, num_computed_tokens)
-        fetched = None
         if have < usable:
-            fetched = self._fetch_shared(rid, tokens[:usable], have, identity)
-        if fetched is not None:
-            self._receiving[rid] = _Receiving(
-                fetched.transfer_id, fetched.num_tokens, num_computed_tokens, identity, shared=True
-            )
-            return fetched.num_tokens - num_computed_tokens, True
+            fetched = self._fetch_shared(rid, hit, tokens[:usable], have, identity)
+            if fetched is None:
+                return None, False
+            if fetched:
+                recv = self._receiving[rid]
+                recv.num_local_tokens = num_computed_tokens
+                return recv.num_tokens - num_computed_tokens, True
         if hit.tokens <= num_computed_tokens:
             return 0, False
         return hit.tokens - num_computed_tokens, False
 
+    def _look_up(self, rid: str, tokens: list[int], identity: KeyIdentity) -> _Hit | None:
+        """The request's hit (looked up once, refreshed before its hold's
+        lease could end); None while the lookup is not answered."""
+        tier = self.tier
+        assert tier is not None
+        hit = self._hits.get(rid)
+        now = self._clock()
+        if hit is not None and now - hit.at <= self._hit_refresh_s:
+            return hit
+        chunks = self._waited(lambda wait_s: tier.ask(rid, tokens, identity, wait_s))
+        if chunks is None:
+            return None  # NOTE: a refresh in flight keeps the old hit until answered
+        tokens_held = min(chunks * self.config.chunk_tokens, len(tokens))
+        if hit is not None and hit.fetch is not None and self.shared is not None:
+            self.shared.cancel(hit.fetch)
+        hit = self._hits[rid] = _Hit(tokens_held, now)
+        return hit
+
     def _fetch_shared(
-        self, rid: str, tokens: list[int], have: int, identity: KeyIdentity
-    ) -> _Receiving | None:
+        self, rid: str, hit: _Hit, tokens: list[int], have: int, identity: KeyIdentity
+    ) -> int | None:
         """Ask the shared store for more than the ``have`` tokens held here
-        (once per request); on a longer hit, drop the own store's hold."""
-        if self.shared is None or rid in self._attempted:
-            return None
+        (once per hit; one fetch that pushes per request). On a longer hit,
+        drop the own store's hold and record the push as ``_receiving``;
+        its tokens, 0 for none, None while the shared store has not answered."""
+        if self.shared is None or rid in self._attempted or hit.fetched:
+            return 0
         chunk_tokens = self.config.chunk_tokens
-        transfer_id = f"shared-{rid}-{uuid.uuid4().hex[:8]}"
-        chunks = self.shared.fetch(transfer_id, tokens, have // chunk_tokens, identity)
+        transfer_id = hit.fetch = hit.fetch or f"shared-{rid}-{uuid.uuid4().hex[:8]}"
+        shared = self.shared
+        chunks = self._waited(
+            lambda wait_s: shared.ask(transfer_id, tokens, have // chunk_tokens, identity, wait_s)
+        )
+        if chunks is None:
+            return None
+        hit.fetch, hit.fetched = None, True
         num_tokens = min(chunks * chunk_tokens, len(tokens))
         if num_tokens <= have:
-            return None
+            return 0
         self._attempted.add(rid)
         self._drop_hit(rid)  # NOTE: chunks the store still has are reserved as present
-        return _Receiving(transfer_id, num_tokens, 0, identity, shared=True)
+        self._receiving[rid] = _Receiving(transfer_id, num_tokens, 0, identity, shared=True)
+        return num_tokens
+
+    def _waited(self, ask: Callable[[float], int | None]) -> int | None:
+        """``ask(wait_s)`` within what is left of the step's wait."""
+        start = time.perf_counter()
+        try:
+            return ask(self._wait_left)
+        finally:
+            self._wait_left = max(0.0, self._wait_left - (time.perf_counter() - start))
 
     def _drop_hit(self, rid: str) -> None:
         """Forget the request's hit; release whatever any rank holds for it."""
-        if self._hits.pop(rid, None) is not None:
+        hit = self._hits.pop(rid, None)
+        if hit is None:
+            return
+        if hit.fetch is not None and self.shared is not None:
+            self.shared.cancel(hit.fetch)
+        self._release(rid)
+
+    def _forget_lookup(self, rid: str) -> None:
+        """Give up on the request's lookup in flight and drop its hit; a rank
+        that got the lookup is told to release (now, and again when its late
+        answer says it held: see :meth:`_late_holds`)."""
+        if self.tier is not None and self.tier.cancel(rid):
+            self._release(rid)
+        self._drop_hit(rid)
+
+    def _release(self, rid: str) -> None:
+        if rid not in self._releases:
             self._releases.append(rid)
+
+    def _late_holds(self) -> None:
+        """Release what given-up lookups held, unless the request uses a newer
+        hold: a hit it still counts on, or a LocalLoad of this step (the
+        worker runs the step's releases before its loads)."""
+        if self.shared is not None:
+            self.shared.poll()
+        if self.tier is None:
+            return
+        loading = {load.req_id for load in self._local_loads}
+        for rid in self.tier.poll():
+            hit = self._hits.get(rid)
+            if rid not in loading and (hit is None or not hit.tokens):
+                self._release(rid)
 
     # ------------------------------------------------------------ decoder
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` to load, and whether
+        asynchronously (vLLM asks for a waiting request with nothing computed,
+        ``vllm/v1/core/sched/scheduler.py:979``). ``(None, False)`` while its
+        store or the shared store has not answered: vLLM skips the request
+        this step and asks again (``vllm/distributed/kv_transfer/kv_connector/
+        v1/base.py:501-531``, scheduler.py:986-991)."""
         params = request.kv_transfer_params or {}
         if not (self.consume and params.get("do_remote_prefill")):
             return self._local_match(request, num_computed_tokens)
@@ -334,7 +460,11 @@ class FabricScheduler:
         self, request: RequestLike, block_ids: list[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
+        if self.tier is not None and self.tier.cancel(rid):
+            self._release(rid)  # NOTE: scheduled while its lookup was in flight
         hit = self._hits.pop(rid, None)
+        if hit is not None and hit.fetch is not None and self.shared is not None:
+            self.shared.cancel(hit.fetch)
         if hit is not None:
             if hit.tokens and num_external_tokens > 0:
                 start = hit.tokens - num_external_tokens
@@ -348,7 +478,7 @@ class FabricScheduler:
                     )
                 )
             else:
-                self._releases.append(rid)
+                self._release(rid)
         recv = self._receiving.pop(rid, None)
         if recv is not None and num_external_tokens > 0:
             self._attempted.add(rid)
@@ -409,6 +539,8 @@ class FabricScheduler:
 
     # ------------------------------------------------------------ every step
     def build_connector_meta(self, scheduler_output: Any) -> FabricMetadata:
+        self._late_holds()
+        self._wait_left = self._step_wait_s  # NOTE: the next step's asks
         meta = FabricMetadata(
             loads=self._loads, local_loads=self._local_loads, releases=self._releases
         )
@@ -465,7 +597,10 @@ class FabricScheduler:
     # ------------------------------------------------------------ tables
     def table_sizes(self) -> dict[str, int]:
         """Entries in each per-request table (all 0 when no request is in flight)."""
-        return {
+        peers = self.tier.table_sizes() if self.tier is not None else {}
+        if self.shared is not None:
+            peers |= self.shared.table_sizes()
+        return peers | {
             "scheduler_sending": len(self._sending),
             "scheduler_receiving": len(self._receiving),
             "scheduler_loads": len(self._loads),
@@ -487,7 +622,7 @@ class FabricScheduler:
         self._receiving.pop(rid, None)
         self._attempted.discard(rid)
         self._identities.pop(rid, None)
-        self._drop_hit(rid)
+        self._forget_lookup(rid)
         send = self._sending.pop(rid, None)
         if send is None or send.transfer_id is None:
             return None

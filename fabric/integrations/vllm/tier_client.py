@@ -1,61 +1,110 @@
 """The scheduler's line to its workers' reuse tiers and the host's shared store.
 
 These calls run inside vLLM's ``get_num_new_matched_tokens``, on the
-engine's scheduler thread: while they wait, nothing is scheduled. So every
-call is short and bounded.
+engine's scheduler thread: while they wait, nothing is scheduled. So no
+call waits for its answer across a step: a request's lookup is sent on its
+first ask and answered over as many steps as it takes::
+
+    step 1  ask(r1, wait_s)  Lookup(hold=r1) to every rank, wait <= wait_s
+                             (the step's wait, ``lookup_timeout_ms``)
+            -> None          not every rank answered: vLLM skips r1 this
+                             step and asks again in the next one
+    step 2  ask(r1)          takes the answers that came, no wait -> None
+    step 3  ask(r1)          every rank answered -> the smallest hit
+            ...              or ``lookup_deadline_ms`` after the first ask
+                             passed: a miss (``lookup_timeouts``)
+
+vLLM's contract for this (``vllm/distributed/kv_transfer/kv_connector/v1/
+base.py:501-531``): ``get_num_new_matched_tokens`` returning ``None``
+means "the connector needs more time to determine the number of matched
+tokens, and the scheduler should query for this request again later". The
+scheduler then skips the request (``vllm/v1/core/sched/scheduler.py:986-991``,
+``skip_request`` :904) and goes on with the requests behind it; once the
+step's scan ends it puts the skipped ones back at the head of the waiting
+queue (:1391-1395; a priority queue re-inserts them by priority), so a
+skipped request keeps its place, and nothing in vLLM times it out (it
+counts as ``num_skipped_waiting_reqs``, :2944). A step that runs nothing
+still calls the hooks, then sleeps 1 ms (``vllm/v1/engine/core.py:1616``),
+so a lone waiting request is asked about once a millisecond. A request
+whose sampling or pooling parameters skip the prefix cache gets 0 whatever
+the connector says (scheduler.py:983): fabric does not look those up.
 
 The store lives in the worker process(es); the scheduler asks each TP
 rank's control endpoint (``host:kv_port + rank``, or, with ``kv_port`` 0,
 the endpoint the worker wrote to a file named after the engine id) how many
 leading full chunks of a prompt it holds, holding them for the request. All
-ranks are asked at once and polled until one deadline,
-``lookup_timeout_ms`` from the first send (:func:`~fabric.transfer.lookup.lookup_all`),
-so TP ranks cost one bound, not one each. The smallest hit wins: a rank
-that holds less limits what every rank can load.
+ranks are asked at once; the smallest hit wins: a rank that holds less
+limits what every rank can load. Answers are matched to their request by
+sequence number (:meth:`~fabric.transfer.lookup.StoreClient.post`).
 
 What a failure costs (:class:`Backoff`):
 
-* A late answer (a rank busy or stalled past the bound,
-  :class:`~fabric.transfer.lookup.ReplyTimeout`) is a miss for that request
-  only: vLLM computes the prompt, the miss is counted (``lookup_timeouts``)
-  and the next request asks again. Its answer, when it comes, is dropped by
-  sequence number (see :mod:`fabric.transfer.lookup`).
-* ``MAX_TIMEOUTS`` calls in a row with a late answer, or one hard failure
-  (no connection: nothing listens at the endpoint; a refusal; a secret
-  mismatch; no endpoint known yet), and the tier is not asked for
-  ``BACKOFF_S``; the log says why (``Backoff.reason``), ``lookup_backoffs``
-  counts it. After that one call probes it again: an answer resumes the
-  tier, anything else backs off again at once, so a dead or hung rank costs
-  at most one bound per ``BACKOFF_S``.
+* A rank that has not answered by the deadline is a miss for that request
+  only: vLLM computes the prompt and the miss is counted
+  (``lookup_timeouts``). A rank slower than the step's wait but within the
+  deadline costs the request a few steps (``lookups_deferred``), nothing
+  else.
+* ``MAX_TIMEOUTS`` requests in a row past the deadline, or one hard failure
+  (no connection took the request by the deadline: nothing listens; a
+  refusal; a secret mismatch; no endpoint known yet), and the tier is not
+  asked for ``BACKOFF_S``; the log says why (``Backoff.reason``),
+  ``lookup_backoffs`` counts it. The clients are dropped with it, so
+  requests still queued for a stalled rank die with their sockets. After
+  that one request probes the tier again (others miss until it is
+  answered): an answer resumes the tier, anything else backs off again.
+* At most ``MAX_IN_FLIGHT`` lookups per rank are unanswered at a time: a
+  stalled rank gets no more, so stale lookups do not pile up there to all
+  run, taking holds, when it resumes. A request that could not be sent by
+  its deadline is a late answer, not a hard failure. A rank that refuses a
+  lookup as busy (its queue was full, nothing was done) is asked again in
+  a later step, until the deadline.
 
-A hold the store made for a request whose answer came late is released by
-the scheduler (a ``release`` in the next step's metadata, see
-:mod:`fabric.integrations.vllm.scheduler`) or, failing that, ends with its
-lease.
+Holds no one uses: a request that ends while its lookup is in flight is
+released at once (a lookup the worker is running then keeps nothing, see
+:mod:`fabric.store.tier`), and the lookup is still watched for its answer
+until its lease could end, as is one past its deadline: one that ran after
+that release, and says a rank holds chunks for the request, is released
+again (:meth:`WorkerTierClient.poll`, once per step, shipped as a
+``release`` in the next step's metadata). A lookup whose socket went with a
+backoff cannot be watched: what it held ends with its lease.
 
-:class:`SharedTierClient` asks the host's shared store, on the same terms
-and with the same bound, to fetch a prompt into this engine's store (rank
-0's endpoint).
+:class:`SharedTierClient` asks the host's shared store, on the same terms,
+to fetch a prompt into this engine's store (rank 0's endpoint).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from fabric.errors import FabricError, TransferError
+from fabric.errors import FabricError, ProtocolError, TransferError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.transfer import protocol as proto
-from fabric.transfer.lookup import ReplyTimeout, StoreClient, lookup_all, resolve_endpoint
+from fabric.transfer.lookup import (
+    NoConnection,
+    PeerBusy,
+    ReplyTimeout,
+    StoreClient,
+    resolve_endpoint,
+    wait_ready,
+)
 
 logger = logging.getLogger(__name__)
 
 BACKOFF_S = 10.0
 # NOTE: one late answer is load, not a dead peer; this many in a row is.
 MAX_TIMEOUTS = 3
+# NOTE: per rank; a healthy rank answers each lookup within the step that
+# sent it, so only a slow or stalled one ever has more than one in flight.
+MAX_IN_FLIGHT = 4
+
+Result = proto.Message | FabricError
+_NOT_CONNECTED = "no connection took it"
+_BUSY = "it was busy"
 
 
 class Backoff:
@@ -64,7 +113,9 @@ class Backoff:
     ``failed`` skips the peer for ``backoff_s`` at once; ``timed_out`` only
     once ``max_timeouts`` calls in a row got no answer in time (the count
     is reset by an answer, not by the backoff: the probe after a backoff
-    that times out again backs off again at once).
+    that times out again backs off again at once). ``suspect`` from a
+    failure until the next answer: while it is, one call (the probe) at a
+    time.
     """
 
     def __init__(
@@ -79,6 +130,7 @@ class Backoff:
         self.what, self.counters = what, counters
         self.backoff_s, self.max_timeouts, self._clock = backoff_s, max_timeouts, clock
         self.reason = ""  # why the peer was last skipped
+        self.suspect = False
         self._until = 0.0
         self._timeouts = 0
 
@@ -87,6 +139,7 @@ class Backoff:
 
     def answered(self) -> None:
         self._timeouts = 0
+        self.suspect = False
 
     def timed_out(self, exc: FabricError, missed: int = 1) -> None:
         """A call (``missed`` answers of it) came too late: a miss for its request."""
@@ -101,6 +154,7 @@ class Backoff:
 
     def failed(self, reason: str) -> None:
         self.reason = reason
+        self.suspect = True
         self._until = self._clock() + self.backoff_s
         self.counters.add(lookup_backoffs=1)
         logger.warning(
@@ -111,6 +165,160 @@ class Backoff:
         )
 
 
+# ---------------------------------------------------------------- in flight
+@dataclass
+class _Call:
+    """One request to one peer."""
+
+    client: StoreClient
+    msg: proto.Message
+    seq: int
+    sent: bool = False
+    unsent: str = ""  # why it was not sent yet
+    result: Result | None = None
+
+
+class _Ask:
+    """One request's call on each of its peers, answered across steps."""
+
+    def __init__(self, key: str, calls: list[_Call], deadline: float, lease_end: float) -> None:
+        self.key, self.calls = key, calls
+        self.deadline, self.lease_end = deadline, lease_end
+
+    def advance(self, max_in_flight: int) -> None:
+        """Send what can be sent now, take the answers that came (no wait)."""
+        for call in self.calls:
+            if call.result is not None:
+                continue
+            if call.sent:
+                call.result = call.client.take_reply(call.seq)
+                if isinstance(call.result, PeerBusy):  # NOTE: nothing done: ask again
+                    call.sent, call.unsent, call.result = False, _BUSY, None
+                continue
+            if call.client.in_flight() >= max_in_flight:
+                call.unsent = f"{max_in_flight} earlier requests to it still unanswered"
+                continue
+            try:
+                call.sent = call.client.post(call.msg)
+            except (ProtocolError, TransferError) as exc:
+                call.result = exc
+                continue
+            call.unsent = "" if call.sent else _NOT_CONNECTED
+
+    def settled(self) -> bool:
+        """Every peer answered, or one failed (the others do not matter then)."""
+        results = [call.result for call in self.calls]
+        return all(r is not None for r in results) or any(
+            isinstance(r, FabricError) for r in results
+        )
+
+    def outcome(self, deadline_ms: int) -> list[Result]:
+        """Per peer, its answer or why it has none."""
+        return [c.result if c.result is not None else _missing(c, deadline_ms) for c in self.calls]
+
+    def unanswered(self) -> list[_Call]:
+        return [call for call in self.calls if call.sent and call.result is None]
+
+
+def _missing(call: _Call, deadline_ms: int) -> FabricError:
+    endpoint, kind = call.client.endpoint, type(call.msg).__name__
+    if call.sent:
+        return ReplyTimeout(f"{endpoint}: no answer to {kind} in {deadline_ms} ms")
+    if call.unsent == _NOT_CONNECTED:
+        return NoConnection(
+            f"{endpoint}: no connection took {kind} in {deadline_ms} ms "
+            "(nothing listening there, or the peer stopped reading)"
+        )
+    return ReplyTimeout(f"{endpoint}: {kind} not sent in {deadline_ms} ms ({call.unsent})")
+
+
+class _InFlight:
+    """The asks in flight, by key (a request or transfer id); asks given up
+    on are watched for their late answers until their lease ends."""
+
+    def __init__(self, config: ConnectorConfig, clock: Callable[[], float]) -> None:
+        self.deadline_ms, self.lease_ms = config.lookup_deadline_ms, config.lease_ms
+        self._clock = clock
+        self.pending: dict[str, _Ask] = {}
+        self.abandoned: list[_Ask] = []
+
+    def start(
+        self, key: str, calls: Sequence[tuple[StoreClient, proto.Lookup | proto.Fetch]]
+    ) -> _Ask:
+        assert key not in self.pending, f"{key} already asked"
+        now = self._clock()
+        ask = _Ask(
+            key,
+            [_Call(client, msg, msg.seq) for client, msg in calls],
+            now + self.deadline_ms / 1000,
+            now + self.lease_ms / 1000,
+        )
+        self.pending[key] = ask
+        return ask
+
+    def progress(self, ask: _Ask, wait_s: float) -> list[Result] | None:
+        """Send, take answers, and wait at most ``wait_s`` for the rest;
+        the ask's outcome once it is settled or past its deadline, else None."""
+        end = time.monotonic() + wait_s
+        while True:
+            ask.advance(MAX_IN_FLIGHT)
+            if ask.settled() or self._clock() >= ask.deadline:
+                break
+            left = end - time.monotonic()
+            waiting = [c for c in ask.calls if c.result is None]
+            receiving = [c.client for c in waiting if c.sent]
+            # NOTE: a call held back behind earlier ones cannot go before
+            # they are taken (next step): nothing to wait for here.
+            sending = [c.client for c in waiting if c.unsent == _NOT_CONNECTED]
+            if left <= 0 or not (receiving or sending):
+                return None
+            wait_ready(receiving, left * 1000, sending)
+        del self.pending[ask.key]
+        self._watch(ask)
+        return ask.outcome(self.deadline_ms)
+
+    def pump(self) -> list[tuple[str, Result]]:
+        """Once per step: advance every ask in flight (oldest first, so held-back
+        calls go out as earlier answers are taken) and read the late answers
+        of asks given up on (key, answer); an ask given up on is forgotten
+        once answered or past its lease (any hold it took has ended)."""
+        for ask in self.pending.values():
+            ask.advance(MAX_IN_FLIGHT)
+        late, watching, now = [], [], self._clock()
+        for ask in self.abandoned:
+            for call in ask.unanswered():
+                call.result = call.client.take_reply(call.seq)
+                if call.result is not None:
+                    late.append((ask.key, call.result))
+            if not ask.unanswered():
+                continue
+            if now < ask.lease_end:
+                watching.append(ask)
+            else:
+                for call in ask.unanswered():
+                    call.client.forget(call.seq)
+        self.abandoned = watching
+        return late
+
+    def abandon(self, key: str) -> bool:
+        """Give up on ``key``'s ask; whether some peer got it (may hold for it)."""
+        ask = self.pending.pop(key, None)
+        if ask is None:
+            return False
+        self._watch(ask)
+        return any(call.sent for call in ask.calls)
+
+    def drop(self) -> None:
+        """Forget everything (the clients are closed with it)."""
+        self.pending.clear()
+        self.abandoned.clear()
+
+    def _watch(self, ask: _Ask) -> None:
+        if ask.unanswered():
+            self.abandoned.append(ask)
+
+
+# ---------------------------------------------------------------- reuse tier
 class WorkerTierClient:
     """``TierClient`` over the control channel of every TP rank (min hit wins)."""
 
@@ -122,43 +330,111 @@ class WorkerTierClient:
         engine_id: str | None,
         counters: FabricCounters | None = None,
         backoff_s: float = BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config, self.tp_size, self.engine_id = config, tp_size, engine_id
         self.counters = counters if counters is not None else FabricCounters()
-        self.backoff = Backoff("the reuse tier", self.counters, backoff_s=backoff_s)
+        self.backoff = Backoff("the reuse tier", self.counters, backoff_s=backoff_s, clock=clock)
+        self._asks = _InFlight(config, clock)
         self._clients: list[StoreClient] | None = None
 
+    def ask(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        identity: KeyIdentity = BASE,
+        wait_s: float = 0.0,
+    ) -> int | None:
+        """Leading full chunks of ``token_ids`` every rank holds, now held for
+        the request (0: a miss, or the tier cannot be asked); None while some
+        rank has not answered: ask again (a later step). The first ask sends
+        and waits at most ``wait_s``; later asks take what came, no wait."""
+        ask = self._asks.pending.get(request_id)
+        if ask is None:
+            ask = self._start(request_id, token_ids, identity)
+            if ask is None:
+                return 0
+            results = self._asks.progress(ask, wait_s)
+            if results is None:
+                self.counters.add(lookups_deferred=1)
+        else:
+            results = self._asks.progress(ask, 0.0)
+        return None if results is None else self._hit(results)
+
     def lookup(self, request_id: str, token_ids: list[int], identity: KeyIdentity = BASE) -> int:
-        if self.backoff.skipping():
-            return 0
+        """:meth:`ask`, waiting for every rank's answer (at most the deadline):
+        for tools and tests; the scheduler never waits this long."""
+        chunks = self.ask(request_id, token_ids, identity, self.config.lookup_deadline_ms / 1000)
+        while chunks is None:  # NOTE: held back behind earlier lookups in flight
+            time.sleep(0.001)
+            self.poll()
+            chunks = self.ask(request_id, token_ids, identity)
+        return chunks
+
+    def cancel(self, request_id: str) -> bool:
+        """The request no longer waits for its lookup (it ended, or vLLM went
+        on without it); True when a rank got it, so may hold for it: release
+        the request. Its late answers show in :meth:`poll`."""
+        return self._asks.abandon(request_id)
+
+    def poll(self) -> list[str]:
+        """Once per step, no wait: send the lookups held back, take the answers
+        that came; the requests whose given-up lookups were answered with a
+        hold since the last call (release them unless they use a newer one)."""
+        late = self._asks.pump()
+        held = [key for key, r in late if isinstance(r, proto.LookupResult) and r.held]
+        return list(dict.fromkeys(held))
+
+    def waiting_on(self, request_id: str) -> list[str]:
+        """The endpoints whose answers ``request_id``'s lookup still awaits."""
+        ask = self._asks.pending.get(request_id)
+        return [c.client.endpoint for c in ask.calls if c.result is None] if ask else []
+
+    def table_sizes(self) -> dict[str, int]:
+        """Lookups in flight, and given up on but watched for a late hold
+        (at most ``MAX_IN_FLIGHT`` per rank)."""
+        return {
+            "scheduler_lookups": len(self._asks.pending),
+            "scheduler_lookups_abandoned": len(self._asks.abandoned),
+        }
+
+    def _start(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> _Ask | None:
+        if self.backoff.skipping() or (self.backoff.suspect and self._asks.pending):
+            return None  # NOTE: backing off, or the probe after a backoff is in flight
         clients = self._connect()
         if not clients:
-            return 0
-        results = lookup_all(
-            clients,
-            token_ids,
-            hold=request_id,
-            lease_ms=self.config.lease_ms,
-            identity=identity,
-            timeout_ms=self.config.lookup_timeout_ms,
-        )
-        return self._hit(results)
+            return None
+        calls = [
+            (
+                c,
+                c.lookup_message(
+                    token_ids, hold=request_id, lease_ms=self.config.lease_ms, identity=identity
+                ),
+            )
+            for c in clients
+        ]
+        return self._asks.start(request_id, calls)
 
-    def _hit(self, results: list[proto.LookupResult | FabricError]) -> int:
+    def _hit(self, results: list[Result]) -> int:
         """The hit every rank holds; counts and backs off on what went wrong."""
         late = [r for r in results if isinstance(r, ReplyTimeout)]
         failed = [
             r for r in results if isinstance(r, FabricError) and not isinstance(r, ReplyTimeout)
         ]
+        hits = [r for r in results if isinstance(r, proto.LookupResult)]
+        if not failed and len(hits) + len(late) < len(results):
+            failed = [ProtocolError(f"expected LookupResult, got {results}")]
         if failed:
             self.backoff.failed(f"store lookup failed ({failed[0]})")
             self._drop_clients()  # NOTE: endpoints are resolved again after the backoff
             return 0
         if late:
             self.backoff.timed_out(late[0], len(late))
+            if self.backoff.skipping():
+                self._drop_clients()  # NOTE: what is queued for a stalled rank dies with it
             return 0
         self.backoff.answered()
-        return min(r.hit_chunks for r in results if isinstance(r, proto.LookupResult))
+        return min(r.hit_chunks for r in hits)
 
     def close(self) -> None:
         self._drop_clients()
@@ -171,6 +447,7 @@ class WorkerTierClient:
         return endpoints[0] if endpoints else None
 
     def _drop_clients(self) -> None:
+        self._asks.drop()
         for client in self._clients or []:
             client.close()
         self._clients = None
@@ -184,7 +461,7 @@ class WorkerTierClient:
                     f"{self.engine_id} yet"
                 )
                 return []
-            timeout = self.config.lookup_timeout_ms
+            timeout = self.config.lookup_deadline_ms
             secret = self.config.resolved_secret()
             self._clients = [StoreClient(e, timeout_ms=timeout, secret=secret) for e in endpoints]
         return self._clients
@@ -206,14 +483,17 @@ class WorkerTierClient:
         return endpoints
 
 
+# ---------------------------------------------------------------- shared store
 class SharedTierClient:
     """``SharedTier`` over the shared store's control channel.
 
-    Each fetch is one call bounded by ``lookup_timeout_ms``. A late answer
-    is a miss for that request (``lookup_timeouts``); a hard failure (no
-    connection, a refusal, no endpoint yet) is counted
+    A fetch is asked like a lookup: sent on the request's first ask, answered
+    across steps, a miss past ``lookup_deadline_ms`` (``lookup_timeouts``).
+    A hard failure (no connection, a refusal, no endpoint yet) is counted
     (``shared_store_failures``) and, like ``MAX_TIMEOUTS`` late answers in a
-    row, skips the shared store for ``BACKOFF_S`` (:class:`Backoff`).
+    row, skips the shared store for ``BACKOFF_S`` (:class:`Backoff`). A
+    fetch given up on may still be pushed: its chunks land in this engine's
+    store like any pushed chunk, and the next lookup finds them.
     """
 
     def __init__(
@@ -223,10 +503,36 @@ class SharedTierClient:
         counters: FabricCounters,
         *,
         backoff_s: float = BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config, self.worker, self.counters = config, worker, counters
-        self.backoff = Backoff("the shared store", counters, backoff_s=backoff_s)
+        self.backoff = Backoff("the shared store", counters, backoff_s=backoff_s, clock=clock)
+        self._asks = _InFlight(config, clock)
         self._client: StoreClient | None = None
+
+    def ask(
+        self,
+        transfer_id: str,
+        token_ids: list[int],
+        min_chunks: int,
+        identity: KeyIdentity = BASE,
+        wait_s: float = 0.0,
+    ) -> int | None:
+        """Leading full chunks of ``token_ids`` the shared store now pushes
+        into this engine as ``transfer_id`` (0: none, it holds at most
+        ``min_chunks``, or it cannot be asked); None while it has not
+        answered: ask again. The first ask waits at most ``wait_s``."""
+        ask = self._asks.pending.get(transfer_id)
+        if ask is None:
+            ask = self._start(transfer_id, token_ids, min_chunks, identity)
+            if ask is None:
+                return 0
+            results = self._asks.progress(ask, wait_s)
+            if results is None:
+                self.counters.add(lookups_deferred=1)
+        else:
+            results = self._asks.progress(ask, 0.0)
+        return None if results is None else self._fetched(results[0])
 
     def fetch(
         self,
@@ -235,31 +541,85 @@ class SharedTierClient:
         min_chunks: int,
         identity: KeyIdentity = BASE,
     ) -> int:
-        if self.backoff.skipping():
-            return 0
-        try:
-            client, own = self._connect()
-            reply = client.fetch(
-                transfer_id,
-                token_ids,
-                own,
-                min_chunks=min_chunks,
-                lease_ms=self.config.lease_ms,
-                identity=identity,
-            )
-        except ReplyTimeout as exc:
-            self.backoff.timed_out(exc)
-            return 0
-        except FabricError as exc:
-            self.counters.add(shared_store_failures=1)
-            self.backoff.failed(f"fetch failed ({exc})")
-            return 0
-        self.backoff.answered()
-        return reply.hit_chunks if reply.pushing else 0
+        """:meth:`ask`, waiting for the answer (at most the deadline): for
+        tools and tests."""
+        wait_s = self.config.lookup_deadline_ms / 1000
+        chunks = self.ask(transfer_id, token_ids, min_chunks, identity, wait_s)
+        while chunks is None:  # NOTE: held back behind earlier fetches in flight
+            time.sleep(0.001)
+            self.poll()
+            chunks = self.ask(transfer_id, token_ids, min_chunks, identity)
+        return chunks
+
+    def cancel(self, transfer_id: str) -> None:
+        """Give up on a fetch (its request ended or no longer needs it)."""
+        self._asks.abandon(transfer_id)
+
+    def poll(self) -> None:
+        """Once per step, no wait: take what came (late answers to fetches
+        given up on, too)."""
+        for transfer_id, result in self._asks.pump():
+            if isinstance(result, proto.Fetching) and result.pushing:
+                logger.debug(
+                    "fabric: the shared store pushes %d chunks as %s after the fetch was "
+                    "given up; they land in this engine's store",
+                    result.hit_chunks,
+                    transfer_id,
+                )
+
+    def table_sizes(self) -> dict[str, int]:
+        return {
+            "scheduler_fetches": len(self._asks.pending),
+            "scheduler_fetches_abandoned": len(self._asks.abandoned),
+        }
 
     def close(self) -> None:
+        self._asks.drop()
         if self._client is not None:
             self._client.close()
+            self._client = None
+
+    def _start(
+        self, transfer_id: str, token_ids: list[int], min_chunks: int, identity: KeyIdentity
+    ) -> _Ask | None:
+        if self.backoff.skipping() or (self.backoff.suspect and self._asks.pending):
+            return None
+        try:
+            client, own = self._connect()
+        except FabricError as exc:
+            self._failed(exc)
+            return None
+        msg = client.fetch_message(
+            transfer_id,
+            token_ids,
+            own,
+            min_chunks=min_chunks,
+            lease_ms=self.config.lease_ms,
+            identity=identity,
+        )
+        return self._asks.start(transfer_id, [(client, msg)])
+
+    def _fetched(self, result: Result) -> int:
+        if isinstance(result, ReplyTimeout):
+            self.backoff.timed_out(result)
+            if self.backoff.skipping():
+                self.close()
+            return 0
+        if not isinstance(result, proto.Fetching):
+            kind = type(result).__name__
+            self._failed(
+                result
+                if isinstance(result, FabricError)
+                else ProtocolError(f"expected Fetching, got {kind}")
+            )
+            return 0
+        self.backoff.answered()
+        return result.hit_chunks if result.pushing else 0
+
+    def _failed(self, exc: FabricError) -> None:
+        self.counters.add(shared_store_failures=1)
+        self.backoff.failed(f"fetch failed ({exc})")
+        self.close()
 
     def _connect(self) -> tuple[StoreClient, str]:
         own = self.worker.endpoint()
@@ -271,7 +631,7 @@ class SharedTierClient:
             self.close()
             self._client = StoreClient(
                 endpoint,
-                timeout_ms=self.config.lookup_timeout_ms,
+                timeout_ms=self.config.lookup_deadline_ms,
                 secret=self.config.resolved_secret(),
             )
         return self._client, own
