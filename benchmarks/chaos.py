@@ -75,36 +75,43 @@ def store_entry(state: dict[str, Any]) -> dict[str, Any] | None:
 
 @dataclass
 class Chaos:
-    """SIGKILL a random engine every ``every_s`` (the shared store once, at the
-    ``store_at``-th kill) and time each restart until ``/health`` answers."""
+    """SIGKILL a random serving engine every ``every_s`` (the shared store
+    once, at the ``store_at``-th kill), on a fixed cadence whether or not the
+    last victim is back, and time each restart until it serves again."""
 
     state_path: Path
     every_s: float
     seed: int = 5
-    store_at: int = 3
+    store_at: int = 2
     kills: list[Kill] = field(default_factory=list)
     log: Callable[[str], None] = print
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``; then waits for every victim to come back (bounded)."""
         rng = random.Random(self.seed)
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.every_s)
-                return
-            except TimeoutError:
-                pass
-            state = read_state(self.state_path)
-            kill = self._kill(state, rng, store=len(self.kills) + 1 == self.store_at)
-            if kill is not None:
-                self.kills.append(kill)
-                await self._watch(kill, stop)
+        watches: list[asyncio.Task[None]] = []
+        try:
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=self.every_s)
+                    break
+                except TimeoutError:
+                    pass
+                state = read_state(self.state_path)
+                kill = self._kill(state, rng, store=len(self.kills) + 1 == self.store_at)
+                if kill is not None:
+                    self.kills.append(kill)
+                    watches.append(asyncio.create_task(self._watch(kill, stop)))
+        finally:
+            await asyncio.gather(*watches)
 
     def _kill(self, state: dict[str, Any], rng: random.Random, *, store: bool) -> Kill | None:
         store_state = store_entry(state)
         if store and store_state is not None:
             name, pid = "store", int(store_state["pid"])
         else:
-            engines = [e for e in state["engines"] if e.get("pid")]
+            # NOTE: a victim still restarting is not killed again
+            engines = [e for e in state["engines"] if e.get("pid") and e.get("state", "up") == "up"]
             if not engines:
                 return None
             victim = rng.choice(engines)

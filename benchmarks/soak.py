@@ -30,8 +30,9 @@ the end of warm-up.
     python benchmarks/soak.py --chaos                                      # with kills
 
 ``--chaos`` adds a shared store to the topology and, while the requests run,
-SIGKILLs a random engine every ``--chaos-every-s`` (120 s; the shared store
-once, at the third kill): ``fabric up`` must restart it (see
+SIGKILLs a random serving engine every ``--chaos-every-s`` (120 s, a fixed
+cadence whether or not the last victim is back; the shared store once, at
+the second kill): ``fabric up`` must restart it (see
 ``benchmarks/chaos.py``). A request may then fail, but only with an error
 (an HTTP error status or an error event in its stream) within
 ``--request-timeout-s``; one without an answer or an error is *unanswered*.
@@ -74,6 +75,7 @@ from typing import Any
 import httpx
 import yaml
 
+from fabric.bench.serve import sse_lines
 from fabric.errors import FabricError, LaunchError
 from fabric.launch.process import (
     ManagedProcess,
@@ -288,7 +290,7 @@ async def one_request(
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return error, output
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if line == "data: [DONE]":
                     return None, output
                 elif line.startswith("data: ") and '"error"' in line:

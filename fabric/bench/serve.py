@@ -24,10 +24,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import httpx
 
 from fabric.bench.serve_workload import Prompt, WorkloadConfig, arrival_times
 from fabric.errors import ConfigError
@@ -116,6 +120,20 @@ def chunk_text(obj: dict[str, Any]) -> str:
     return "".join(text)
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream, split on ``\\n`` only: a completion's text
+    may hold U+2028 or U+0085, which ``aiter_lines`` (``str.splitlines``)
+    would split a JSON event at."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buffer:
+        yield buffer.rstrip("\r")
+
+
 async def send_one(client: Any, config: ServeConfig, prompt: Prompt, t0: float) -> RequestResult:
     """Send one request and time it; errors become a failed result, never raise."""
     start = time.perf_counter()
@@ -143,7 +161,7 @@ async def _stream(
                 f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
             )
             return
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp):
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()

@@ -233,6 +233,7 @@ def wait_http_ok(
     import httpx
 
     deadline = time.monotonic() + timeout
+    last = "no answer yet"
     with httpx.Client(timeout=5.0, trust_env=False) as client:
         while True:
             if proc is not None and not proc.alive():
@@ -241,13 +242,17 @@ def wait_http_ok(
                     f"before {url} answered; log {proc.log_path}:\n{proc.log_tail()}"
                 )
             try:
-                if client.get(url).status_code == 200:
+                status = client.get(url).status_code
+                if status == 200:
                     return
-            except httpx.HTTPError:
-                pass
+                last = f"HTTP {status}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() >= deadline:
                 tail = f"; log {proc.log_path}:\n{proc.log_tail()}" if proc is not None else ""
-                raise StartTimeout(f"{url} did not answer 200 within {timeout:.0f} s{tail}")
+                raise StartTimeout(
+                    f"{url} did not answer 200 within {timeout:.0f} s (last: {last}){tail}"
+                )
             time.sleep(interval)
 
 

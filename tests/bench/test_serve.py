@@ -194,3 +194,21 @@ def test_http_token_counter_calls_tokenize() -> None:
 def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         ServeConfig(**kwargs)
+
+
+def test_event_lines_split_on_newlines_only() -> None:
+    """A completion's text may hold U+2028 or U+0085 (str.splitlines would
+    cut the JSON event there)."""
+    import asyncio
+
+    import httpx
+
+    from fabric.bench.serve import sse_lines
+
+    event = 'data: {"choices": [{"text": "a\u2028b\x85c"}]}'
+    body = f"{event}\n\ndata: [DONE]\n\n".encode()
+
+    async def lines() -> list[str]:
+        return [line async for line in sse_lines(httpx.Response(200, content=body))]
+
+    assert asyncio.run(lines()) == [event, "", "data: [DONE]", ""]
