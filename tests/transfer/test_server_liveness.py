@@ -31,6 +31,7 @@ from fabric.transfer import protocol as proto
 from fabric.transfer.config import open_data_plane
 from fabric.transfer.lookup import StoreClient
 from fabric.transfer.offload import Offload
+from tests.store.parked import ParkedReads
 
 from .patterns import FINGERPRINT, chunk_key, fill_store
 
@@ -315,19 +316,3 @@ def test_lookups_are_answered_while_a_clear_and_a_pin_wait(
 
 
 OFFLOADS = ("server_offload", "server_admin")
-
-
-class ParkedReads:
-    """The tier's disk reads of ``key`` parked until ``gate`` opens."""
-
-    def __init__(self, tier: TieredStore, monkeypatch: pytest.MonkeyPatch, key: bytes) -> None:
-        assert tier.disk is not None
-        self.real, self.key = tier.disk.read_into, key
-        self.parked, self.gate = threading.Event(), threading.Event()
-        monkeypatch.setattr(tier.disk, "read_into", self)
-
-    def __call__(self, key: bytes, out: object) -> int | None:
-        if key == self.key:
-            self.parked.set()
-            assert self.gate.wait(60), "the test never opened the gate"
-        return self.real(key, out)

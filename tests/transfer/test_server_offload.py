@@ -33,6 +33,7 @@ from fabric.transfer.config import open_data_plane
 from fabric.transfer.dataplane import DataPlane
 from fabric.transfer.lookup import StoreClient
 from fabric.transfer.offload import Offload
+from tests.store.parked import ParkedReads
 
 from .patterns import FINGERPRINT
 
@@ -40,22 +41,6 @@ CT = 16
 PROMPT = list(range(100, 100 + 3 * CT))  # 3 full chunks
 OTHER = list(range(900, 900 + 3 * CT))
 _names = itertools.count()
-
-
-class ParkedRead:
-    """The tier's disk read of ``key`` parked until ``gate`` opens."""
-
-    def __init__(self, tier: TieredStore, monkeypatch: pytest.MonkeyPatch, key: bytes) -> None:
-        assert tier.disk is not None
-        self.real, self.key = tier.disk.read_into, key
-        self.parked, self.gate = threading.Event(), threading.Event()
-        monkeypatch.setattr(tier.disk, "read_into", self)
-
-    def __call__(self, key: bytes, out: object) -> int | None:
-        if key == self.key:
-            self.parked.set()
-            assert self.gate.wait(60), "the test never opened the gate"
-        return self.real(key, out)
 
 
 @pytest.fixture
@@ -97,7 +82,7 @@ def referenced(tier: TieredStore) -> int:
 def test_a_release_that_overtakes_an_offloaded_lookup_leaves_no_hold(
     tier: TieredStore, monkeypatch: pytest.MonkeyPatch, release_by: str
 ) -> None:
-    read = ParkedRead(tier, monkeypatch, tier.keys(PROMPT)[1])
+    read = ParkedReads(tier, monkeypatch, tier.keys(PROMPT)[1])
     config = TransferConfig(transport="loopback")
     node = TransferNode(tier.store, config, FINGERPRINT, name=f"off-r{next(_names)}", tier=tier)
     assert node.server is not None
@@ -148,7 +133,7 @@ def wait_offloaded(server: TransferServer, count: int) -> None:
 def test_close_answers_queued_work_and_waits_for_the_running_job(
     tier: TieredStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    read = ParkedRead(tier, monkeypatch, tier.keys(PROMPT)[1])
+    read = ParkedReads(tier, monkeypatch, tier.keys(PROMPT)[1])
     offload = Offload(threads=1, max_queued=4)
     server, plane = loopback_server(tier, offload=offload, close_timeout_s=60)
     clients = [StoreClient(server.endpoint, timeout_ms=60_000) for _ in range(2)]
@@ -182,7 +167,7 @@ def test_close_answers_queued_work_and_waits_for_the_running_job(
 def test_close_gives_up_after_its_bound_and_the_late_job_keeps_nothing(
     tier: TieredStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    read = ParkedRead(tier, monkeypatch, tier.keys(PROMPT)[1])
+    read = ParkedReads(tier, monkeypatch, tier.keys(PROMPT)[1])
     offload = Offload(threads=1, max_queued=4)
     server, plane = loopback_server(tier, offload=offload, close_timeout_s=0.2)
     client = StoreClient(server.endpoint, timeout_ms=2000)
