@@ -187,12 +187,9 @@ def _readiness(client: httpx.AsyncClient, self_probe: bool) -> Callable[[Child],
 
 async def _wait_ready(proxy: ProxyState, announce: Announce) -> None:
     """Report the proxy's readiness check (a canary transfer per P->D pair, see
-    :mod:`fabric.router.ready`) where it has one; the proxy serves meanwhile."""
-    wait_ready = getattr(proxy, "wait_ready", None)
-    if wait_ready is None:
-        return
+    :mod:`fabric.router.ready`); the proxy serves meanwhile."""
     try:
-        missing = await wait_ready(READY_TIMEOUT_S)
+        missing = await proxy.wait_ready(READY_TIMEOUT_S)
     except Exception as exc:
         announce(f"fabric up: warning: the proxy's ready check failed: {exc}")
         return

@@ -358,11 +358,10 @@ class Child:
             self.engine.mark_down(reason)
 
     def _set_draining(self, draining: bool) -> bool:
-        """``Engine.set_draining`` where the proxy has it; False where it does not."""
-        setter = getattr(self.engine, "set_draining", None)
-        if setter is None:
+        """``Engine.set_draining`` once the proxy knows the engine (False before)."""
+        if self.engine is None:
             return False
-        setter(draining)
+        self.engine.set_draining(draining)
         return True
 
 

@@ -149,8 +149,7 @@ class UpOptions:
         """The drain timeout in effect for ``topology``."""
         if self.drain_timeout_s is not None:
             return self.drain_timeout_s
-        configured = getattr(topology.proxy, "drain_timeout_s", None)
-        return DEFAULT_DRAIN_TIMEOUT_S if configured is None else float(configured)
+        return topology.proxy.drain_timeout_s
 
 
 def resolve_ports(topology: TopologyConfig) -> TopologyConfig:

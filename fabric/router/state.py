@@ -33,7 +33,6 @@ import asyncio
 import functools
 import logging
 from dataclasses import dataclass, fields
-from typing import Any
 
 import httpx
 
@@ -46,9 +45,6 @@ from fabric.router.stores import CLIENTS_PER_ENDPOINT, StoreCalls
 from fabric.router.transport import EngineHTTP, Timeouts, open_engines
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_ANSWER_BYTES = 64 * 1024 * 1024
-"""The largest engine answer read whole (not streamed) that the proxy keeps in memory."""
 
 
 @dataclass
@@ -130,8 +126,8 @@ class ProxyState:
             max_threads=CLIENTS_PER_ENDPOINT * max(1, endpoints),
         )
         # NOTE: not ProxyConfig fields (yet): read when present, else the defaults
-        self.max_answer_bytes: int = _option(config, "max_answer_bytes", DEFAULT_MAX_ANSWER_BYTES)
-        pool_s: float | None = _option(config, "pool_timeout_s", None)
+        self.max_answer_bytes: int = config.max_answer_bytes
+        pool_s: float | None = config.pool_timeout_s
         connect = config.connect_timeout_s
         self.prefill_timeouts = Timeouts(connect, config.prefill_timeout_s, pool_s)
         self.decode_timeouts = Timeouts(connect, config.decode_timeout_s, pool_s)
@@ -257,8 +253,3 @@ class ProxyState:
         :meth:`fabric.router.ready.Readiness.wait`); needs the app running.
         """
         return await self.readiness.wait(timeout_s)
-
-
-def _option(config: ProxyConfig, name: str, default: Any) -> Any:
-    value = getattr(config, name, None)
-    return default if value is None else value
