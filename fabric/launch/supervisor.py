@@ -21,7 +21,10 @@ directly::
           | endpoint file is back)
           v
     up: restart_to_serving_s = now - the exit (the first one of a crash
-        loop), logged and kept as last_restart_to_serving_s; the first time:
+        loop), logged and kept as last_restart_to_serving_s, with
+        last_restart_boot_s = now - the spawn that came up (the part the
+        program's own start took; the rest is fabric up's: noticing the
+        exit, the backoff, reaping the old group); the first time:
         first_start_s = now - the first spawn
 
     up --its drain file appears--> draining
@@ -144,10 +147,12 @@ class Child:
         self.restarts = 0
         self.last_exit: ExitRecord | None = None
         self.last_restart_to_serving_s: float | None = None
+        self.last_restart_boot_s: float | None = None
         self.first_start_s: float | None = None
         self.log_path: Path | None = None
         self._backoff_s = policy.initial_s
         self._first_spawn_at: float | None = None
+        self._spawned_at: float | None = None
         self._leftovers: list[ManagedProcess] = []  # exited, their group not gone yet
         self._leftovers_until: float | None = None
         self._restart_at: float | None = None
@@ -160,8 +165,9 @@ class Child:
             self.drain_file.unlink(missing_ok=True)
         self.process = self.spawn()
         self.log_path = self.process.log_path
+        self._spawned_at = time.monotonic() if now is None else now
         if self._first_spawn_at is None:
-            self._first_spawn_at = time.monotonic() if now is None else now
+            self._first_spawn_at = self._spawned_at
         return self.process
 
     def stop(self, timeout: float) -> None:
@@ -230,6 +236,7 @@ class Child:
             "restarts": self.restarts,
             "last_exit": self.last_exit.as_dict() if self.last_exit is not None else None,
             "last_restart_to_serving_s": self.last_restart_to_serving_s,
+            "last_restart_boot_s": self.last_restart_boot_s,
             "first_start_s": self.first_start_s,
         }
 
@@ -256,9 +263,13 @@ class Child:
         if self._exited_at is not None:
             self.last_restart_to_serving_s = round(now - self._exited_at, 3)
             self._exited_at = None
+            boot = None if self._spawned_at is None else round(now - self._spawned_at, 3)
+            self.last_restart_boot_s = boot
             logger.warning(
-                "%s is serving again %.1f s after it exited (restart %d)",
+                "%s is serving again %.1f s after it exited (restart %d; its own start "
+                "took %s s of that)",
                 self.name, self.last_restart_to_serving_s, self.restarts,
+                "?" if boot is None else f"{boot:.1f}",
             )  # fmt: skip
 
     def _exited(self, now: float) -> None:

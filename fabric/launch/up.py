@@ -37,9 +37,10 @@ drain and stop them on a signal.
 ``draining``, ``stopped``; None for an engine fabric up did not start),
 ``restarts``, ``last_exit`` (``pid``, ``returncode``, ``how``: ``exit code
 3`` / ``signal SIGKILL``, ``at``: wall clock),
-``last_restart_to_serving_s`` (from the exit to healthy again) and
-``first_start_s`` (from its first spawn to its first healthy answer: what
-a restart's ``last_restart_to_serving_s`` compares with).
+``last_restart_to_serving_s`` (from the exit to healthy again),
+``last_restart_boot_s`` (from the restart's spawn to healthy again: the
+part of the above the program's own start took) and ``first_start_s``
+(from its first spawn to its first healthy answer).
 
 Signals are handled from start to exit. SIGHUP stops like SIGTERM: a
 closed terminal or SSH session drains and stops everything rather than

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -121,6 +123,87 @@ def test_a_killed_process_is_timed_until_its_restart_answers(
     try:
         asyncio.run(asyncio.wait_for(scenario(), 60))
         assert first.wait(5) == -9
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_bare_copy_of_an_engine_is_vllm_without_fabric_on_a_port_of_its_own(
+    chaos: ModuleType, tmp_path: Path
+) -> None:
+    config = '{"kv_connector":"FabricConnector","kv_role":"kv_both"}'
+    argv = [
+        "/venv/bin/python", "-m", "fabric.launch.vllm_main", "serve", "/m/tiny",
+        "--host", "127.0.0.1", "--port", "50247", "--enforce-eager",
+        "--kv-transfer-config", config, "--middleware=x.Y", "--seed", "0",
+    ]  # fmt: skip
+    bare, endpoint, port = chaos.bare_command(argv, tmp_path)
+
+    assert endpoint is None and port not in (None, 50247)
+    assert bare[:4] == ["/venv/bin/python", "-m", "fabric.launch.vllm_main", "serve"]
+    assert "--kv-transfer-config" not in bare and config not in bare
+    assert bare[-2:] == ["--port", str(port)] and "50247" not in bare
+    rest = ["/m/tiny", "--host", "127.0.0.1", "--enforce-eager", "--middleware=x.Y"]
+    assert bare[4:-2] == [*rest, "--seed", "0"]
+    with pytest.raises(ValueError, match="no bare copy"):
+        chaos.bare_command(["/bin/sleep", "1"], tmp_path)
+
+
+def test_a_store_kill_times_a_bare_store_started_beside_its_restart(
+    chaos: ModuleType, tmp_path: Path
+) -> None:
+    """A real store SIGKILLed: the bare copy (same command, port 0, its own
+    endpoint file) is started at the kill, timed until it serves, and stopped."""
+    run = tmp_path / "run"
+    run.mkdir()
+    state = tmp_path / "up.json"
+    endpoint = run / "store.endpoint"
+    serve = [
+        sys.executable, "-m", "fabric.cli", "store", "serve", "--mem-gib", "0.0625",
+        "--port", "0", "--endpoint-file", str(endpoint), "--transport", "tcp",
+    ]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        endpoint.unlink(missing_ok=True)
+        procs.append(subprocess.Popen(serve, start_new_session=True, stderr=subprocess.DEVNULL))
+        while not endpoint.exists():
+            assert procs[-1].poll() is None
+            time.sleep(0.1)
+        state.write_text(json.dumps({"engines": [], "store": {"pid": procs[-1].pid}}))
+
+    async def scenario() -> None:
+        scratch = tmp_path / "bare"
+        scratch.mkdir()
+        c = chaos.Chaos(state, every_s=0.1, store_at=1, log=lambda _: None, scratch=scratch)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(c.run(stop))
+        while not c.kills:
+            await asyncio.sleep(0.01)
+        c.every_s = 3600  # NOTE: one kill only
+        await asyncio.to_thread(procs[0].wait)
+        await asyncio.to_thread(start)  # the stand-in supervisor
+        stop.set()
+        await asyncio.wait_for(runner, 120)
+        kill = c.kills[0]
+        assert kill.victim == "store" and kill.new_pid == procs[1].pid
+        assert kill.bare_error is None and kill.bare_start_s is not None
+        assert kill.bare_start_s > 0
+        assert kill.to_dict()["bare_start_s"] == round(kill.bare_start_s, 1)
+
+    try:
+        start()
+        asyncio.run(asyncio.wait_for(scenario(), 180))
+        assert procs[0].returncode == -9
+        # NOTE: the bare copy served on a port of its own, and was stopped
+        # (its endpoint file removed at its stop, nothing answers on its port)
+        log = (tmp_path / "bare" / "bare-store-1.log").read_text()
+        port = int(log.split("serving on tcp://127.0.0.1:", 1)[1].split()[0])
+        assert not (tmp_path / "bare" / "bare-store.endpoint").exists()
+        assert f":{port}" not in endpoint.read_text()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
         for proc in procs:
             proc.kill()

@@ -105,6 +105,7 @@ def test_an_exit_marks_the_engine_down_at_once_and_restarts_it_after_the_backoff
     assert len(spawned) == 2 and c.restarts == 1 and c.state is ChildState.STARTING
     assert c.step(1.6, ready=True)
     assert c.state is ChildState.UP and c.last_restart_to_serving_s == 1.5
+    assert c.last_restart_boot_s == 0.5  # from the restart's spawn at 1.1
     assert c.last_exit is not None
     assert c.last_exit == ExitRecord(spawned[0].pid, -9, c.last_exit.at)
     assert c.as_dict()["pid"] == spawned[1].pid and c.as_dict()["restarts"] == 1
@@ -259,6 +260,7 @@ def test_first_start_s_runs_from_the_first_spawn_to_the_first_serving(tmp_path: 
 
     assert c.as_dict()["first_start_s"] == 2.5
     assert c.as_dict()["last_restart_to_serving_s"] == 2.0
+    assert c.as_dict()["last_restart_boot_s"] == 1.0
 
 
 def test_the_probes_of_all_children_run_at_once(tmp_path: Path) -> None:

@@ -55,6 +55,8 @@ def test_killed_engine_is_restarted_on_its_port_and_serves_again(
     assert after["last_exit"]["how"] == "signal SIGKILL"
     assert after["last_exit"]["pid"] == before["pid"]
     assert after["last_restart_to_serving_s"] > 0
+    # NOTE: the spawn comes after the exit and the backoff (1 s here)
+    assert 0 < after["last_restart_boot_s"] < after["last_restart_to_serving_s"] - 0.5
     assert next(e for e in engines if e["name"] == "prefill-0")["healthy"] is True
     stderr = "".join(run.stderr)
     assert f"prefill-0 (pid {before['pid']}) exited with signal SIGKILL; restart 1" in stderr
