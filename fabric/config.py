@@ -171,6 +171,13 @@ class ProxyConfig(_Frozen):
     lookup bounded by ``lookup_timeout_ms``) and picks the one holding the
     longest prefix, unless it has ``cache_aware_max_imbalance`` more
     requests in flight than the least loaded one.
+
+    ``handoff``: ``early`` (default) sends the decoder its request at
+    dispatch, with the prefiller's, so its blocks are allocated and filled
+    while the prefill runs (:mod:`fabric.router.handoff`); ``sequential``
+    sends it only after the prefiller answered. ``early_max_tokens``: the
+    estimated prompt tokens one decoder may hold early from this proxy at
+    once (0: no bound); past it a request takes the sequential flow.
     """
 
     host: str = LOCAL_HOST
@@ -193,6 +200,8 @@ class ProxyConfig(_Frozen):
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     lookup_timeout_ms: PositiveInt = 500
     cache_aware_max_imbalance: Annotated[int, Field(strict=True, ge=0)] = 4
+    handoff: Literal["early", "sequential"] = "early"
+    early_max_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
 
 
 class ConnectorConfig(_Frozen):

@@ -10,8 +10,9 @@ load, per-request table sizes) and ``GET /fabric/status`` (the same as
 JSON, for ``fabric status``), and ``POST /fabric/lookup|clear|pin`` (the
 engines' reuse tiers, see :mod:`fabric.router.controller`).
 
-The app's lifespan opens the clients and, with ``health_interval_s`` > 0,
-runs the background health loop: every interval it probes every engine
+The app's lifespan opens the clients, runs the early handoffs' word to
+the decoders (:mod:`fabric.router.handoff`) and, with ``health_interval_s`` > 0,
+the background health loop: every interval it probes every engine
 and starts the due canaries (once readiness is watched). The running
 proxy's :class:`~fabric.router.state.ProxyState` (``app.state.proxy``)
 is the control API for whoever runs the engines (drain, mark down, wait
@@ -119,13 +120,13 @@ def _lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.open_client()
-        task = None
+        tasks = [asyncio.create_task(state.handoff.run(), name="fabric-proxy-handoff")]
         if state.config.health_interval_s > 0:
-            task = asyncio.create_task(_health_loop(state), name="fabric-proxy-health")
+            tasks.append(asyncio.create_task(_health_loop(state), name="fabric-proxy-health"))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -100,6 +100,7 @@ class Engine:
         self.since = time.time()  # wall clock of the last state change
         self._outstanding = outstanding
         self._idle: list[asyncio.Future[None]] = []
+        self.early_tokens = 0  # a decoder: prompt tokens it holds early for this proxy (handoff)
 
     def __repr__(self) -> str:
         return f"Engine({self.name!r}, {self.role!r}, {self.url!r}, {self.state.value})"

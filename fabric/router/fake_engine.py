@@ -45,6 +45,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from fabric.router.fake_kv import FakeKvPort
+
 DEFAULT_MAX_TOKENS = 16
 CANARY_HEADER = "x-fabric-canary"
 
@@ -63,6 +65,11 @@ class FakeEngineConfig:
     counters off ``/metrics`` (an engine without the connector).
     ``count_loads``: False exports the counters but never moves them (a
     decoder whose metrics lag).
+    ``serve_kv``: a decoder serves its ``kv_endpoint`` (:mod:`fabric.router.
+    fake_kv`): it records the proxy's early-handoff word, and a request
+    admitted at dispatch (params without ``num_tokens``) waits for it as a
+    fabric decoder's load does: ``done`` counts a load, ``failed`` or a
+    word that runs out a load failure (then it "recomputes": the same answer).
     ``pad_bytes``: a non-streamed answer carries this many extra bytes.
     ``api_key``: the key ``/v1`` routes require. ``tokenize_delay_s``: wait
     before answering ``/tokenize``; ``tokenize_text``: answer it 200 with
@@ -88,6 +95,7 @@ class FakeEngineConfig:
     tokenize_text: str | None = None
     tokenize_status: int | None = None
     max_recorded: int = 1000
+    serve_kv: bool = False
 
 
 @dataclass
@@ -100,6 +108,8 @@ class FakeEngineState:
     loads_ok: int = 0
     load_failures: int = 0
     tokenized: int = 0  # /tokenize calls
+    kv: FakeKvPort | None = None  # serve_kv: the control port
+    early: dict[str, str] = field(default_factory=dict)  # transfer -> how its wait ended
 
     def record(self, path: str, request: Request, body: Any) -> None:
         """Remember one generation request (a canary apart)."""
@@ -146,6 +156,9 @@ def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
         title=f"fabric fake engine {config.name}", docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.fake = state
+    if config.serve_kv and config.kv_endpoint and config.role != "prefill":
+        kv = state.kv = FakeKvPort(config.kv_endpoint)
+        app.router.on_shutdown.append(kv.close)
 
     async def completions(request: Request) -> Response:
         return _unauthorized(state, request) or await _generate(state, request, chat=False)
@@ -222,7 +235,17 @@ async def _generate(state: FakeEngineState, request: Request, *, chat: bool) -> 
         return _error(400, "the body must be a JSON object")
     if body.get("model") != config.model:
         return _error(404, f"The model `{body.get('model')}` does not exist.")
-    state.count_load(body)
+    params = body.get("kv_transfer_params")
+    if state.kv is not None and isinstance(params, dict) and _early(params):
+        # NOTE: as a fabric decoder admitted at dispatch: wait for the word
+        tid = str(params["transfer_id"])
+        state.early[tid] = outcome = await state.kv.wait_prefill(tid, timeout_s=60)
+        if outcome == "done" and not config.load_fails:
+            state.loads_ok += 1
+        else:
+            state.load_failures += 1
+    else:
+        state.count_load(body)
     answer = _Answer.of(state.config, body, chat)
     if body.get("stream"):
         return StreamingResponse(
@@ -341,6 +364,16 @@ def count_prompt_tokens(prompt: Any) -> int:
     if isinstance(prompt, dict):
         return count_prompt_tokens(prompt.get("content") or "")
     return 1
+
+
+def _early(params: Any) -> bool:
+    """Whether ``params`` are an early handoff's (the proxy's, no ``num_tokens``)."""
+    return (
+        isinstance(params, dict)
+        and bool(params.get("do_remote_prefill"))
+        and isinstance(params.get("transfer_id"), str)
+        and "num_tokens" not in params
+    )
 
 
 def _returned_params(

@@ -1,6 +1,7 @@
-"""The two-step PD flow of one generation request.
+"""The PD flow of one generation request.
 
-::
+Early handoff (``proxy.handoff: early``, the default; see
+:mod:`fabric.router.handoff`)::
 
     client --body--> proxy
                        | pick (P, D) by policy; transfer_id = uuid4().hex
@@ -8,9 +9,23 @@
                        |--- body + max_tokens=1, stream=false,
                        |    kv_transfer_params{do_remote_decode, transfer_id,
                        |    decode_kv_endpoint=D} --------------------------> P
+                       |--- at once: body + kv_transfer_params{do_remote_
+                       |    prefill, transfer_id} -------------------------> D
+                       |<-- P's answer: only success or an error (told to D)
+    client <-----------|<-- JSON or SSE stream, relayed as it comes -------- D
+
+Sequential (``handoff: sequential``, or when D holds ``early_max_tokens``
+already)::
+
+                       |--- body + max_tokens=1 ... ------------------------> P
                        |<-- {..., kv_transfer_params: {...}} ---------------- P
                        |--- body + P's kv_transfer_params -----------------> D
     client <-----------|<-- JSON or SSE stream, relayed as it comes -------- D
+
+In the early flow a failed prefill (the same failures as below) is told
+to D at once, which recomputes the prompt (a fallback); the prefill leg
+runs beside D's and is cancelled (P aborts it) when the request ends
+before it, however it ends.
 
 If the prefill fails (unreachable, timeout, non-2xx, no free connection,
 an answer past ``max_answer_bytes``) or P returns no ``kv_transfer_params``,
@@ -73,6 +88,7 @@ from fabric.router.asgi import (
 )
 from fabric.router.engines import Engine, describe, is_drain_refusal
 from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_body
+from fabric.router.handoff import early_params
 from fabric.router.prefix import body_identity, lookup_all, prompt_token_ids
 from fabric.router.relay import (
     Relay,
@@ -117,6 +133,7 @@ async def serve_generation(
     try:
         await _serve_request(state, endpoint, head, transfer_id, record, receive, send)
     finally:
+        _cancel_early(record)
         if state.requests.get(transfer_id) is record:
             del state.requests[transfer_id]
 
@@ -240,6 +257,11 @@ async def _serve(
         if local:
             state.counters.local_decodes += 1
             params = None
+        elif prefill is not None and (tokens := _admit_early(state, decode, body, endpoint)):
+            params = early_params(transfer_id)
+            record.early = _start_early(
+                state, prefill, decode, endpoint, body, transfer_id, headers, tokens
+            )
         else:
             params = await _prefill_or_none(
                 state, prefill, decode, endpoint, body, transfer_id, headers
@@ -264,6 +286,7 @@ async def _serve(
         # another decoder computes the prompt itself (a fallback).
         if prefill is not None and params is not None:
             state.counters.fallbacks += 1
+        _cancel_early(record)
         logger.warning("%s: %s; %s computes the prompt", transfer_id, reason, retry.name)
         prefill, decode = None, retry
         tried.append(decode)
@@ -321,6 +344,64 @@ def _too_short(state: ProxyState, body: dict[str, Any], endpoint: Endpoint) -> b
     """Whether the prompt is below ``disaggregate_min_prompt_tokens`` (D computes it)."""
     minimum = state.config.disaggregate_min_prompt_tokens
     return minimum > 0 and estimate_prompt_tokens(body, endpoint) < minimum
+
+
+def _admit_early(
+    state: ProxyState, decode: Engine, body: dict[str, Any], endpoint: Endpoint
+) -> int:
+    """The prompt's estimated tokens if D takes it at dispatch, else 0
+    (sequential flow: ``handoff: sequential``, or D holds ``early_max_tokens``)."""
+    if state.config.handoff != "early" or decode.kv_endpoint is None:
+        return 0
+    tokens = max(1, estimate_prompt_tokens(body, endpoint))
+    limit = state.config.early_max_tokens
+    if limit and decode.early_tokens + tokens > limit:
+        state.counters.early_refused += 1
+        return 0
+    return tokens
+
+
+def _start_early(
+    state: ProxyState,
+    prefill: Engine,
+    decode: Engine,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    transfer_id: str,
+    headers: dict[str, str],
+    tokens: int,
+) -> asyncio.Task[None]:
+    """Start the prefill leg of an early handoff (see :mod:`fabric.router.handoff`)."""
+    kv_endpoint = decode.kv_endpoint
+    assert kv_endpoint is not None  # _admit_early checked
+    content = dump_json(prefill_body(body, transfer_id, kv_endpoint))
+    state.counters.early_handoffs += 1
+    decode.early_tokens += tokens
+    state.handoff.start(kv_endpoint, transfer_id)
+
+    async def leg() -> None:
+        ok, reason = False, "the request ended before its prefill"
+        try:
+            params, reason = await _call_prefill(state, prefill, endpoint, content, headers)
+            ok = params is not None
+            if not ok:
+                state.counters.fallbacks += 1
+                logger.warning(
+                    "%s: prefill on %s failed (%s); %s recomputes the prompt",
+                    transfer_id, prefill.name, reason, decode.name,
+                )  # fmt: skip
+        finally:
+            decode.early_tokens -= tokens
+            why = "" if ok else f"prefill on {prefill.name}: {reason}"
+            state.handoff.end(kv_endpoint, transfer_id, ok=ok, reason=why)
+
+    return asyncio.create_task(leg(), name=f"fabric-prefill-{transfer_id}")
+
+
+def _cancel_early(record: InFlight) -> None:
+    """Cancel the request's prefill leg if it still runs (P aborts the request)."""
+    if record.early is not None and not record.early.done():
+        record.early.cancel()
 
 
 async def _prefill_or_none(

@@ -20,7 +20,8 @@ by name (``decode-0``) or base URL; an unknown one raises ``LookupError``::
 Per-request state, all pruned however a request ends (see :meth:`tables`,
 exported as ``fabric_proxy_table_entries{table=...}`` and in
 ``/fabric/status``): ``requests`` (client requests in flight), ``streams``
-(decoder streams being relayed), ``canaries`` (readiness transfers in
+(decoder streams being relayed), ``early_transfers`` (transfers a decoder
+admitted at dispatch waits on, :mod:`fabric.router.handoff`), ``canaries`` (readiness transfers in
 flight), ``store_calls`` / ``store_waiters`` (store calls in a thread /
 waiting for a client, :mod:`fabric.router.stores`), ``pool_waiters`` /
 ``pool_busy`` (engine connections waited for / in use, httptools pool), and
@@ -38,6 +39,7 @@ import httpx
 
 from fabric.config import ProxyConfig
 from fabric.router.engines import Engine, EnginePool, probe_all
+from fabric.router.handoff import Handoff
 from fabric.router.policy import Routing
 from fabric.router.prefix import fabric_threads_down
 from fabric.router.ready import Readiness
@@ -66,7 +68,10 @@ class Counters:
     transfers that proved a P->D pair / that showed it broken / that could
     not tell (:mod:`fabric.router.canary`). ``drain_refusals``: engine
     answers that were a drain gate's 503 (the engine is marked draining;
-    a decode goes to another decoder).
+    a decode goes to another decoder). ``early_handoffs``: requests whose
+    decoder got them at dispatch (:mod:`fabric.router.handoff`);
+    ``early_refused``: ones that took the sequential flow because the
+    decoder held ``early_max_tokens`` already.
     """
 
     requests: int = 0
@@ -84,6 +89,8 @@ class Counters:
     canary_failures: int = 0
     canaries_unverified: int = 0
     drain_refusals: int = 0
+    early_handoffs: int = 0
+    early_refused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""
@@ -98,6 +105,7 @@ class InFlight:
     started: float  # loop time
     prefill: str | None = None
     decode: str | None = None
+    early: asyncio.Task[None] | None = None  # the prefill leg of an early handoff
 
 
 class ProxyState:
@@ -132,6 +140,7 @@ class ProxyState:
         self.prefill_timeouts = Timeouts(connect, config.prefill_timeout_s, pool_s)
         self.decode_timeouts = Timeouts(connect, config.decode_timeout_s, pool_s)
         self.requests: dict[str, InFlight] = {}  # transfer id -> request in flight
+        self.handoff = Handoff(self.stores.call)  # early handoffs' decoders waiting
         self.streams = 0  # decoder streams open (relay.Relay)
         self.tokenize_turn = 0  # which engine the next /tokenize goes to (prefix.py)
         self.readiness = Readiness(self)
@@ -183,6 +192,7 @@ class ProxyState:
     async def close_client(self) -> None:
         """Stop readiness checks; close the clients and the store clients."""
         await self.readiness.close()
+        await self.handoff.close()
         await self.stores.close()
         if self._engines is not None:
             await self._engines.aclose()
@@ -205,6 +215,7 @@ class ProxyState:
             "canaries": self.readiness.in_flight,
             "store_calls": self.stores.in_flight,
             "store_waiters": self.stores.waiting,
+            "early_transfers": self.handoff.waiting,
         }
         if self._engines is not None:
             tables |= self._engines.tables()

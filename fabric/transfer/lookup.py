@@ -203,6 +203,14 @@ class StoreClient:
         """Pin (or unpin) a prompt's leading chunks; chunks affected."""
         return self._done(proto.Pin(next(self._seq), list(token_ids), pin, identity.encode()))
 
+    def prefill_state(
+        self, request_ids: Sequence[str], state: str, *, ttl_ms: int, reason: str = ""
+    ) -> int:
+        """Tell a decoder how the prefills of ``request_ids`` stand
+        (``proto.PrefillState``); how many it recorded."""
+        msg = proto.PrefillState(next(self._seq), list(request_ids), state, ttl_ms, reason)
+        return self._done(msg)
+
     def stats(self) -> dict[str, int]:
         """The engine's store occupancy (``reserved``, ``filled``, ...) and counters."""
         reply = _expect(self._call(proto.Stats(next(self._seq))), proto.StatsReply)

@@ -43,6 +43,7 @@ class ServerStats:
     peers_pruned: int = 0
     internal_errors: int = 0
     faults_injected: int = 0
+    prefill_notes: int = 0
 
 
 @dataclass
@@ -64,3 +65,15 @@ class RequestProgress:
     def finished(self) -> bool:
         """Nothing more will change: complete, or a chunk failed, or expired."""
         return self.complete or bool(self.failed) or self.expired
+
+
+@dataclass(frozen=True)
+class PrefillNote:
+    """What the proxy last said of a transfer's prefill (``PrefillState``):
+    ``state`` (running, done, failed), when it said it (monotonic), and
+    until when a ``running`` holds."""
+
+    state: str
+    at: float
+    until: float
+    reason: str = ""

@@ -204,6 +204,31 @@ class Pin(msgspec.Struct, tag="pin", array_like=True, frozen=True):
     identity: IdentityBytes = b""
 
 
+class PrefillState(msgspec.Struct, tag="prefill_state", array_like=True, frozen=True):
+    """Proxy -> a decoder's transfer server: where the prefills of these
+    transfers stand, for the decoder's loads that wait for them (a decoder
+    admitted at dispatch allocates its blocks before the prefiller has
+    pushed anything). Needs no Hello. ``state``:
+
+    - ``running``: the prefiller has the request; expect its chunks, and
+      another word, within ``ttl_ms`` (the proxy says it again meanwhile);
+    - ``done``: the prefiller answered; what it pushed is on its way;
+    - ``failed``: nothing more will come (``reason``): fail the load now.
+
+    ``done`` and ``failed`` are final; a ``running`` after them changes nothing.
+    Answered with ``Done(count)``: the transfers recorded.
+    """
+
+    seq: int
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=4096)]
+    state: Name
+    ttl_ms: LeaseMs
+    reason: Name = ""
+
+
+PREFILL_STATES = ("running", "done", "failed")
+
+
 class Done(msgspec.Struct, tag="done", array_like=True, frozen=True):
     """Reply to Release/Clear/Pin: how many chunks (or holds) it touched."""
 
@@ -298,6 +323,7 @@ Message = (
     | Attached
     | Fetch
     | Fetching
+    | PrefillState
 )
 
 _encoder = msgspec.msgpack.Encoder()

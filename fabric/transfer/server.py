@@ -93,7 +93,7 @@ from fabric.transfer import protocol as proto
 from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
 from fabric.transfer.offload import BUSY, CLOSING, Offload
-from fabric.transfer.progress import RequestProgress, ServerStats
+from fabric.transfer.progress import PrefillNote, RequestProgress, ServerStats
 from fabric.transfer.tier_requests import TierRequest, blocks, is_admin, tier_reply
 
 if TYPE_CHECKING:
@@ -109,6 +109,9 @@ WARN_EVERY_S = 10.0
 ENDED_LINGER_S = 1.0  # an ended reservation's progress, kept for a consumer still polling
 TABLES_PREFIX = "tables."  # Stats keys of table sizes: tables.<name> -> entries
 CLOSE_TIMEOUT_S = 10.0  # how long close waits for blocking work running now
+MAX_PREFILL_NOTES = 65536  # transfers whose prefill state is kept at once
+PREFILL_NOTE_LINGER_S = 60.0  # a note is dropped this long after it ran out (or was final)
+MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
 
 
 class TransferServer:
@@ -157,6 +160,8 @@ class TransferServer:
         self._next_prune = 0.0
         self._progress: dict[str, RequestProgress] = {}
         self._ended: dict[str, float] = {}  # request -> when its reservation was found gone
+        self._prefills: dict[str, PrefillNote] = {}  # transfer -> the proxy's last word
+        self._events = 0  # bumped on every change a consumer may wait for
         self._offload = offload if offload is not None else Offload()
         self._admin = (
             admin if admin is not None else Offload(threads=1, max_queued=16, name="fabric-admin")
@@ -208,11 +213,36 @@ class TransferServer:
                     return prog
                 self._cond.wait(left)
 
+    def wait_change(self, seen: int, timeout: float) -> int:
+        """Block until something changed since event count ``seen`` (a chunk
+        landed, verified or failed, a Reserve, an expiry, a prefill note,
+        :meth:`wake`) or ``timeout`` s passed; returns the count now."""
+        with self._cond:
+            if self._events == seen:
+                self._cond.wait(timeout)
+            return self._events
+
+    def events(self) -> int:
+        """The event count now (for :meth:`wait_change`)."""
+        with self._cond:
+            return self._events
+
+    def wake(self) -> None:
+        """Wake whoever waits in :meth:`wait_change` (e.g. new work for it)."""
+        with self._cond:
+            self._notify()
+
+    def prefill_note(self, request_id: str) -> PrefillNote | None:
+        """What the proxy last said of the prefill of transfer ``request_id``."""
+        with self._cond:
+            return self._prefills.get(request_id)
+
     def release(self, request_id: str) -> None:
         """The consumer is done with a reservation's chunks."""
         with self._cond:
             self._progress.pop(request_id, None)
             self._ended.pop(request_id, None)
+            self._prefills.pop(request_id, None)
         self.store.release(request_id)
 
     def table_sizes(self) -> dict[str, int]:
@@ -221,6 +251,7 @@ class TransferServer:
         prefixed by component)."""
         with self._cond:
             sizes = {"server_progress": len(self._progress), "server_ended": len(self._ended)}
+            sizes["server_prefills"] = len(self._prefills)
         sizes["server_peers"] = len(self._peer_seen)
         sizes["server_offload"] = self._offload.pending()
         sizes["server_admin"] = self._admin.pending()
@@ -412,6 +443,8 @@ class TransferServer:
             return self._on_tier(identity, msg)
         if isinstance(msg, proto.Stats):
             return proto.StatsReply(msg.seq, self.snapshot())
+        if isinstance(msg, proto.PrefillState):
+            return self._on_prefill_state(msg)
         if identity not in self._peers:
             self.stats.refused += 1
             return proto.Refused(getattr(msg, "seq", -1), "", "no_hello", "send Hello first")
@@ -480,7 +513,7 @@ class TransferServer:
         with self._cond:
             self._progress[msg.request_id] = RequestProgress(msg.request_id, expected)
             self._ended.pop(msg.request_id, None)
-            self._cond.notify_all()
+            self._notify()
         return proto.Reserved(
             msg.seq,
             msg.request_id,
@@ -489,6 +522,54 @@ class TransferServer:
             list(res.already_present),
             msg.lease_ms,
         )
+
+    def _on_prefill_state(self, msg: proto.PrefillState) -> proto.Message:
+        """Record the proxy's word on the prefills of ``msg.request_ids``
+        (the loader reads it: :meth:`prefill_note`). ``done`` and ``failed``
+        are final; past ``MAX_PREFILL_NOTES`` new transfers are not recorded."""
+        if msg.state not in proto.PREFILL_STATES:
+            self.stats.refused += 1
+            reason = f"prefill state {msg.state[:64]!r} is not one of {proto.PREFILL_STATES}"
+            return proto.Refused(msg.seq, "", "bad_request", reason)
+        now = time.monotonic()
+        until = now + min(msg.ttl_ms / 1000, MAX_RUNNING_S)
+        note = PrefillNote(msg.state, now, until, msg.reason[:MAX_REASON_CHARS])
+        recorded = full = 0
+        with self._cond:
+            for rid in msg.request_ids:
+                old = self._prefills.get(rid)
+                if old is not None and old.state != "running":
+                    continue  # NOTE: final; a late "running" (reordered) changes nothing
+                if old is None and len(self._prefills) >= MAX_PREFILL_NOTES:
+                    full += 1
+                    continue
+                self._prefills[rid] = note
+                recorded += 1
+            if recorded:
+                self._notify()
+        self.stats.prefill_notes += recorded
+        if full:
+            self._warn(
+                "prefill_notes", "%d prefill notes not kept: %d kept", full, len(self._prefills)
+            )
+        return proto.Done(msg.seq, recorded)
+
+    def _prune_prefills(self, now: float) -> None:
+        """Drop the notes that ran out (or were final) ``PREFILL_NOTE_LINGER_S`` ago."""
+        with self._cond:
+            stale = [
+                rid
+                for rid, note in self._prefills.items()
+                if now - (note.until if note.state == "running" else note.at)
+                > PREFILL_NOTE_LINGER_S
+            ]
+            for rid in stale:
+                del self._prefills[rid]
+
+    def _notify(self) -> None:
+        """Wake the waiters (caller holds ``_cond``)."""
+        self._events += 1
+        self._cond.notify_all()
 
     def snapshot(self) -> dict[str, int]:
         """Store occupancy and every counter, flat (``Stats`` answers with it)."""
@@ -547,7 +628,7 @@ class TransferServer:
             prog = self._progress.get(msg.request_id)
             if prog is not None:
                 prog.landed.update(msg.indices)
-                self._cond.notify_all()
+                self._notify()
         self._verify_q.put(msg)
 
     def _warn(self, kind: str, message: str, *args: object) -> None:
@@ -586,6 +667,7 @@ class TransferServer:
         if self.tier is not None:
             self.tier.expire_holds()
         self._end_gone(now)
+        self._prune_prefills(now)
 
     def _end_gone(self, now: float) -> None:
         """Progress whose reservation the store no longer holds (its lease ran
@@ -602,7 +684,7 @@ class TransferServer:
                     del self._progress[rid], self._ended[rid]
                     changed = True
             if changed:
-                self._cond.notify_all()
+                self._notify()
 
     def _forget(self, request_id: str, *, expired: bool) -> None:
         with self._cond:
@@ -610,7 +692,7 @@ class TransferServer:
             self._ended.pop(request_id, None)
             if prog is not None and expired:
                 prog.expired = True
-            self._cond.notify_all()
+            self._notify()
 
     # ------------------------------------------------------------ verifier
     def _verify(self) -> None:
@@ -648,4 +730,4 @@ class TransferServer:
                     self.stats.bytes_filled += self.store.slot_nbytes(res.slots[index])
             else:
                 prog.failed.add(index)
-            self._cond.notify_all()
+            self._notify()

@@ -115,11 +115,18 @@ def dead_url() -> str:
 
 
 def topology(
-    prefill_urls: list[str], decode_urls: list[str], **proxy: Any
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    kv_ports: list[int] | None = None,
+    **proxy: Any,
 ) -> tuple[TopologyConfig, list[int]]:
-    """A topology of running engines; returns it and the decoders' kv ports."""
-    kv_ports = [free_port() for _ in decode_urls]
-    proxy_config = {"port": None, "health_interval_s": 0, **proxy}
+    """A topology of running engines; returns it and the decoders' kv ports.
+
+    NOTE: ``handoff: sequential`` unless a test asks otherwise: most fake
+    decoders serve no kv port (the early handoff's tests start ones that do).
+    """
+    kv_ports = kv_ports or [free_port() for _ in decode_urls]
+    proxy_config = {"port": None, "health_interval_s": 0, "handoff": "sequential", **proxy}
     data = {
         "prefill": [{"url": url} for url in prefill_urls],
         "decode": [

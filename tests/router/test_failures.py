@@ -22,15 +22,16 @@ def metric(client: httpx.Client, proxy_url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-@pytest.mark.parametrize(
-    "prefill",
-    [
-        pytest.param(None, id="prefill-down"),
-        pytest.param({"fail_status": 500}, id="prefill-500"),
-        pytest.param({"kv_params": False}, id="no-kv-params"),
-        pytest.param({"delay_s": 2.0}, id="prefill-timeout"),
-    ],
-)
+PREFILL_FAILURES = [
+    pytest.param(None, id="prefill-down"),
+    pytest.param({"fail_status": 500}, id="prefill-500"),
+    pytest.param({"kv_params": False}, id="no-kv-params"),
+    pytest.param({"delay_s": 2.0}, id="prefill-timeout"),  # NOTE: tests bound P by 0.5 s
+]
+"""Fake prefillers that fail (None: unreachable), to parametrize ``prefill`` with."""
+
+
+@pytest.mark.parametrize("prefill", PREFILL_FAILURES)
 @pytest.mark.parametrize("stream", [False, True])
 def test_failed_prefill_falls_back_to_the_decoder(
     start_engine: StartEngine,

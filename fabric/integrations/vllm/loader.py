@@ -6,7 +6,22 @@ soon as the transfer server verified it (or at once when the store already
 held it), and reports the request finished. Every wait is bounded: a
 transfer never heard of fails after ``unknown_transfer_grace_s``, a known
 one after ``load_timeout_s``; a checksum failure or an expired lease fails
-at once. A failed load is logged, counted, and reported to vLLM, which
+at once.
+
+A decoder admitted at dispatch (the proxy sent it the request with the
+prefill's) waits while the prefiller still computes; the proxy says how the
+prefill stands (``PrefillState``, kept by the server: :meth:`TransferServer.
+prefill_note`), and the bounds follow it::
+
+    no word (sequential flow)   bounds counted from the load's start
+    running, said again in time no bound: the prefiller has it and computes
+    running, word ran out       fail now (the prefiller or the proxy is gone)
+    done                        bounds counted from when the prefill ended
+    failed                      fail now: vLLM recomputes at once
+
+The thread sleeps until the server reports a change (a chunk landed,
+verified or failed, a Reserve, a prefill note) or new work comes, at most
+``IDLE_WAIT_S``: no fixed polling. A failed load is logged, counted, and reported to vLLM, which
 recomputes the prompt (``kv_load_failure_policy: recompute``).
 
 Before a byte is used the loader checks that the transfer is this prompt's:
@@ -60,8 +75,11 @@ if TYPE_CHECKING:
     from fabric.kv import KVLayout
     from fabric.store import ChunkStore
     from fabric.transfer import TransferServer
+    from fabric.transfer.progress import PrefillNote
 
 logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # the longest the thread sleeps with loads active (bounds are checked then)
 
 
 def unpack_slot(
@@ -144,12 +162,15 @@ class Loader:
 
     def submit(self, plan: LoadPlan) -> None:
         self._plans.put(plan)
+        self.server.wake()
 
     def finished(self, req_ids: set[str]) -> None:
         """vLLM is done with these requests (``finished_req_ids``): a load
         still active for one is ended (released, reported failed)."""
         for rid in req_ids:
             self._ended.put(rid)
+        if req_ids:
+            self.server.wake()
 
     def table_sizes(self) -> dict[str, int]:
         """Loads queued, active, and finished but not yet reported (name -> entries)."""
@@ -189,6 +210,7 @@ class Loader:
                 self._stop.wait(0.01)
 
     def _round(self) -> None:
+        seen = self.server.events()  # NOTE: before any look: a change during the round wakes
         self._take_plans(block=not self._active)
         self._take_ended()  # NOTE: after the plans: a plan always comes before its end
         for load in list(self._active.values()):
@@ -199,9 +221,7 @@ class Loader:
                 logger.exception("fabric load thread: serving %s failed", load.plan.req_id)
                 self._abandon(load, f"{type(exc).__name__}: {exc}")
         if self._active:
-            # Woken by the server on every landed/verified chunk.
-            rid = next(iter(self._active.values())).plan.transfer_id
-            self.server.wait_until(rid, lambda p: False, 0.002)
+            self.server.wait_change(seen, IDLE_WAIT_S)
 
     def _abandon(self, load: _Load, why: str) -> None:
         """Fail ``load`` even if its normal finish raises too."""
@@ -281,12 +301,23 @@ class Loader:
 
     def _step(self, load: _Load) -> None:
         tid = load.plan.transfer_id
+        note = self.server.prefill_note(tid)
+        if note is not None and note.state == "failed":
+            self._finish(load, ok=False, why=f"the prefill of {tid} failed: {note.reason}")
+            return
         prog = self.server.progress(tid)
         res = self.store.reservation(tid)
-        elapsed = time.monotonic() - load.started
+        now = time.monotonic()
+        elapsed = now - load.started
         if prog is None or res is None:
-            if elapsed > self.unknown_grace_s:
-                self._finish(load, ok=False, why=f"no transfer {tid} reached this engine")
+            overdue = self._overdue(load, note, now, self.unknown_grace_s)
+            if overdue:
+                why = (
+                    overdue
+                    if isinstance(overdue, str)
+                    else f"no transfer {tid} reached this engine"
+                )
+                self._finish(load, ok=False, why=why)
             return
         if res.keys != load.keys:  # NOTE: every step: a Reserve anew must match too
             self.counters.add(refused_transfers=1)
@@ -308,13 +339,28 @@ class Loader:
                 return
         if len(load.done) == len(load.chunks):
             self._finish(load, ok=True)
-        elif elapsed > self.load_timeout_s:
+        elif overdue := self._overdue(load, note, now, self.load_timeout_s):
             missing = sorted(set(load.chunks) - load.done)
             why = (
                 f"chunk(s) {missing} of {tid} not in after {elapsed:.1f} s "
                 f"(landed {sorted(prog.landed)}, verified {sorted(prog.filled)})"
             )
-            self._finish(load, ok=False, why=why)
+            self._finish(load, ok=False, why=why if overdue is True else f"{overdue}; {why}")
+
+    @staticmethod
+    def _overdue(load: _Load, note: PrefillNote | None, now: float, bound: float) -> bool | str:
+        """Whether ``load`` waited past ``bound`` (see the module docstring):
+        False, True, or why (a ``running`` word that ran out)."""
+        if note is None:
+            return now - load.started > bound
+        if note.state == "running":
+            if now <= note.until:
+                return False
+            return (
+                f"no word of the prefill of {load.plan.transfer_id} for "
+                f"{now - note.at:.1f} s (its prefiller or the proxy is gone)"
+            )
+        return now - max(load.started, note.at) > bound
 
     def _foreign(self, load: _Load, keys: tuple[bytes, ...]) -> str:
         """Why the transfer's ``keys`` are not this prompt's ("" when they are)."""

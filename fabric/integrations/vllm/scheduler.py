@@ -442,10 +442,14 @@ class FabricScheduler:
         return num_tokens - num_computed_tokens, True
 
     def _refuse_params(self, params: dict[str, Any], num_tokens: int) -> str:
-        """Why P's ``kv_transfer_params`` cannot describe this prompt ("" if they can)."""
+        """Why P's ``kv_transfer_params`` cannot describe this prompt ("" if they can).
+
+        An early handoff's params (the proxy's, at dispatch: the prefill has
+        not run) carry no ``num_tokens`` or ``chunk_tokens``; the loader's
+        check that the pushed chunk keys are this prompt's covers both."""
         if not isinstance(params.get("transfer_id"), str):
             return f"kv_transfer_params {params} name no transfer_id"
-        if params.get("num_tokens") != num_tokens:
+        if "num_tokens" in params and params["num_tokens"] != num_tokens:
             pushed = params.get("num_tokens")
             return f"the prefiller pushed {pushed} tokens, the prompt has {num_tokens}"
         chunk_tokens = params.get("chunk_tokens", self.config.chunk_tokens)
