@@ -1,0 +1,189 @@
+"""Early handoff on real vLLM: the decoder gets its request at dispatch.
+
+Engines (tiny model), each computing at most 256 tokens per step (the
+same numerics for a prompt, wherever it is computed): a colocated oracle; a
+prefiller (so a long prompt's prefill spans many steps, and its
+chunks are pushed while it still computes); a decoder. The proxy (in this
+process) sends D each request at dispatch (``handoff: early``, the
+default). Every answer must equal the colocated engine's, however the
+prefill ends: done, P killed mid-prefill (D recomputes once the proxy
+tells it), the client gone during the prefill (P and D drop it, D's
+blocks are free again), or D out of early budget (the sequential flow).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fabric.launch.process import free_port
+from fabric.transfer.lookup import StoreClient
+from tests.e2e._engines import Engine, EngineFactory
+from tests.e2e._pd import Proxy, assert_same, body, complete, kv_config, metric, prompt_ids
+
+pytestmark = pytest.mark.e2e
+
+LONG = 3800  # tokens: 15 prefill steps of 256 on P
+STEP_TOKENS = ["--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
+
+
+class Cluster:
+    def __init__(self, engines: EngineFactory, model_dir: Path) -> None:
+        self.kv_port = free_port()
+        specs: dict[str, dict[str, Any]] = {
+            # NOTE: the oracle chunks its prefill as P does: the same numerics
+            "colocated": {"cpu_cores": "0", "extra_args": STEP_TOKENS},
+            "prefill": {
+                "cpu_cores": "0",
+                "kv_transfer_config": kv_config("kv_producer"),
+                "extra_args": STEP_TOKENS,
+            },
+            "decode": {
+                "cpu_cores": "1",
+                "kv_transfer_config": kv_config("kv_consumer", kv_port=self.kv_port),
+                "extra_args": STEP_TOKENS,  # NOTE: a prompt it recomputes: the same numerics
+            },
+        }
+        self.engines: dict[str, Engine] = engines.start_many(model_dir, specs)
+        self.proxies: list[Proxy] = []
+
+    def proxy(self, **settings: Any) -> Proxy:
+        proxy = Proxy(
+            [self.engines["prefill"].base_url],
+            [(self.engines["decode"].base_url, self.kv_port)],
+            **settings,
+        )
+        self.proxies.append(proxy)
+        return proxy
+
+    def want(self, prompt: list[int]) -> tuple[list[int], list[float]]:
+        return complete(self.engines["colocated"].url("/v1/completions"), body(prompt))
+
+    def d_stats(self) -> dict[str, int]:
+        with StoreClient(f"tcp://127.0.0.1:{self.kv_port}", timeout_ms=10_000) as store:
+            return store.stats()
+
+    def d_log(self) -> str:
+        return Path(self.engines["decode"].process.log_path).read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def cluster(engines: EngineFactory, tiny_model_dir: Path) -> Iterator[Cluster]:
+    c = Cluster(engines, tiny_model_dir)
+    yield c
+    for proxy in c.proxies:
+        proxy.stop()
+
+
+def proxy_counter(proxy: Proxy, name: str) -> float:
+    text = httpx.get(proxy.url("/metrics"), timeout=10).text
+    match = re.search(rf"^fabric_proxy_{name}_total (\S+)$", text, re.M)
+    assert match, f"fabric_proxy_{name}_total not in /metrics"
+    return float(match.group(1))
+
+
+def wait_idle(engine_url: str, timeout: float = 60.0) -> None:
+    """Until the engine runs and waits for no request and holds no KV block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = (
+            metric(engine_url, "vllm:num_requests_running")
+            + metric(engine_url, "vllm:num_requests_waiting")
+            + metric(engine_url, "vllm:kv_cache_usage_perc")
+        )
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, f"{engine_url} still busy: {busy}"
+        time.sleep(0.2)
+
+
+def test_early_admitted_requests_equal_colocated(cluster: Cluster) -> None:
+    d_url = cluster.engines["decode"].base_url
+    proxy = cluster.proxy()
+    before_ok = metric(d_url, "vllm:fabric_loads_ok_total")
+    words = cluster.d_stats()["server_prefill_notes"]
+    lengths = [300, 700, 1300, LONG]
+    for i, n in enumerate(lengths):
+        prompt = prompt_ids(n, seed=5000 + i)
+        got = complete(proxy.url("/v1/completions"), body(prompt, stream=i % 2 == 1))
+        assert_same(got, cluster.want(prompt))
+    assert metric(d_url, "vllm:fabric_loads_ok_total") - before_ok == len(lengths)
+    assert metric(d_url, "vllm:fabric_load_failures_total") == 0
+    assert proxy_counter(proxy, "early_handoffs") == len(lengths)
+    assert proxy_counter(proxy, "fallbacks") == 0
+    # NOTE: D heard the proxy's word: running at dispatch, done after P answered
+    assert cluster.d_stats()["server_prefill_notes"] - words >= 2 * len(lengths)
+
+
+def test_a_decoder_out_of_early_budget_takes_the_sequential_flow(cluster: Cluster) -> None:
+    d_url = cluster.engines["decode"].base_url
+    proxy = cluster.proxy(early_max_tokens=1)
+    before_ok = metric(d_url, "vllm:fabric_loads_ok_total")
+    prompt = prompt_ids(900, seed=5100)
+    assert_same(complete(proxy.url("/v1/completions"), body(prompt)), cluster.want(prompt))
+    assert proxy_counter(proxy, "early_refused") == 1
+    assert proxy_counter(proxy, "early_handoffs") == 0
+    assert metric(d_url, "vllm:fabric_loads_ok_total") - before_ok == 1
+
+
+def test_a_client_gone_during_the_prefill_frees_p_and_d(cluster: Cluster) -> None:
+    proxy = cluster.proxy()
+    payload = json.dumps(body(prompt_ids(LONG, seed=5200)) | {"max_tokens": 200}).encode()
+    filled = cluster.d_stats()["server_chunks_filled"]
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as client:
+        client.sendall(head.encode() + payload)
+        _wait_until(lambda: cluster.d_stats()["server_chunks_filled"] > filled)
+        # NOTE: some chunks landed on D: P is mid-prefill; the client leaves now
+    for name in ("prefill", "decode"):
+        wait_idle(cluster.engines[name].base_url)
+    assert cluster.d_stats()["reserved"] == 0
+    _wait_until(lambda: _tables(proxy)["requests"] == 0 and _tables(proxy)["early_transfers"] == 0)
+    assert proxy_counter(proxy, "client_disconnects") == 1
+
+
+def _tables(proxy: Proxy) -> dict[str, int]:
+    return dict(httpx.get(proxy.url("/fabric/status"), timeout=10).json()["tables"])
+
+
+def test_p_killed_mid_prefill_d_recomputes_when_told(cluster: Cluster) -> None:
+    """Runs last: it kills the prefiller once some of the prompt's chunks landed on D."""
+    proxy = cluster.proxy()
+    prompt = prompt_ids(LONG, seed=5300)
+    want = cluster.want(prompt)
+    filled = cluster.d_stats()["server_chunks_filled"]
+    result: list[tuple[list[int], list[float]]] = []
+    request = threading.Thread(
+        target=lambda: result.append(complete(proxy.url("/v1/completions"), body(prompt)))
+    )
+    request.start()
+    _wait_until(lambda: cluster.d_stats()["server_chunks_filled"] > filled)
+    killed = time.monotonic()
+    cluster.engines["prefill"].process.stop(timeout=0)  # SIGKILL mid-prefill
+    request.join(120)
+    print(f"answer {time.monotonic() - killed:.1f} s after the kill")
+    assert result, "the request did not finish"
+    assert_same(result[0], want)
+    # NOTE: the load failed on the proxy's word, not on a bound running out
+    log = cluster.d_log()
+    assert re.search(r"the prefill of \S+ failed: prefill on p0: ", log), log[-3000:]
+    assert proxy_counter(proxy, "fallbacks") == 1
+
+
+def _wait_until(predicate: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
