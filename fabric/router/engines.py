@@ -45,6 +45,7 @@ import enum
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -101,6 +102,9 @@ class Engine:
         self._outstanding = outstanding
         self._idle: list[asyncio.Future[None]] = []
         self.early_tokens = 0  # a decoder: prompt tokens it holds early for this proxy (handoff)
+        self.legs: set[asyncio.Task[None]] = set()  # a prefiller: its early handoffs' prefills
+        self.kv_tokens: int | None = None  # a decoder: its KV cache in tokens (vLLM's /metrics)
+        self._kv_tokens_epoch = -1  # the epoch kv_tokens was read in
 
     def __repr__(self) -> str:
         return f"Engine({self.name!r}, {self.role!r}, {self.url!r}, {self.state.value})"
@@ -147,13 +151,17 @@ class Engine:
         return True
 
     def mark_down(self, reason: str) -> None:
-        """Record a failure; logged once per transition."""
+        """Record a failure; logged once per transition. A prefiller's early
+        handoff legs are cancelled: their decoders are told at once and
+        recompute (a stuck prefiller would hold their blocks)."""
         if self.healthy:
             logger.warning("engine %s (%s) marked down: %s", self.name, self.url, reason)
             self.since = time.time()
         self.healthy = False
         self.answered = False
         self.last_error = reason
+        for leg in list(self.legs):
+            leg.cancel()
 
     def mark_up(self) -> None:
         """Record a successful probe; logged once per transition. Ends a drain
@@ -264,7 +272,25 @@ async def probe(
         engine.mark_down(broken)
         return False
     engine.mark_up()
+    if engine.role != "prefill" and engine._kv_tokens_epoch != engine.epoch:
+        await _read_kv_tokens(client, engine, timeout_s)
     return True
+
+
+KV_TOKENS = re.compile(r'^vllm:cache_config_info\{[^}]*kv_cache_size_tokens="(\d+)"', re.M)
+
+
+async def _read_kv_tokens(client: httpx.AsyncClient, engine: Engine, timeout_s: float) -> None:
+    """A decoder's KV cache size in tokens, once per time it comes up (vLLM
+    exports it as ``vllm:cache_config_info{kv_cache_size_tokens=...}``); the
+    early handoff's default budget. Left unknown when it cannot be read."""
+    try:
+        response = await client.get(f"{engine.url}/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return
+    match = KV_TOKENS.search(response.text) if response.status_code == 200 else None
+    engine._kv_tokens_epoch = engine.epoch
+    engine.kv_tokens = int(match.group(1)) if match else None
 
 
 async def probe_all(

@@ -70,6 +70,7 @@ class FakeEngineConfig:
     admitted at dispatch (params without ``num_tokens``) waits for it as a
     fabric decoder's load does: ``done`` counts a load, ``failed`` or a
     word that runs out a load failure (then it "recomputes": the same answer).
+    ``refuse_words``: its kv port refuses the word (an older fabric decoder).
     ``pad_bytes``: a non-streamed answer carries this many extra bytes.
     ``api_key``: the key ``/v1`` routes require. ``tokenize_delay_s``: wait
     before answering ``/tokenize``; ``tokenize_text``: answer it 200 with
@@ -96,6 +97,7 @@ class FakeEngineConfig:
     tokenize_status: int | None = None
     max_recorded: int = 1000
     serve_kv: bool = False
+    refuse_words: bool = False
 
 
 @dataclass
@@ -157,7 +159,7 @@ def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
     )
     app.state.fake = state
     if config.serve_kv and config.kv_endpoint and config.role != "prefill":
-        kv = state.kv = FakeKvPort(config.kv_endpoint)
+        kv = state.kv = FakeKvPort(config.kv_endpoint, refuse_words=config.refuse_words)
         app.router.on_shutdown.append(kv.close)
 
     async def completions(request: Request) -> Response:

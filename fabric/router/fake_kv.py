@@ -4,8 +4,9 @@ It speaks the fabric control protocol as far as the proxy uses it with a
 decoder: ``PrefillState`` (the early handoff's word, recorded and answered
 ``Done``, with the server's rules: ``done`` and ``failed`` final) and
 ``Stats`` (the health probe's ``threads_down``: 0). Anything else is
-refused. :meth:`FakeKvPort.wait_prefill` is what a fabric decoder's loader
-does with the word: wait while the prefill is said running, end on
+refused, and with ``refuse_words`` so is ``PrefillState`` (as a fabric
+decoder without early handoff answers it). :meth:`FakeKvPort.wait_prefill`
+is what a fabric decoder's loader does with the word: wait while the prefill is said running, end on
 ``done`` or ``failed``, or when the word runs out.
 """
 
@@ -34,7 +35,8 @@ class Word:
 class FakeKvPort:
     """A ZMQ ROUTER on ``endpoint`` (tcp://host:port), served by a thread."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, refuse_words: bool = False) -> None:
+        self.refuse_words = refuse_words
         self.codec = proto.Codec()
         self.words: dict[str, Word] = {}
         self.said: list[tuple[str, str]] = []  # (transfer, state) in the order received
@@ -90,7 +92,7 @@ class FakeKvPort:
             return proto.Refused(-1, "", "bad_message", str(exc))
         if isinstance(msg, proto.Stats):
             return proto.StatsReply(msg.seq, {"threads_down": 0})
-        if not isinstance(msg, proto.PrefillState):
+        if not isinstance(msg, proto.PrefillState) or self.refuse_words:
             return proto.Refused(getattr(msg, "seq", -1), "", "bad_message", "fake: not served")
         recorded = 0
         until = time.monotonic() + msg.ttl_ms / 1000

@@ -21,34 +21,50 @@ fixed ``load_timeout_s``: while the proxy keeps saying ``running`` (every
 the word stops (the proxy died) it fails within ``RUNNING_TTL_MS``; once P
 answered, the usual bounds count from then (see
 :mod:`fabric.integrations.vllm.loader`). A P that dies, times out, answers
-an error or no ``kv_transfer_params`` is a failure the proxy reports at
-once.
+an error or no ``kv_transfer_params``, or is marked down by the health
+probe (its legs are cancelled), is a failure the proxy reports at once.
 
-Admission: D holds the prompt's blocks for the whole prefill, so a
-decoder admits early at most ``proxy.early_max_tokens`` estimated prompt
-tokens at once from this proxy (0: no bound); past it the request takes the
-sequential flow (D after P answers), counted as ``early_refused``.
+Admission: D holds the prompt's blocks for the whole prefill, and vLLM
+never preempts a request waiting for remote KV, so a decoder admits early
+at most ``proxy.early_max_tokens`` estimated prompt tokens at once from
+this proxy (0: no bound); past it the request takes the sequential flow (D
+after P answers), counted as ``early_refused``. So does a decoder whose
+kv port refused a word (a fabric release without early handoff: it would
+refuse the params and compute every prompt while P computes it too), until
+``REFUSED_RETRY_S``, and one whose kv port stopped answering words, until
+one is answered again (an empty word asks it every ``HEARTBEAT_S``).
 
-:class:`Handoff` keeps the transfers D waits on, by D's kv endpoint (the
-``early_transfers`` table), and says the word about them.
+The words go over clients of their own (:class:`~fabric.router.stores.StoreCalls`
+bounded by ``WORD_TIMEOUT_MS``), so cache-aware lookups that time out never
+back them off, and the reverse. :class:`Handoff` keeps the transfers D
+waits on, by D's kv endpoint (the ``early_transfers`` table), and says the
+word about them; words that did not go through are counted
+(``prefill_words_failed``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fabric.errors import FabricError
+from fabric.errors import FabricError, PeerUnreachable
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 """How often the proxy says ``running`` for the transfers D waits on."""
 
-RUNNING_TTL_MS = 2500
+RUNNING_TTL_MS = 4000
 """How long one ``running`` holds on D: a dead proxy's loads fail this long after its last word."""
+
+WORD_TIMEOUT_MS = 1000
+"""Bound of one word's call."""
+
+REFUSED_RETRY_S = 60.0
+"""How long a decoder that refused a word gets the sequential flow before it is tried again."""
 
 FINAL_TTL_MS = 1
 """``ttl_ms`` of ``done`` and ``failed`` (final: the ttl means nothing there)."""
@@ -80,8 +96,20 @@ class Handoff:
         self.call = call
         self.heartbeat_s = heartbeat_s
         self.running: dict[str, set[str]] = {}  # D's kv endpoint -> transfers it waits on
+        self.refused: dict[str, float] = {}  # kv endpoint that refused a word -> retry after
+        self.silent: set[str] = set()  # kv endpoints whose last word got no answer
         self._sends: set[asyncio.Task[None]] = set()
         self.failed_words = 0  # PrefillState calls that did not go through
+
+    def admits(self, endpoint: str) -> bool:
+        """Whether the decoder at ``endpoint`` takes early handoffs now."""
+        if endpoint in self.silent:
+            return False
+        until = self.refused.get(endpoint)
+        if until is not None and time.monotonic() < until:
+            return False
+        self.refused.pop(endpoint, None)
+        return True
 
     @property
     def waiting(self) -> int:
@@ -107,10 +135,16 @@ class Handoff:
         """Say ``running`` for every waited-on transfer every ``heartbeat_s``, until cancelled."""
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self.beat()
+            try:
+                self.beat()
+            except Exception:  # NOTE: a bug must not stop the words (D's loads would fail)
+                logger.exception("early handoff: a round of words failed; going on")
 
     def beat(self) -> None:
-        """One round of ``running`` words (one message per decoder and 1024 transfers)."""
+        """One round of ``running`` words (one message per decoder and 1024
+        transfers), and an empty one to each silent decoder waiting on none."""
+        for endpoint in self.silent - set(self.running):
+            self._send(endpoint, [], "running", RUNNING_TTL_MS, "")
         for endpoint, ids in self.running.items():
             listed = sorted(ids)
             for at in range(0, len(listed), MAX_IDS_PER_MESSAGE):
@@ -132,9 +166,21 @@ class Handoff:
     ) -> None:
         try:
             await self.call(endpoint, "prefill_state", ids, state, ttl_ms=ttl_ms, reason=reason)
-        except FabricError as exc:
+        except PeerUnreachable as exc:
             # NOTE: D's loads then run out of word and fail (vLLM recomputes)
             self.failed_words += 1
+            self.silent.add(endpoint)
             logger.debug(
                 "prefill state %s of %d transfer(s) to %s: %s", state, len(ids), endpoint, exc
             )
+        except FabricError as exc:
+            self.failed_words += 1
+            if endpoint not in self.refused:
+                logger.warning(
+                    "decoder at %s refused the early handoff's word (%s): it gets the "
+                    "sequential flow until it restarts",
+                    endpoint, exc,
+                )  # fmt: skip
+            self.refused[endpoint] = time.monotonic() + REFUSED_RETRY_S
+        else:
+            self.silent.discard(endpoint)

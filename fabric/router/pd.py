@@ -109,6 +109,7 @@ from fabric.router.requests import (
     prefill_body,
 )
 from fabric.router.state import InFlight, ProxyState
+from fabric.router.transport import Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -274,8 +275,9 @@ async def _serve(
     tried = [decode]
     while True:
         try:
+            timeouts = state.decode_timeouts if record.early is None else state.early_timeouts
             return await _send_decode(
-                state, prefill, decode, endpoint, body, content, headers, deadline
+                state, prefill, decode, endpoint, body, content, headers, deadline, timeouts
             )
         except ProxyError as exc:
             retry = _other_decoder(state, tried) if exc.retryable else None
@@ -287,6 +289,7 @@ async def _serve(
         if prefill is not None and params is not None:
             state.counters.fallbacks += 1
         _cancel_early(record)
+        record.early = None
         logger.warning("%s: %s; %s computes the prompt", transfer_id, reason, retry.name)
         prefill, decode = None, retry
         tried.append(decode)
@@ -304,12 +307,16 @@ async def _send_decode(
     content: bytes,
     headers: dict[str, str],
     deadline: float,
+    timeouts: Timeouts,
 ) -> Answer | Relay:
-    """D's answer: a stream to relay (see :mod:`fabric.router.relay`) or whole."""
+    """D's answer: a stream to relay (see :mod:`fabric.router.relay`) or whole.
+
+    ``timeouts``: an early handoff's D call waits for the prefill too (its
+    read bound is ``prefill_timeout_s + decode_timeout_s``)."""
     url = decode.url + endpoint.path
     if is_stream(body):
-        return await relay_stream(state, prefill, decode, url, content, headers, deadline)
-    return await _decode(state, prefill, decode, url, content, headers)
+        return await relay_stream(state, prefill, decode, url, content, headers, deadline, timeouts)
+    return await _decode(state, prefill, decode, url, content, headers, timeouts)
 
 
 def _candidate_decoders(state: ProxyState) -> list[Engine]:
@@ -353,8 +360,11 @@ def _admit_early(
     (sequential flow: ``handoff: sequential``, or D holds ``early_max_tokens``)."""
     if state.config.handoff != "early" or decode.kv_endpoint is None:
         return 0
+    if not state.handoff.admits(decode.kv_endpoint):
+        state.counters.early_refused += 1
+        return 0
     tokens = max(1, estimate_prompt_tokens(body, endpoint))
-    limit = state.config.early_max_tokens
+    limit = state.config.early_max_tokens or (decode.kv_tokens or 0) // 2
     if limit and decode.early_tokens + tokens > limit:
         state.counters.early_refused += 1
         return 0
@@ -371,31 +381,52 @@ def _start_early(
     headers: dict[str, str],
     tokens: int,
 ) -> asyncio.Task[None]:
-    """Start the prefill leg of an early handoff (see :mod:`fabric.router.handoff`)."""
+    """Start the prefill leg of an early handoff (see :mod:`fabric.router.handoff`).
+
+    Its end however it ends (answered, failed, cancelled by the request's end
+    or by ``prefill`` being marked down, even before it ran) is told to D and
+    releases D's early budget, in the task's done callback.
+    """
     kv_endpoint = decode.kv_endpoint
     assert kv_endpoint is not None  # _admit_early checked
     content = dump_json(prefill_body(body, transfer_id, kv_endpoint))
     state.counters.early_handoffs += 1
     decode.early_tokens += tokens
     state.handoff.start(kv_endpoint, transfer_id)
+    outcome = {"ok": False, "reason": "the prefill leg failed"}
 
     async def leg() -> None:
-        ok, reason = False, "the request ended before its prefill"
         try:
             params, reason = await _call_prefill(state, prefill, endpoint, content, headers)
-            ok = params is not None
-            if not ok:
-                state.counters.fallbacks += 1
-                logger.warning(
-                    "%s: prefill on %s failed (%s); %s recomputes the prompt",
-                    transfer_id, prefill.name, reason, decode.name,
-                )  # fmt: skip
-        finally:
-            decode.early_tokens -= tokens
-            why = "" if ok else f"prefill on {prefill.name}: {reason}"
-            state.handoff.end(kv_endpoint, transfer_id, ok=ok, reason=why)
+        except Exception as exc:  # NOTE: a bug, not an engine failure (those are answers)
+            logger.exception("%s: the prefill leg on %s failed", transfer_id, prefill.name)
+            outcome["reason"] = f"{type(exc).__name__}: {exc}"
+            return
+        outcome["ok"], outcome["reason"] = params is not None, reason
+        if params is None:
+            state.counters.fallbacks += 1
+            logger.warning(
+                "%s: prefill on %s failed (%s); %s recomputes the prompt",
+                transfer_id, prefill.name, reason, decode.name,
+            )  # fmt: skip
 
-    return asyncio.create_task(leg(), name=f"fabric-prefill-{transfer_id}")
+    def ended(task: asyncio.Task[None]) -> None:
+        decode.early_tokens -= tokens
+        prefill.legs.discard(task)
+        ok = not task.cancelled() and bool(outcome["ok"])
+        if task.cancelled():
+            outcome["reason"] = (
+                f"marked down: {prefill.last_error}"
+                if not prefill.healthy
+                else "the request ended before its prefill"
+            )
+        why = "" if ok else f"prefill on {prefill.name}: {outcome['reason']}"
+        state.handoff.end(kv_endpoint, transfer_id, ok=ok, reason=why)
+
+    task = asyncio.create_task(leg(), name=f"fabric-prefill-{transfer_id}")
+    prefill.legs.add(task)
+    task.add_done_callback(ended)
+    return task
 
 
 def _cancel_early(record: InFlight) -> None:
@@ -482,12 +513,13 @@ async def _decode(
     url: str,
     content: bytes,
     headers: dict[str, str],
+    timeouts: Timeouts,
 ) -> Answer:
     """POST to D and return its answer as is (status, body, content type)."""
     ok = False
     try:
         response, payload = await state.engines.post_read(
-            url, content, headers, state.decode_timeouts, state.max_answer_bytes
+            url, content, headers, timeouts, state.max_answer_bytes
         )
         ok = response.is_success
     except httpx.HTTPError as exc:

@@ -33,7 +33,7 @@ from fabric.router.errors import (
     sse_error,
 )
 from fabric.router.state import ProxyState
-from fabric.router.transport import AnswerTooLarge, EngineResponse
+from fabric.router.transport import AnswerTooLarge, EngineResponse, Timeouts
 
 EVENT_STREAM = b"text/event-stream"
 
@@ -104,15 +104,19 @@ async def relay_stream(
     content: bytes,
     headers: dict[str, str],
     deadline: float,
+    timeouts: Timeouts | None = None,
 ) -> Relay | Answer:
-    """POST to D; a :class:`Relay` of its stream, or its error answer whole.
+    """POST to D; a :class:`Relay` of its stream, or its error answer whole
+    (``timeouts``: default the proxy's decode timeouts).
 
     D's outstanding count, taken when D was picked, is released here or by
     the relay's :meth:`Relay.close`. The stream ends with an error event
     once ``deadline`` (loop time) passes.
     """
     try:
-        response = await state.engines.post(url, content, headers, state.decode_timeouts)
+        response = await state.engines.post(
+            url, content, headers, timeouts or state.decode_timeouts
+        )
     except BaseException as exc:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)

@@ -39,7 +39,7 @@ import httpx
 
 from fabric.config import ProxyConfig
 from fabric.router.engines import Engine, EnginePool, probe_all
-from fabric.router.handoff import Handoff
+from fabric.router.handoff import WORD_TIMEOUT_MS, Handoff
 from fabric.router.policy import Routing
 from fabric.router.prefix import fabric_threads_down
 from fabric.router.ready import Readiness
@@ -139,8 +139,19 @@ class ProxyState:
         connect = config.connect_timeout_s
         self.prefill_timeouts = Timeouts(connect, config.prefill_timeout_s, pool_s)
         self.decode_timeouts = Timeouts(connect, config.decode_timeout_s, pool_s)
+        # NOTE: an early handoff's decoder answers after the prefill too
+        early_read = config.prefill_timeout_s + config.decode_timeout_s
+        self.early_timeouts = Timeouts(connect, early_read, pool_s)
         self.requests: dict[str, InFlight] = {}  # transfer id -> request in flight
-        self.handoff = Handoff(self.stores.call)  # early handoffs' decoders waiting
+        # NOTE: the early handoff's words go over clients of their own (no shared backoff)
+        decoders = sum(e.kv_endpoint is not None for e in pool.decoders)
+        self.words = StoreCalls(
+            WORD_TIMEOUT_MS,
+            secret=store_secret,
+            max_threads=2 * max(1, decoders),
+            clients_per_endpoint=2,
+        )
+        self.handoff = Handoff(self.words.call)  # early handoffs' decoders waiting
         self.streams = 0  # decoder streams open (relay.Relay)
         self.tokenize_turn = 0  # which engine the next /tokenize goes to (prefix.py)
         self.readiness = Readiness(self)
@@ -193,6 +204,7 @@ class ProxyState:
         """Stop readiness checks; close the clients and the store clients."""
         await self.readiness.close()
         await self.handoff.close()
+        await self.words.close()
         await self.stores.close()
         if self._engines is not None:
             await self._engines.aclose()
@@ -213,8 +225,8 @@ class ProxyState:
             "requests": len(self.requests),
             "streams": self.streams,
             "canaries": self.readiness.in_flight,
-            "store_calls": self.stores.in_flight,
-            "store_waiters": self.stores.waiting,
+            "store_calls": self.stores.in_flight + self.words.in_flight,
+            "store_waiters": self.stores.waiting + self.words.waiting,
             "early_transfers": self.handoff.waiting,
         }
         if self._engines is not None:
@@ -226,6 +238,7 @@ class ProxyState:
         return self.counters.as_dict() | {
             "store_timeouts": self.stores.timeouts,
             "store_skipped": self.stores.skipped,
+            "prefill_words_failed": self.handoff.failed_words,
         }
 
     # --- control API (see the module docstring) -----------------------------

@@ -111,7 +111,9 @@ TABLES_PREFIX = "tables."  # Stats keys of table sizes: tables.<name> -> entries
 CLOSE_TIMEOUT_S = 10.0  # how long close waits for blocking work running now
 MAX_PREFILL_NOTES = 65536  # transfers whose prefill state is kept at once
 PREFILL_NOTE_LINGER_S = 60.0  # a note is dropped this long after it ran out (or was final)
+RELEASED_LINGER_S = 2.0  # a released transfer's note: late words for it are ignored this long
 MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
+PRUNE_PREFILLS_S = 1.0  # how often the notes are pruned
 
 
 class TransferServer:
@@ -161,7 +163,9 @@ class TransferServer:
         self._progress: dict[str, RequestProgress] = {}
         self._ended: dict[str, float] = {}  # request -> when its reservation was found gone
         self._prefills: dict[str, PrefillNote] = {}  # transfer -> the proxy's last word
+        self._next_prefill_prune = 0.0
         self._events = 0  # bumped on every change a consumer may wait for
+        self._dirty: set[str] | None = set()  # transfers changed since take_dirty (None: all)
         self._offload = offload if offload is not None else Offload()
         self._admin = (
             admin if admin is not None else Offload(threads=1, max_queued=16, name="fabric-admin")
@@ -230,7 +234,13 @@ class TransferServer:
     def wake(self) -> None:
         """Wake whoever waits in :meth:`wait_change` (e.g. new work for it)."""
         with self._cond:
-            self._notify()
+            self._notify(None)
+
+    def take_dirty(self) -> set[str] | None:
+        """The transfers that changed since the last call (None: any may have)."""
+        with self._cond:
+            dirty, self._dirty = self._dirty, set()
+            return dirty
 
     def prefill_note(self, request_id: str) -> PrefillNote | None:
         """What the proxy last said of the prefill of transfer ``request_id``."""
@@ -238,11 +248,14 @@ class TransferServer:
             return self._prefills.get(request_id)
 
     def release(self, request_id: str) -> None:
-        """The consumer is done with a reservation's chunks."""
+        """The consumer is done with a reservation's chunks (and with the
+        proxy's word on it: words that come later are ignored a while)."""
         with self._cond:
             self._progress.pop(request_id, None)
             self._ended.pop(request_id, None)
-            self._prefills.pop(request_id, None)
+            if request_id in self._prefills or len(self._prefills) < MAX_PREFILL_NOTES:
+                now = time.monotonic()
+                self._prefills[request_id] = PrefillNote("released", now, now)
         self.store.release(request_id)
 
     def table_sizes(self) -> dict[str, int]:
@@ -513,7 +526,7 @@ class TransferServer:
         with self._cond:
             self._progress[msg.request_id] = RequestProgress(msg.request_id, expected)
             self._ended.pop(msg.request_id, None)
-            self._notify()
+            self._notify(msg.request_id)
         return proto.Reserved(
             msg.seq,
             msg.request_id,
@@ -539,14 +552,14 @@ class TransferServer:
             for rid in msg.request_ids:
                 old = self._prefills.get(rid)
                 if old is not None and old.state != "running":
-                    continue  # NOTE: final; a late "running" (reordered) changes nothing
+                    continue  # NOTE: final (or released); a late word changes nothing
                 if old is None and len(self._prefills) >= MAX_PREFILL_NOTES:
                     full += 1
                     continue
                 self._prefills[rid] = note
                 recorded += 1
             if recorded:
-                self._notify()
+                self._notify(*msg.request_ids)
         self.stats.prefill_notes += recorded
         if full:
             self._warn(
@@ -555,20 +568,25 @@ class TransferServer:
         return proto.Done(msg.seq, recorded)
 
     def _prune_prefills(self, now: float) -> None:
-        """Drop the notes that ran out (or were final) ``PREFILL_NOTE_LINGER_S`` ago."""
+        """Every ``PRUNE_PREFILLS_S``: drop the notes that ran out (or were
+        final) ``PREFILL_NOTE_LINGER_S`` ago, released ones ``RELEASED_LINGER_S`` ago."""
+        if now < self._next_prefill_prune:
+            return
+        self._next_prefill_prune = now + PRUNE_PREFILLS_S
         with self._cond:
-            stale = [
-                rid
-                for rid, note in self._prefills.items()
-                if now - (note.until if note.state == "running" else note.at)
-                > PREFILL_NOTE_LINGER_S
-            ]
+            stale = [rid for rid, note in self._prefills.items() if _note_stale(note, now)]
             for rid in stale:
                 del self._prefills[rid]
 
-    def _notify(self) -> None:
-        """Wake the waiters (caller holds ``_cond``)."""
+    def _notify(self, *request_ids: str | None) -> None:
+        """Wake the waiters; the transfers that changed (None: any may have).
+        Caller holds ``_cond``."""
         self._events += 1
+        if self._dirty is not None:
+            if None in request_ids:
+                self._dirty = None
+            else:
+                self._dirty.update(rid for rid in request_ids if rid is not None)
         self._cond.notify_all()
 
     def snapshot(self) -> dict[str, int]:
@@ -628,7 +646,7 @@ class TransferServer:
             prog = self._progress.get(msg.request_id)
             if prog is not None:
                 prog.landed.update(msg.indices)
-                self._notify()
+                self._notify(msg.request_id)
         self._verify_q.put(msg)
 
     def _warn(self, kind: str, message: str, *args: object) -> None:
@@ -684,7 +702,7 @@ class TransferServer:
                     del self._progress[rid], self._ended[rid]
                     changed = True
             if changed:
-                self._notify()
+                self._notify(*gone)
 
     def _forget(self, request_id: str, *, expired: bool) -> None:
         with self._cond:
@@ -692,7 +710,7 @@ class TransferServer:
             self._ended.pop(request_id, None)
             if prog is not None and expired:
                 prog.expired = True
-            self._notify()
+            self._notify(request_id)
 
     # ------------------------------------------------------------ verifier
     def _verify(self) -> None:
@@ -730,4 +748,11 @@ class TransferServer:
                     self.stats.bytes_filled += self.store.slot_nbytes(res.slots[index])
             else:
                 prog.failed.add(index)
-            self._notify()
+            self._notify(request_id)
+
+
+def _note_stale(note: PrefillNote, now: float) -> bool:
+    if note.state == "released":
+        return now - note.at > RELEASED_LINGER_S
+    end = note.until if note.state == "running" else note.at
+    return now - end > PREFILL_NOTE_LINGER_S

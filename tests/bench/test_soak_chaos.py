@@ -146,6 +146,13 @@ def test_the_bare_copy_of_an_engine_is_vllm_without_fabric_on_a_port_of_its_own(
     assert bare[-2:] == ["--port", str(port)] and "50247" not in bare
     rest = ["/m/tiny", "--host", "127.0.0.1", "--enforce-eager", "--middleware=x.Y"]
     assert bare[4:-2] == [*rest, "--seed", "0"]
+    store = ["/py", "-m", "fabric.cli", "store", "serve", "--port", "7000", "--disk-path", "/kv"]
+    bare_store, store_endpoint, _ = chaos.bare_command(store, tmp_path)
+    assert store_endpoint == tmp_path / "bare-store.endpoint"
+    assert bare_store[-6:] == [
+        "--port", "0", "--endpoint-file", str(store_endpoint),
+        "--disk-path", str(tmp_path / "bare-store-disk"),
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="no bare copy"):
         chaos.bare_command(["/bin/sleep", "1"], tmp_path)
 

@@ -49,7 +49,8 @@ def word(pair: tuple[FabricWorker, FabricWorker]) -> Iterator[StoreClient]:
 
 
 class Beat:
-    """Say ``running`` for ``tid`` every 0.1 s (each good for 5 s) until stopped."""
+    """Say ``running`` for ``tid`` every 0.1 s, each word good for 1 s, until
+    stopped: a wait longer than 1 s holds only if the words are refreshed."""
 
     def __init__(self, client: StoreClient, tid: str) -> None:
         self.client, self.tid = client, tid
@@ -57,7 +58,7 @@ class Beat:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Beat:
-        self.client.prefill_state([self.tid], "running", ttl_ms=5000)
+        self.client.prefill_state([self.tid], "running", ttl_ms=1000)
         self._thread.start()
         return self
 
@@ -67,7 +68,7 @@ class Beat:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            self.client.prefill_state([self.tid], "running", ttl_ms=5000)
+            self.client.prefill_state([self.tid], "running", ttl_ms=1000)
 
 
 def push(p: FabricWorker, endpoint: str, tid: str) -> None:
@@ -147,26 +148,56 @@ def test_a_word_that_runs_out_fails_the_load(
 
 
 def test_after_done_the_missing_chunks_are_bounded_from_the_prefills_end(
-    pair: tuple[FabricWorker, FabricWorker], word: StoreClient, caplog: pytest.LogCaptureFixture
+    word: StoreClient, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The 2 s load bound counts from ``done``: a load that already waited
+    2.5 s is still waiting 0.3 s after it (counted from its start, it would
+    fail at once), and fails about 2 s after it."""
+    p = worker(produce=True, consume=False, seed=1)
+    d = worker(produce=False, consume=True, seed=2, load_timeout_s=2, unknown_transfer_grace_s=0.3)
+    try:
+        assert d.node is not None
+        counts = chunk_block_counts(150, 64, 16)
+        with StoreClient(d.node.endpoint, timeout_ms=5000) as client:
+            with Beat(client, "t-short"):
+                load(d, "t-short")
+                # NOTE: P reserves but never computes its chunks
+                sends = [SendPlan("p-req", "t-short", d.node.endpoint, tokens(150), counts)]
+                p.save(FabricMetadata(sends=sends))
+                time.sleep(2.5)  # past load_timeout_s from the load's start
+                assert results_now(d) == (set(), set())
+            caplog.set_level(logging.WARNING)
+            client.prefill_state(["t-short"], "done", ttl_ms=1)
+            time.sleep(0.3)
+            assert results_now(d) == (set(), set())
+            assert wait_results(d, timeout=10) == ({"d-req"}, {"d-req"})
+        assert "not in after" in caplog.text
+        assert d.store.reserved_count() == 0
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_failed_word_after_every_chunk_landed_keeps_the_load(
+    pair: tuple[FabricWorker, FabricWorker], word: StoreClient
+) -> None:
+    """P pushed everything, then its answer failed (a timeout): what came is
+    complete and verified, so it is used."""
     p, d = pair
-    assert d.node is not None
-    counts = chunk_block_counts(150, 64, 16)
-    with Beat(word, "t-short"):
-        load(d, "t-short")
-        # NOTE: P reserves but never computes its chunks
-        p.save(
-            FabricMetadata(
-                sends=[SendPlan("p-req", "t-short", d.node.endpoint, tokens(150), counts)]
-            )
-        )
-        time.sleep(1.5)  # past load_timeout_s (1 s) from the load's start
-        assert results_now(d) == (set(), set())
-    caplog.set_level(logging.WARNING)
-    word.prefill_state(["t-short"], "done", ttl_ms=1)
-    assert wait_results(d, timeout=10) == ({"d-req"}, {"d-req"})
-    assert "not in after" in caplog.text
-    assert d.store.reserved_count() == 0
+    assert d.node is not None and d.node.server is not None
+    server = d.node.server
+    word.prefill_state(["t-all"], "running", ttl_ms=60_000)
+    push(p, d.node.endpoint, "t-all")
+    deadline = time.monotonic() + 10
+    while (prog := server.progress("t-all")) is None or not prog.complete:
+        assert time.monotonic() < deadline, "the push never completed"
+        time.sleep(0.01)
+    word.prefill_state(["t-all"], "failed", ttl_ms=1, reason="P timed out")
+    load(d, "t-all")
+    assert wait_results(d) == ({"d-req"}, set())
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        for s, t in zip(SRC, DST, strict=True):
+            assert torch.equal(d_layer[t], p_layer[s])
 
 
 def test_the_server_refuses_an_unknown_state_and_prunes_its_notes(
@@ -185,15 +216,15 @@ def test_the_server_refuses_an_unknown_state_and_prunes_its_notes(
     assert word.prefill_state(["t3"], "running", ttl_ms=1000) == 0
     note = server.prefill_note("t3")
     assert note is not None and (note.state, note.reason) == ("failed", "gone")
-    server.release("t3")  # NOTE: the loader's, once its load ended
-    assert server.table_sizes()["server_prefills"] == 2
+    # NOTE: the loader's release, once its load ended: later words are ignored a while
+    server.release("t4")
+    assert word.prefill_state(["t4"], "done", ttl_ms=1) == 0
+    assert server.table_sizes()["server_prefills"] == 4
     monkeypatch.setattr(server_module, "PREFILL_NOTE_LINGER_S", 0.0)
+    monkeypatch.setattr(server_module, "RELEASED_LINGER_S", 0.0)
     word.prefill_state(["t1"], "done", ttl_ms=1)
     deadline = time.monotonic() + 10
-    while server.table_sizes()["server_prefills"] == 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    # NOTE: the final one goes at once (linger 0); the running one once its word ran out
-    assert server.prefill_note("t1") is None
+    # NOTE: final and released ones go at the next prune; the running one once its word ran out
     while server.table_sizes()["server_prefills"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.table_sizes()["server_prefills"] == 0

@@ -41,6 +41,15 @@ def early_proxy(
     )
 
 
+def on_loop(proxy: Proxy, read: Any) -> Any:
+    """``read(state)`` on the proxy's event loop (its tables change there)."""
+
+    async def call(state: Any) -> Any:
+        return read(state)
+
+    return proxy.run(call)
+
+
 def wait_for(predicate: Any, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -52,7 +61,7 @@ def wait_for(predicate: Any, timeout: float = 20.0) -> None:
 def test_the_decoder_gets_its_request_at_dispatch_and_loads_when_p_is_done(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, stream: bool
 ) -> None:
-    p = start_engine("prefill", delay_s=1.0)
+    p = start_engine("prefill", delay_s=5.0)
     d, kv_port = decoder(start_engine)
     proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)])
     body = {**COMPLETION, "stream": stream}
@@ -64,7 +73,7 @@ def test_the_decoder_gets_its_request_at_dispatch_and_loads_when_p_is_done(
     try:
         wait_for(lambda: bool(d.seen))
         # NOTE: D has its request while P still computes (the prefill leg runs)
-        assert proxy.state.handoff.waiting == 1
+        assert on_loop(proxy, lambda state: state.handoff.waiting) == 1
         tid = d.seen[0]["request_id"]
         assert d.seen[0]["body"]["kv_transfer_params"] == {
             "do_remote_prefill": True,
@@ -156,7 +165,7 @@ def test_a_client_gone_during_the_prefill_ends_both_legs(
 def test_a_decoder_holding_its_early_budget_gets_the_sequential_flow(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
 ) -> None:
-    p = start_engine("prefill", delay_s=1.0)
+    p = start_engine("prefill", delay_s=5.0)
     d, kv_port = decoder(start_engine)
     tokens = len(COMPLETION["prompt"].encode()) // 4  # the proxy's estimate
     proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)], early_max_tokens=tokens + 1)
@@ -167,7 +176,7 @@ def test_a_decoder_holding_its_early_budget_gets_the_sequential_flow(
 
     first = threading.Thread(target=post)
     first.start()
-    wait_for(lambda: proxy.state.handoff.waiting == 1)
+    wait_for(lambda: on_loop(proxy, lambda state: state.handoff.waiting) == 1)
     post()  # NOTE: while the first holds D's budget
     first.join(30)
 
@@ -201,3 +210,49 @@ def test_a_decoder_that_got_nothing_is_replaced_and_the_prefill_leg_cancelled(
     assert proxy.state.counters.fallbacks == 1
     wait_for(lambda: proxy.state.pool.prefillers[0].outstanding == 0, timeout=10)
     assert proxy.state.tables()["early_transfers"] == 0
+
+
+def test_a_prefiller_marked_down_has_its_early_legs_cancelled(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """A stuck prefiller (alive, never answering) would hold D's blocks until
+    its timeout; marked down (by the health probe), its legs end at once."""
+    p = start_engine("prefill", delay_s=60.0)
+    d, kv_port = decoder(start_engine)
+    proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)])
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(client.post(f"{proxy.url}/v1/completions", json=COMPLETION))
+    )
+    thread.start()
+    wait_for(lambda: bool(d.seen))
+    on_loop(proxy, lambda state: state.mark_down("prefill-0", "/health: stuck"))
+    thread.join(30)
+
+    [response] = answers
+    assert response.status_code == 200, response.text
+    assert list(d.state.early.values()) == [
+        "failed: prefill on prefill-0: marked down: /health: stuck"
+    ]
+    assert on_loop(proxy, lambda state: state.pool.decoders[0].early_tokens) == 0
+    assert on_loop(proxy, lambda state: state.tables()["early_transfers"]) == 0
+
+
+def test_a_decoder_that_refuses_the_word_gets_the_sequential_flow(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """An older fabric decoder refuses PrefillState: after the first request
+    (which it recomputes) it gets the sequential flow."""
+    p = start_engine("prefill")
+    d, kv_port = decoder(start_engine, refuse_words=True)
+    proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)])
+
+    first = client.post(f"{proxy.url}/v1/completions", json=COMPLETION)
+    second = client.post(f"{proxy.url}/v1/completions", json=COMPLETION)
+
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert "num_tokens" not in d.seen[0]["body"]["kv_transfer_params"]  # early
+    assert d.seen[1]["body"]["kv_transfer_params"]["num_tokens"] > 0  # sequential
+    counters = proxy.state.counter_values()
+    assert (counters["early_handoffs"], counters["early_refused"]) == (1, 1)
+    assert counters["prefill_words_failed"] >= 1

@@ -70,7 +70,8 @@ def start(
             {"name": f"p{i}", "url": fakes[i].url, "kv_port": stores[i].port} for i in (0, 1)
         ],
         "decode": [{"name": "d0", "url": fakes[2].url, "kv_port": stores[2].port}],
-        "proxy": {"port": None, "health_interval_s": 0, **proxy},
+        # NOTE: sequential: these fake decoders answer at once, before P saw an early prefill
+        "proxy": {"port": None, "health_interval_s": 0, "handoff": "sequential", **proxy},
     }
     server = Proxy(parse_topology(data, source="test")).start()
     servers.append(server)

@@ -6,7 +6,8 @@ soon as the transfer server verified it (or at once when the store already
 held it), and reports the request finished. Every wait is bounded: a
 transfer never heard of fails after ``unknown_transfer_grace_s``, a known
 one after ``load_timeout_s``; a checksum failure or an expired lease fails
-at once.
+at once. A failed load is logged, counted, and reported to vLLM, which
+recomputes the prompt (``kv_load_failure_policy: recompute``).
 
 A decoder admitted at dispatch (the proxy sent it the request with the
 prefill's) waits while the prefiller still computes; the proxy says how the
@@ -17,12 +18,15 @@ prefill_note`), and the bounds follow it::
     running, said again in time no bound: the prefiller has it and computes
     running, word ran out       fail now (the prefiller or the proxy is gone)
     done                        bounds counted from when the prefill ended
-    failed                      fail now: vLLM recomputes at once
+    failed                      fail now: vLLM recomputes at once (unless
+                                every chunk is in: what came is loaded)
 
 The thread sleeps until the server reports a change (a chunk landed,
 verified or failed, a Reserve, a prefill note) or new work comes, at most
-``IDLE_WAIT_S``: no fixed polling. A failed load is logged, counted, and reported to vLLM, which
-recomputes the prompt (``kv_load_failure_policy: recompute``).
+``IDLE_WAIT_S``: no fixed polling. A wake steps only the loads whose
+transfer changed; every ``IDLE_WAIT_S`` all of them are stepped (bounds).
+A waiting load heartbeats its reservation every ``HEARTBEAT_S`` (a quarter
+of its lease if that is shorter).
 
 Before a byte is used the loader checks that the transfer is this prompt's:
 the reservation's keys must equal the keys of the plan's own token ids and
@@ -80,6 +84,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # the longest the thread sleeps with loads active (bounds are checked then)
+HEARTBEAT_S = 1.0  # how often a waiting load extends its reservation's lease
 
 
 def unpack_slot(
@@ -125,6 +130,8 @@ class _Load:
     chunks: dict[int, tuple[int, int, list[int]]]  # index -> (first, count, block ids)
     keys: tuple[bytes, ...]  # what the transfer must carry
     done: set[int] = field(default_factory=set)
+    beat_at: float = 0.0  # when it last extended its reservation's lease
+    stepped: bool = False  # stepped once since it started (a new load always is)
 
 
 class Loader:
@@ -157,6 +164,7 @@ class Loader:
         self._failed: set[str] = set()
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._swept_at = 0.0  # when every active load was last stepped
         self._thread = threading.Thread(target=self._run, name="fabric-load", daemon=True)
         self._thread.start()
 
@@ -211,9 +219,16 @@ class Loader:
 
     def _round(self) -> None:
         seen = self.server.events()  # NOTE: before any look: a change during the round wakes
+        dirty = self.server.take_dirty()
         self._take_plans(block=not self._active)
         self._take_ended()  # NOTE: after the plans: a plan always comes before its end
+        now = time.monotonic()
+        if now - self._swept_at >= IDLE_WAIT_S:
+            dirty, self._swept_at = None, now
         for load in list(self._active.values()):
+            if dirty is not None and load.stepped and load.plan.transfer_id not in dirty:
+                continue  # NOTE: nothing of its transfer changed; the next sweep looks
+            load.stepped = True
             try:
                 self._step(load)
             except Exception as exc:  # NOTE: fails this load only; the thread goes on
@@ -302,13 +317,16 @@ class Loader:
     def _step(self, load: _Load) -> None:
         tid = load.plan.transfer_id
         note = self.server.prefill_note(tid)
-        if note is not None and note.state == "failed":
-            self._finish(load, ok=False, why=f"the prefill of {tid} failed: {note.reason}")
-            return
+        failed = (
+            f"the prefill of {tid} failed: {note.reason}" if note and note.state == "failed" else ""
+        )
         prog = self.server.progress(tid)
         res = self.store.reservation(tid)
         now = time.monotonic()
         elapsed = now - load.started
+        if (prog is None or res is None) and failed:
+            self._finish(load, ok=False, why=failed)
+            return
         if prog is None or res is None:
             overdue = self._overdue(load, note, now, self.unknown_grace_s)
             if overdue:
@@ -323,12 +341,17 @@ class Loader:
             self.counters.add(refused_transfers=1)
             self._finish(load, ok=False, why=self._foreign(load, res.keys))
             return
-        if not load.done:
+        if not load.done and now - load.beat_at >= min(HEARTBEAT_S, self.lease_ms / 4000):
             self.store.heartbeat(tid, self.lease_ms)  # we hold it while we wait
+            load.beat_at = now
         if prog.failed or prog.expired:
             self._finish(load, ok=False, why=f"transfer {tid} failed (checksum or lease)")
             return
         ready = [i for i in load.chunks if i not in load.done and self._available(i, prog, res)]
+        if failed and len(load.done) + len(ready) < len(load.chunks):
+            # NOTE: what came is kept only when it is all of it
+            self._finish(load, ok=False, why=failed)
+            return
         for index in ready:
             try:
                 self._unpack(load, index, res.slots[index], fetched=not res.already_present[index])
