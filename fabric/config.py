@@ -177,7 +177,7 @@ class ProxyConfig(_Frozen):
     while the prefill runs (:mod:`fabric.router.handoff`); ``sequential``
     sends it only after the prefiller answered. ``early_max_tokens``: the
     estimated prompt tokens one decoder may hold early from this proxy at
-    once (0: half the decoder's KV cache, as its ``/metrics`` reports it;
+    once (0: a quarter of the decoder's KV cache, as its ``/metrics`` reports it;
     no bound until read); past it a request takes the sequential flow.
     """
 

@@ -120,7 +120,10 @@ def _lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.open_client()
-        tasks = [asyncio.create_task(state.handoff.run(), name="fabric-proxy-handoff")]
+        tasks = [
+            asyncio.create_task(state.handoff.run(), name="fabric-proxy-handoff"),
+            asyncio.create_task(state.learn_kv_sizes(), name="fabric-proxy-kv-sizes"),
+        ]
         if state.config.health_interval_s > 0:
             tasks.append(asyncio.create_task(_health_loop(state), name="fabric-proxy-health"))
         try:

@@ -104,6 +104,7 @@ class Engine:
         self.early_tokens = 0  # a decoder: prompt tokens it holds early for this proxy (handoff)
         self.legs: set[asyncio.Task[None]] = set()  # a prefiller: its early handoffs' prefills
         self.kv_tokens: int | None = None  # a decoder: its KV cache in tokens (vLLM's /metrics)
+        self.early_requests = 0  # a decoder: early handoffs it holds for this proxy
         self._kv_tokens_epoch = -1  # the epoch kv_tokens was read in
 
     def __repr__(self) -> str:
@@ -273,14 +274,14 @@ async def probe(
         return False
     engine.mark_up()
     if engine.role != "prefill" and engine._kv_tokens_epoch != engine.epoch:
-        await _read_kv_tokens(client, engine, timeout_s)
+        await read_kv_tokens(client, engine, timeout_s)
     return True
 
 
 KV_TOKENS = re.compile(r'^vllm:cache_config_info\{[^}]*kv_cache_size_tokens="(\d+)"', re.M)
 
 
-async def _read_kv_tokens(client: httpx.AsyncClient, engine: Engine, timeout_s: float) -> None:
+async def read_kv_tokens(client: httpx.AsyncClient, engine: Engine, timeout_s: float) -> None:
     """A decoder's KV cache size in tokens, once per time it comes up (vLLM
     exports it as ``vllm:cache_config_info{kv_cache_size_tokens=...}``); the
     early handoff's default budget. Left unknown when it cannot be read."""

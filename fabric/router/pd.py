@@ -114,6 +114,9 @@ from fabric.router.transport import Timeouts
 logger = logging.getLogger(__name__)
 
 JSON = b"application/json"
+UNKNOWN_CAPACITY_EARLY = 16
+"""Early handoffs a decoder holds at once while its KV size is unknown
+(and ``early_max_tokens`` is 0)."""
 MAX_CLIENT_ID = 128
 
 
@@ -364,8 +367,10 @@ def _admit_early(
         state.counters.early_refused += 1
         return 0
     tokens = max(1, estimate_prompt_tokens(body, endpoint))
-    limit = state.config.early_max_tokens or (decode.kv_tokens or 0) // 2
-    if limit and decode.early_tokens + tokens > limit:
+    limit = state.config.early_max_tokens or (decode.kv_tokens or 0) // 4
+    # NOTE: a decoder whose KV size is not known (yet) takes a few at once, not a burst
+    unknown = not limit and decode.early_requests >= UNKNOWN_CAPACITY_EARLY
+    if unknown or (limit and decode.early_tokens + tokens > limit):
         state.counters.early_refused += 1
         return 0
     return tokens
@@ -392,6 +397,7 @@ def _start_early(
     content = dump_json(prefill_body(body, transfer_id, kv_endpoint))
     state.counters.early_handoffs += 1
     decode.early_tokens += tokens
+    decode.early_requests += 1
     state.handoff.start(kv_endpoint, transfer_id)
     outcome = {"ok": False, "reason": "the prefill leg failed"}
 
@@ -412,6 +418,7 @@ def _start_early(
 
     def ended(task: asyncio.Task[None]) -> None:
         decode.early_tokens -= tokens
+        decode.early_requests -= 1
         prefill.legs.discard(task)
         ok = not task.cancelled() and bool(outcome["ok"])
         if task.cancelled():

@@ -38,7 +38,7 @@ from dataclasses import dataclass, fields
 import httpx
 
 from fabric.config import ProxyConfig
-from fabric.router.engines import Engine, EnginePool, probe_all
+from fabric.router.engines import Engine, EnginePool, probe_all, read_kv_tokens
 from fabric.router.handoff import WORD_TIMEOUT_MS, Handoff
 from fabric.router.policy import Routing
 from fabric.router.prefix import fabric_threads_down
@@ -213,6 +213,16 @@ class ProxyState:
             await self._client.aclose()
             self._client = None
         self.loop = None
+
+    async def learn_kv_sizes(self) -> None:
+        """Read every decoder's KV size once at start (the early handoff's
+        budget; the health probe reads it again each time one comes back)."""
+        await asyncio.gather(
+            *(
+                read_kv_tokens(self.client, e, self.config.health_timeout_s)
+                for e in self.pool.decoders
+            )
+        )
 
     async def probe_engines(self) -> None:
         """Probe every engine's ``/health`` (and its fabric side) now."""

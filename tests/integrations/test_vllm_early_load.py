@@ -228,3 +228,25 @@ def test_the_server_refuses_an_unknown_state_and_prunes_its_notes(
     while server.table_sizes()["server_prefills"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.table_sizes()["server_prefills"] == 0
+
+
+def test_an_idle_step_waits_for_a_load_instead_of_spinning(
+    pair: tuple[FabricWorker, FabricWorker], word: StoreClient
+) -> None:
+    """vLLM steps again 1 ms after a step without tokens while a request waits
+    for remote KV; such a step waits here (at most 20 ms) until a load ends.
+    Old code: thousands of empty steps a second."""
+    p, d = pair
+    assert d.node is not None
+    with Beat(word, "t-idle"):
+        load(d, "t-idle")
+        calls, started = 0, time.monotonic()
+        while time.monotonic() - started < 1.0:
+            assert d.get_results(set(), idle=True) == (set(), set())
+            calls += 1
+        assert calls <= 80, calls  # about 50 of 20 ms
+        push(p, d.node.endpoint, "t-idle")
+        deadline = time.monotonic() + 10
+        while not (results := d.get_results(set(), idle=True))[0]:
+            assert time.monotonic() < deadline, "the load never ended"
+        assert results == ({"d-req"}, set())

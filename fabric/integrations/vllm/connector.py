@@ -219,7 +219,8 @@ class FabricConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        finished, failed = self._worker.get_results(finished_req_ids)
+        idle = self.has_connector_metadata() and self._fabric_meta().idle
+        finished, failed = self._worker.get_results(finished_req_ids, idle=idle)
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

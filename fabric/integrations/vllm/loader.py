@@ -160,6 +160,7 @@ class Loader:
         self._plans: queue.Queue[LoadPlan] = queue.Queue()
         self._active: dict[str, _Load] = {}
         self._lock = threading.Lock()
+        self._results = threading.Condition(self._lock)  # notified when a load ends
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -190,6 +191,15 @@ class Loader:
             "loader_finished": finished,
             "loader_failed": failed,
         }
+
+    def wait_results(self, timeout: float) -> None:
+        """Until a load ended (its result waits for ``take_results``), or
+        ``timeout`` s passed; at once when none is planned or active."""
+        if not self._active and self._plans.empty():
+            return
+        with self._results:
+            if not self._finished:
+                self._results.wait(timeout)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids since the last call; failed ⊆ finished."""
@@ -248,6 +258,7 @@ class Loader:
             with self._lock:
                 self._finished.add(load.plan.req_id)
                 self._failed.add(load.plan.req_id)
+                self._results.notify_all()
 
     def _take_ended(self) -> None:
         """End the loads whose requests vLLM named finished.
@@ -437,6 +448,7 @@ class Loader:
                 self._finished.add(rid)
                 if not ok:
                     self._failed.add(rid)
+                self._results.notify_all()
 
     def _count(self, load: _Load, *, ok: bool, why: str, ended: bool) -> None:
         rid, shared = load.plan.req_id, load.plan.shared

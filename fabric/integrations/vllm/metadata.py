@@ -91,3 +91,6 @@ class FabricMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     local_loads: list[LocalLoad] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # holds never loaded
+    # NOTE: the step schedules no token: vLLM runs no forward, only the connector
+    # (kv_connector_no_forward), and loops at once (see FabricWorker.get_results)
+    idle: bool = False

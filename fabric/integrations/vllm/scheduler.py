@@ -546,7 +546,10 @@ class FabricScheduler:
         self._late_holds()
         self._wait_left = self._step_wait_s  # NOTE: the next step's asks
         meta = FabricMetadata(
-            loads=self._loads, local_loads=self._local_loads, releases=self._releases
+            loads=self._loads,
+            local_loads=self._local_loads,
+            releases=self._releases,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._loads, self._local_loads, self._releases = [], [], []
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens

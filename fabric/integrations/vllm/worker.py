@@ -114,6 +114,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 QUARANTINE_MARGIN_MS = 5_000
+IDLE_STEP_WAIT_S = 0.02  # the longest a step without tokens waits for a load to end
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -677,12 +678,25 @@ class FabricWorker:
         self.counters.add(chunks_saved=1, bytes_saved=nbytes)
         self._share(chunk.req_id, chunk.index, key)
 
-    def get_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_results(
+        self, finished_req_ids: set[str], *, idle: bool = False
+    ) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last step.
 
         ``finished_req_ids``: the requests vLLM finished (done, aborted,
         stopped) since the previous step; see the module docstring for why
         every request the worker saw is named here once.
+
+        ``idle``: the step schedules no token. vLLM then runs only the
+        connector (``kv_connector_no_forward``,
+        ``vllm/v1/worker/kv_connector_model_runner_mixin.py:25-37``, which
+        asks for these results at :93-96) and, while requests wait for
+        remote KV, steps again after a 1 ms sleep
+        (``vllm/v1/engine/core.py:1611-1617``): about a thousand empty steps a
+        second for as long as a decoder admitted at dispatch waits for a
+        prefill, burning the cores its prefiller needs. Such a step waits
+        here until a load ends, at most ``IDLE_STEP_WAIT_S``: a load's end
+        still reaches vLLM at once, a new request waits at most that long.
         """
         if finished_req_ids:
             if self._saver is None:
@@ -693,6 +707,8 @@ class FabricWorker:
                 self.loader.finished(set(finished_req_ids))
         results: tuple[set[str], set[str]] = (set(), set())
         if self.loader is not None:
+            if idle and not finished_req_ids:
+                self.loader.wait_results(IDLE_STEP_WAIT_S)
             results = self.loader.take_results()
         self.report_tables()
         return results
