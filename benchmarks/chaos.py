@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from fabric.launch.drain import DRAIN_FILE_ENV
 from fabric.launch.process import free_port
 
 HOLD_METRIC = "vllm:fabric_scheduler_hold_seconds"
@@ -143,6 +144,8 @@ class Bare:
     @classmethod
     def start(cls, argv: list[str], env: dict[str, str], scratch: Path, name: str) -> Bare:
         command, endpoint, port = bare_command(argv, scratch)
+        # NOTE: not the victim's drain file: the bare copy's stop would drain it
+        env = {k: v for k, v in env.items() if k != DRAIN_FILE_ENV}
         with open(scratch / f"bare-{name}.log", "ab") as log:
             process = subprocess.Popen(
                 command,

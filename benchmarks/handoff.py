@@ -77,7 +77,12 @@ def engine(
 ) -> Iterator[str]:
     port = free_port()
     argv = vllm_serve_command(
-        model, port, kv_transfer_config=kv, extra_args=ENGINE_FLAGS, served_model_name="tiny"
+        model,
+        port,
+        kv_transfer_config=kv,
+        extra_args=ENGINE_FLAGS,
+        max_model_len=4608,  # NOTE: a 4,096-token prompt and its output tokens
+        served_model_name="tiny",
     )
     env = engine_env(work / name, cpu_cores=cores, kv_cache_gib=2)
     process = ManagedProcess(argv, log_path=work / f"{name}.log", env=env, name=name)
