@@ -20,7 +20,7 @@ from fabric.router.handoff import RUNNING_TTL_MS
 from .conftest import StartEngine, StartProxy
 from .servers import FakeEngine, Proxy, dead_url
 from .test_failures import PREFILL_FAILURES
-from .test_pd_flow import COMPLETION, expected_text, sse_events
+from .test_pd_flow import COMPLETION, assert_answered
 
 
 def decoder(start_engine: StartEngine, **options: Any) -> tuple[FakeEngine, int]:
@@ -86,11 +86,7 @@ def test_the_decoder_gets_its_request_at_dispatch_and_loads_when_p_is_done(
     finally:
         thread.join(30)
     [response] = answers
-    assert response.status_code == 200, response.text
-    if stream:
-        assert sse_events(response.text)[-1] == "[DONE]"
-    else:
-        assert response.json()["choices"][0]["text"] == expected_text(body)
+    assert_answered(response, body)
     assert d.state.early == {tid: "done"}
     assert d.state.kv is not None and d.state.kv.said[0] == (tid, "running")
     counters = proxy.state.counters
@@ -132,11 +128,7 @@ def test_a_failed_prefill_is_told_to_the_decoder_at_once(
 
     response = client.post(f"{proxy.url}/v1/completions", json=body)
 
-    assert response.status_code == 200, response.text
-    if stream:
-        assert sse_events(response.text)[-1] == "[DONE]"
-    else:
-        assert response.json()["choices"][0]["text"] == expected_text(body)
+    assert_answered(response, body)
     [outcome] = d.state.early.values()
     assert outcome.startswith("failed: prefill on prefill-0: "), outcome
     assert d.state.load_failures == 1 and d.state.loads_ok == 0

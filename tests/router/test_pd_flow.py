@@ -17,6 +17,15 @@ COMPLETION = {"model": "fake", "prompt": PROMPT, "max_tokens": 5, "min_tokens": 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5}
 
 
+def assert_answered(response: httpx.Response, body: dict[str, object]) -> None:
+    """A 200 with the fake engine's whole answer to ``body`` (streamed or not)."""
+    assert response.status_code == 200, response.text
+    if body.get("stream"):
+        assert sse_events(response.text)[-1] == "[DONE]"
+    else:
+        assert response.json()["choices"][0]["text"] == expected_text(body)
+
+
 def expected_text(body: dict[str, object]) -> str:
     """What the fake decoder answers for ``body``."""
     prompt = body.get("prompt", body.get("messages"))
