@@ -43,6 +43,11 @@ class Out:
     scheduled_cached_reqs: Cached = field(default_factory=Cached)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        # NOTE: vLLM's SchedulerOutput carries the sum (vllm/v1/core/sched/output.py)
+        return sum(self.num_scheduled_tokens.values())
+
 
 def sched(**kw: Any) -> FabricScheduler:
     return FabricScheduler(ConnectorConfig(chunk_tokens=CT), BS, **kw)
