@@ -45,6 +45,7 @@ from fabric.launch.drain import DRAIN_FILE_ENV
 from fabric.launch.process import free_port
 
 HOLD_METRIC = "vllm:fabric_scheduler_hold_seconds"
+WAIT_METRIC = "vllm:fabric_scheduler_wait_seconds"  # the part of the hold spent waiting
 TABLE_METRIC = "vllm:fabric_table_entries"
 
 
@@ -405,8 +406,8 @@ class Scraper:
 
         await asyncio.gather(*(one(e) for e in engines))
 
-    def hold_histogram(self) -> dict[float, float]:
-        return add_histograms(parse_histogram(p, HOLD_METRIC) for p in self.pages.values())
+    def hold_histogram(self, metric: str = HOLD_METRIC) -> dict[float, float]:
+        return add_histograms(parse_histogram(p, metric) for p in self.pages.values())
 
 
 def rss_growth(

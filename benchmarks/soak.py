@@ -93,6 +93,7 @@ from fabric.transfer.lookup import StoreClient
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # NOTE: chaos.py beside this script, also when loaded by path
 from chaos import (  # noqa: E402
+    WAIT_METRIC,
     Chaos,
     Kill,
     Scraper,
@@ -603,6 +604,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         ),
         "restart_goal_s": restart_goal,
         "hold_buckets": scraper.hold_histogram(),
+        "wait_buckets": scraper.hold_histogram(WAIT_METRIC),
         "tables": tables,
     }
     return summarize(args, samples, run_info, held, counters, metrics, checked)
@@ -649,6 +651,10 @@ def proxy_tables(metrics: str) -> dict[str, int]:
         if match:
             out[match.group(1)] = out.get(match.group(1), 0) + int(float(match.group(2)))
     return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
 
 
 def summarize(
@@ -701,7 +707,7 @@ def summarize(
         "leaked_slots": sum(abs(v) for counts in held.values() for v in counts.values()),
         "leaked_entries": sum(v for counts in tables.values() for v in counts.values()),
         "rss_growth_max": round(max(growth.values(), default=0.0), 4),
-        "sched_hold_p99_ms": None if hold_p99 is None else round(hold_p99 * 1000, 2),
+        "sched_hold_p99_ms": _ms(hold_p99),
         "restart_to_serving_s_max": (
             max(backs, default=None) if all(b is not None for b in backs) else None
         ),
@@ -742,6 +748,10 @@ def summarize(
         "kills": kills,
         "late_restarts": late,
         "scheduler_hold_buckets": {str(k): v for k, v in sorted(run_info["hold_buckets"].items())},
+        # NOTE: the hold's part spent waiting for lookup answers; the rest is
+        # fabric's bookkeeping and the box descheduling vLLM's thread
+        "scheduler_wait_buckets": {str(k): v for k, v in sorted(run_info["wait_buckets"].items())},
+        "sched_wait_p99_ms": _ms(histogram_quantile(run_info["wait_buckets"], 0.99)),
         "oracle": checked,
         "held_slots_after": held,
         "tables_after": tables,

@@ -46,7 +46,7 @@ from tests.transfer.test_lookup import FakeRank
 
 TOKENS = list(range(4 * CT))
 PROMPT = [*TOKENS, 7]  # 4 full chunks usable (vLLM computes the last token)
-STEP_MS = 50  # lookup_timeout_ms (the default): the step's wait
+STEP_MS = 50  # lookup_timeout_ms: the step's wait (above the default, for a noisy box)
 DEADLINE_MS = 2000
 BACKOFF_S = 10.0
 GUARD_S = 30  # hang guard only
@@ -103,10 +103,12 @@ def tier(
 
 
 def counts(counters: FabricCounters) -> dict[str, Any]:
-    """The counters since the last call, less ``lookups_deferred`` (whether a
-    first ask was answered within its step's wait depends on this box)."""
+    """The counters since the last call, less ``lookups_deferred`` and the
+    steps' waits (whether a first ask was answered within its step's wait,
+    and how long it took, depend on this box)."""
     taken = counters.take()
     taken.pop("lookups_deferred", None)
+    taken.pop("scheduler_wait_seconds", None)
     taken.pop(TABLES_KEY, None)
     return taken
 
@@ -747,11 +749,14 @@ def test_the_scheduler_hold_is_observed_once_per_step_with_the_tables(tmp_path: 
         stats = c.get_kv_connector_stats()
         [held] = stats.data["scheduler_hold_seconds"]
         assert held >= 0.05  # the lookup's wait is part of the step's hold
+        [waited] = stats.data["scheduler_wait_seconds"]  # and counted as its wait
+        assert 0.05 <= waited <= held
         assert stats.data[TABLES_KEY]["scheduler"]["scheduler_sending"] == 1
         c.request_finished(req, [])
         c.build_connector_meta(Out())  # the step after: request_finished counts in it
         stats = c.get_kv_connector_stats()
         assert len(stats.data["scheduler_hold_seconds"]) == 1  # one sample per step
+        assert stats.data["scheduler_wait_seconds"] == [0.0]  # no ask: no wait
         assert set(stats.data[TABLES_KEY]["scheduler"].values()) == {0}
     finally:
         c.shutdown()

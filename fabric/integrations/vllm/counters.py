@@ -54,6 +54,8 @@ HISTOGRAMS = {
     "store_load_seconds": "loading a request's store hit into vLLM's blocks (before the forward)",
     "scheduler_hold_seconds": "per scheduler step: time vLLM's scheduler spent inside fabric's "
     "scheduler-side hooks (lookups, fetches, bookkeeping)",
+    "scheduler_wait_seconds": "per scheduler step: the part of scheduler_hold_seconds spent "
+    "waiting for reuse-tier and shared-store answers (at most lookup_timeout_ms)",
 }
 # NOTE: a CPU load of a 4k-token KV-heavy prompt takes ~0.1-1 s; a GPU chunk write ~1 ms.
 BUCKETS = (

@@ -255,6 +255,7 @@ class FabricScheduler:
         self._hit_refresh_s = config.lease_ms / 2000
         # NOTE: what the step's first asks may wait for answers, all together.
         self._step_wait_s = self._wait_left = config.lookup_timeout_ms / 1000
+        self._waited_s = 0.0  # NOTE: the step's time inside asks (scheduler_wait_seconds)
 
     # ------------------------------------------------------------ identity
     def identity(self, request: RequestLike) -> KeyIdentity | None:
@@ -366,7 +367,9 @@ class FabricScheduler:
         try:
             return ask(self._wait_left)
         finally:
-            self._wait_left = max(0.0, self._wait_left - (time.perf_counter() - start))
+            spent = time.perf_counter() - start
+            self._waited_s += spent
+            self._wait_left = max(0.0, self._wait_left - spent)
 
     def _drop_hit(self, rid: str) -> None:
         """Forget the request's hit; release whatever any rank holds for it."""
@@ -545,6 +548,8 @@ class FabricScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> FabricMetadata:
         self._late_holds()
         self._wait_left = self._step_wait_s  # NOTE: the next step's asks
+        self.counters.observe("scheduler_wait_seconds", self._waited_s)
+        self._waited_s = 0.0
         meta = FabricMetadata(
             loads=self._loads,
             local_loads=self._local_loads,
