@@ -26,7 +26,7 @@ FALLBACK_BOUND_S = 60.0
 
 
 # NOTE: tests count reuse hits on two shared cores, where a worker busy packing
-# or reading its disk tier can miss the default 10 ms lookup bound (a miss is
+# or reading its disk tier can miss the default 2 ms lookup bound (a miss is
 # correct, but breaks the count); test_pd keeps the default.
 E2E_LOOKUP_TIMEOUT_MS = 2000
 

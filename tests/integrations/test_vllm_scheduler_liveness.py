@@ -751,6 +751,12 @@ def test_the_scheduler_hold_is_observed_once_per_step_with_the_tables(tmp_path: 
         assert held >= 0.05  # the lookup's wait is part of the step's hold
         [waited] = stats.data["scheduler_wait_seconds"]  # and counted as its wait
         assert 0.05 <= waited <= held
+        # NOTE: SlowTier sleeps 50 ms whatever the step's wait (2 ms): an overrun,
+        # spent asleep (little CPU), not computing
+        assert stats.data["scheduler_wait_overruns"] == 1
+        assert stats.data["scheduler_wait_overrun_us"] >= 40_000
+        assert stats.data["scheduler_wait_overrun_cpu_us"] < 20_000
+        assert stats.data["scheduler_wait_overrun_runq_us"] >= 0
         assert stats.data[TABLES_KEY]["scheduler"]["scheduler_sending"] == 1
         c.request_finished(req, [])
         c.build_connector_meta(Out())  # the step after: request_finished counts in it

@@ -66,7 +66,7 @@ class ConnectorConfig:
     disk_path: str | None = None
     disk_gib: float = 16.0
     eviction: str = "lru"
-    lookup_timeout_ms: int = 10
+    lookup_timeout_ms: int = 2
     lookup_deadline_ms: int = 2000
     shared_store: str | None = None
     secret: str | None = field(default=None, repr=False)

@@ -43,6 +43,13 @@ COUNTERS = {
     "for a while (a hard failure or repeated late answers; the log says why)",
     "loads_ended": "loads given up because their request ended first (aborted while its KV "
     "was on the way): released at once, not a load failure",
+    "scheduler_wait_overruns": "lookups and fetches whose ask ran more than 5 ms past the "
+    "step's wait (lookup_timeout_ms)",
+    "scheduler_wait_overrun_us": "microseconds those asks ran past the step's wait",
+    "scheduler_wait_overrun_cpu_us": "microseconds of the scheduler thread's CPU time in "
+    "those asks",
+    "scheduler_wait_overrun_runq_us": "microseconds the OS kept the scheduler thread waiting to "
+    "run in those asks (runnable, not running: the machine was busy)",
     "lookups_deferred": "reuse-tier lookups and shared-store fetches not answered within the "
     "step's wait (lookup_timeout_ms): vLLM skipped the request and asked again next step",
 }

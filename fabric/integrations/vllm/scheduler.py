@@ -118,6 +118,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# NOTE: an ask this far past its step's wait is counted (scheduler_wait_overruns)
+OVERRUN_S = 0.005
+
+
+def run_queue_s() -> float:
+    """Seconds this thread has waited on a run queue (runnable, not running),
+    from ``/proc/thread-self/schedstat``; 0.0 where the kernel has none."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
 
 class RequestLike(Protocol):
     request_id: str
@@ -362,14 +375,27 @@ class FabricScheduler:
         return num_tokens
 
     def _waited(self, ask: Callable[[float], int | None]) -> int | None:
-        """``ask(wait_s)`` within what is left of the step's wait."""
-        start = time.perf_counter()
+        """``ask(wait_s)`` within what is left of the step's wait.
+
+        An ask that ran more than ``OVERRUN_S`` past its wait is counted
+        (``scheduler_wait_overruns``) with the thread's CPU time in it and
+        the time the OS kept it waiting to run (``/proc/thread-self/
+        schedstat``): what the scheduler thread did instead of waiting."""
+        start, cpu, queued = time.perf_counter(), time.thread_time(), run_queue_s()
+        wait_s = self._wait_left
         try:
-            return ask(self._wait_left)
+            return ask(wait_s)
         finally:
             spent = time.perf_counter() - start
             self._waited_s += spent
             self._wait_left = max(0.0, self._wait_left - spent)
+            if spent > wait_s + OVERRUN_S:
+                self.counters.add(
+                    scheduler_wait_overruns=1,
+                    scheduler_wait_overrun_us=round((spent - wait_s) * 1e6),
+                    scheduler_wait_overrun_cpu_us=round((time.thread_time() - cpu) * 1e6),
+                    scheduler_wait_overrun_runq_us=round((run_queue_s() - queued) * 1e6),
+                )
 
     def _drop_hit(self, rid: str) -> None:
         """Forget the request's hit; release whatever any rank holds for it."""
