@@ -27,6 +27,9 @@ class FakeTier:
     ) -> int | None:
         return self.lookup(request_id, token_ids, identity)
 
+    def asked_at(self, request_id: str) -> float | None:
+        return None  # NOTE: answers at once: nothing in flight
+
     def cancel(self, request_id: str) -> bool:
         return False
 

@@ -36,8 +36,9 @@ class ConnectorConfig:
     the next ones (no wait), until ``lookup_deadline_ms`` from its first ask:
     only then is it a miss (the prompt is computed). So a slow answer (a hold
     reading disk-tier hits in before the worker answers) costs the request a
-    step or a few, not its hit, and the engine at most ``lookup_timeout_ms``
-    per step. ``lookup_deadline_ms`` must be >= ``lookup_timeout_ms``.
+    step or a few, not its hit, and the engine the ``lookup_timeout_ms`` poll
+    per step (an ask that runs past it, e.g. on a busy machine, is counted:
+    ``scheduler_wait_overruns``). ``lookup_deadline_ms`` must be >= ``lookup_timeout_ms``.
 
     ``secret`` signs the control channel and notifications (HMAC-SHA256);
     ``secret_env`` names an environment variable to read it from instead, so

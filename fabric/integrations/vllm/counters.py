@@ -62,7 +62,8 @@ HISTOGRAMS = {
     "scheduler_hold_seconds": "per scheduler step: time vLLM's scheduler spent inside fabric's "
     "scheduler-side hooks (lookups, fetches, bookkeeping)",
     "scheduler_wait_seconds": "per scheduler step: the part of scheduler_hold_seconds spent "
-    "waiting for reuse-tier and shared-store answers (at most lookup_timeout_ms)",
+    "inside reuse-tier lookups and shared-store fetches (sending, and polling for answers up "
+    "to lookup_timeout_ms; what ran past it is counted in scheduler_wait_overruns)",
 }
 # NOTE: a CPU load of a 4k-token KV-heavy prompt takes ~0.1-1 s; a GPU chunk write ~1 ms.
 BUCKETS = (

@@ -95,6 +95,7 @@ Per-request tables and when they are pruned (vLLM 0.32,
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -122,11 +123,18 @@ logger = logging.getLogger(__name__)
 OVERRUN_S = 0.005
 
 
+_SCHEDSTAT = "/proc/thread-self/schedstat"  # NOTE: "cpu_ns run_delay_ns timeslices"
+HAS_SCHEDSTAT = os.path.exists(_SCHEDSTAT)
+
+
 def run_queue_s() -> float:
     """Seconds this thread has waited on a run queue (runnable, not running),
-    from ``/proc/thread-self/schedstat``; 0.0 where the kernel has none."""
+    from ``/proc/thread-self/schedstat``; 0.0 where the kernel has none
+    (``HAS_SCHEDSTAT`` False: the overrun's run-queue counter is not kept)."""
+    if not HAS_SCHEDSTAT:
+        return 0.0
     try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
+        with open(_SCHEDSTAT, "rb") as f:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
@@ -148,6 +156,10 @@ class TierClient(Protocol):
         held, now held for the request (0 when the worker cannot be asked);
         None: not answered yet, ask again later. Only a request's first ask
         waits, at most ``wait_s``."""
+
+    def asked_at(self, request_id: str) -> float | None:
+        """When the request's lookup in flight was started (a worker's hold
+        is at most that old when its answer is taken); None: none in flight."""
         ...
 
     def cancel(self, request_id: str) -> bool:
@@ -339,13 +351,16 @@ class FabricScheduler:
         now = self._clock()
         if hit is not None and now - hit.at <= self._hit_refresh_s:
             return hit
+        # NOTE: an answer taken steps later (vLLM may not ask again while its
+        # batch is full) dates the hit from the ask, not from the answer
+        started = tier.asked_at(rid)
         chunks = self._waited(lambda wait_s: tier.ask(rid, tokens, identity, wait_s))
         if chunks is None:
             return None  # NOTE: a refresh in flight keeps the old hit until answered
         tokens_held = min(chunks * self.config.chunk_tokens, len(tokens))
         if hit is not None and hit.fetch is not None and self.shared is not None:
             self.shared.cancel(hit.fetch)
-        hit = self._hits[rid] = _Hit(tokens_held, now)
+        hit = self._hits[rid] = _Hit(tokens_held, now if started is None else min(started, now))
         return hit
 
     def _fetch_shared(
@@ -380,7 +395,9 @@ class FabricScheduler:
         An ask that ran more than ``OVERRUN_S`` past its wait is counted
         (``scheduler_wait_overruns``) with the thread's CPU time in it and
         the time the OS kept it waiting to run (``/proc/thread-self/
-        schedstat``): what the scheduler thread did instead of waiting."""
+        schedstat``); the rest of the overrun the thread was blocked: on the
+        GIL (the worker's threads share the process at TP 1), a lock, or a
+        poll that woke late."""
         start, cpu, queued = time.perf_counter(), time.thread_time(), run_queue_s()
         wait_s = self._wait_left
         try:
@@ -390,12 +407,16 @@ class FabricScheduler:
             self._waited_s += spent
             self._wait_left = max(0.0, self._wait_left - spent)
             if spent > wait_s + OVERRUN_S:
-                self.counters.add(
-                    scheduler_wait_overruns=1,
-                    scheduler_wait_overrun_us=round((spent - wait_s) * 1e6),
-                    scheduler_wait_overrun_cpu_us=round((time.thread_time() - cpu) * 1e6),
-                    scheduler_wait_overrun_runq_us=round((run_queue_s() - queued) * 1e6),
-                )
+                overrun = {
+                    "scheduler_wait_overruns": 1,
+                    "scheduler_wait_overrun_us": round((spent - wait_s) * 1e6),
+                    "scheduler_wait_overrun_cpu_us": round((time.thread_time() - cpu) * 1e6),
+                }
+                if HAS_SCHEDSTAT:
+                    overrun["scheduler_wait_overrun_runq_us"] = round(
+                        (run_queue_s() - queued) * 1e6
+                    )
+                self.counters.add(**overrun)
 
     def _drop_hit(self, rid: str) -> None:
         """Forget the request's hit; release whatever any rank holds for it."""
@@ -572,10 +593,10 @@ class FabricScheduler:
 
     # ------------------------------------------------------------ every step
     def build_connector_meta(self, scheduler_output: Any) -> FabricMetadata:
-        self._late_holds()
-        self._wait_left = self._step_wait_s  # NOTE: the next step's asks
         self.counters.observe("scheduler_wait_seconds", self._waited_s)
         self._waited_s = 0.0
+        self._wait_left = self._step_wait_s  # NOTE: the next step's asks
+        self._late_holds()
         meta = FabricMetadata(
             loads=self._loads,
             local_loads=self._local_loads,

@@ -110,7 +110,7 @@ class SharedSaver:
         if self.refused:
             raise TransferError("the shared store refused this engine's layout")
         # NOTE: off vLLM's scheduler loop: the control channel's usual bound,
-        # not the scheduler's tens-of-milliseconds lookup bound
+        # not the scheduler's per-step lookup poll (lookup_timeout_ms)
         client = StoreClient(
             endpoint,
             timeout_ms=max(self.config.lookup_timeout_ms, DEFAULT_TIMEOUT_MS),

@@ -181,8 +181,10 @@ class _Call:
 class _Ask:
     """One request's call on each of its peers, answered across steps."""
 
-    def __init__(self, key: str, calls: list[_Call], deadline: float, lease_end: float) -> None:
-        self.key, self.calls = key, calls
+    def __init__(
+        self, key: str, calls: list[_Call], started: float, deadline: float, lease_end: float
+    ) -> None:
+        self.key, self.calls, self.started = key, calls, started
         self.deadline, self.lease_end = deadline, lease_end
 
     def advance(self, max_in_flight: int) -> None:
@@ -250,6 +252,7 @@ class _InFlight:
         ask = _Ask(
             key,
             [_Call(client, msg, msg.seq) for client, msg in calls],
+            now,
             now + self.deadline_ms / 1000,
             now + self.lease_ms / 1000,
         )
@@ -370,6 +373,11 @@ class WorkerTierClient:
             self.poll()
             chunks = self.ask(request_id, token_ids, identity)
         return chunks
+
+    def asked_at(self, request_id: str) -> float | None:
+        """When the request's lookup in flight was started; None: none is."""
+        ask = self._asks.pending.get(request_id)
+        return None if ask is None else ask.started
 
     def cancel(self, request_id: str) -> bool:
         """The request no longer waits for its lookup (it ended, or vLLM went
