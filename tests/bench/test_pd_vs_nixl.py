@@ -1,19 +1,24 @@
-"""The pure parts of ``benchmarks/pd_vs_nixl.py`` and the NixlConnector proxy (no vLLM)."""
+"""The pure parts of ``benchmarks/pd_vs_nixl.py``, its timing tap and the NIXL proxy (no vLLM)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
 
 from fabric.bench import nixl_proxy
+from fabric.bench.tap import TapEvent, TapThread, first_line
 from fabric.router.fake_engine import FakeEngineConfig
 from tests.router.servers import FakeEngine, ServerThread
 
@@ -31,21 +36,31 @@ def bench() -> ModuleType:
     return module
 
 
-# ---------------------------------------------------------------- prompts and arithmetic
+# ---------------------------------------------------------------- prompts, orders, arithmetic
 
 
-def test_prompts_have_exactly_the_length_and_are_fresh_per_request(bench: ModuleType) -> None:
-    prompt = bench.prompt_ids(4096, "client", 0)
+def test_prompts_have_exactly_the_length_and_are_fresh_per_round(bench: ModuleType) -> None:
+    prompt = bench.prompt_ids(4096, 0, seed=11)
 
     assert len(prompt) == 4096
     assert all(bench.TOKEN_LOW <= t < bench.TOKEN_HIGH for t in prompt)
-    assert prompt == bench.prompt_ids(4096, "client", 0)  # same in every setup
-    assert prompt[:1024] != bench.prompt_ids(1024, "client", 0)
-    assert prompt != bench.prompt_ids(4096, "client", 1)
-    assert prompt != bench.prompt_ids(4096, "proxy", 0)
+    assert prompt == bench.prompt_ids(4096, 0, seed=11)  # the same for every stack of a round
+    assert prompt[:1024] != bench.prompt_ids(1024, 0, seed=11)
+    assert prompt != bench.prompt_ids(4096, 1, seed=11)
+    assert prompt != bench.prompt_ids(4096, 0, seed=12)
+    assert prompt != bench.prompt_ids(4096, 0, seed=11, phase="warmup")
 
 
-def test_itl_handoff_and_ratio_arithmetic(bench: ModuleType) -> None:
+def test_each_round_shuffles_the_stacks_deterministically(bench: ModuleType) -> None:
+    orders = [bench.round_order(bench.STACKS, r, 1024, seed=11) for r in range(8)]
+
+    assert all(sorted(order) == sorted(bench.STACKS) for order in orders)
+    assert orders[0] == bench.round_order(bench.STACKS, 0, 1024, seed=11)
+    assert len({tuple(order) for order in orders}) > 1
+    assert bench.round_order(["fabric"], 3, 4096) == ["fabric"]
+
+
+def test_itl_handoff_ratio_median_and_p90(bench: ModuleType) -> None:
     assert bench.itl_s([1.0, 1.1, 1.3, 1.6]) == pytest.approx(0.2)
     assert bench.itl_s([1.0]) is None
     assert bench.handoff_s(0.5, 0.2) == pytest.approx(0.3)
@@ -56,22 +71,66 @@ def test_itl_handoff_and_ratio_arithmetic(bench: ModuleType) -> None:
     assert bench.ratio(None, 1.0) is None
     assert bench.median([3.0, None, 1.0, 2.0]) == 2.0
     assert bench.median([None]) is None
+    assert bench.p90([float(v) for v in range(1, 8)]) == 6.0  # 7 samples: the 6th
+    assert bench.p90([float(v) for v in range(1, 11)]) == 9.0
+    assert bench.p90([2.0, None]) == 2.0
+    assert bench.p90([]) is None
 
 
-def test_rounds_split_the_request_indices(bench: ModuleType) -> None:
-    assert [list(bench.round_indices(5, 2, r)) for r in range(2)] == [[0, 1], [2, 3, 4]]
-    assert [list(bench.round_indices(2, 1, 0))] == [[0, 1]]
-    assert [list(bench.round_indices(1, 2, r)) for r in range(2)] == [[], [0]]
+def test_bootstrap_interval_brackets_the_ratio_of_medians(bench: ModuleType) -> None:
+    a = [1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 1.0]
+    b = [2.0, 2.2, 1.8, 2.1, 1.9, 2.4, 2.0]
+
+    lo, hi = bench.bootstrap_ratio(a, b, draws=500)
+
+    assert lo <= 0.5 <= hi
+    assert lo > 0.3 and hi < 0.8
+    assert bench.bootstrap_ratio(a, b, draws=500) == [lo, hi]  # seeded
+    assert bench.bootstrap_ratio([1.0] * 3, [2.0] * 5, draws=100) == [0.5, 0.5]
+    assert bench.bootstrap_ratio([], b) is None
+    assert bench.bootstrap_ratio(a, [-0.01, -0.02, 0.0]) is None  # no usable denominator
 
 
-def test_other_cores_is_the_machines_busy_time_minus_the_setups_own(bench: ModuleType) -> None:
-    start = bench.CpuMark(wall_s=10.0, busy_s=100.0, ours_s=40.0)
+def test_cores_between_splits_stacks_cores_and_outside_work(bench: ModuleType) -> None:
+    def mark(wall: float, busy: float, fabric: float, pull: tuple[float, float], client: float):
+        stacks = {
+            "fabric": {"core0": fabric, "core1": 1.0, "proxy": 0.5, "idle": 0.0},
+            "nixl-pull": {"core0": pull[0], "core1": pull[1], "proxy": 0.0, "idle": pull[1] / 2},
+        }
+        return bench.CpuMark(wall, busy, stacks, client)
 
-    # 2 s: the machine was busy 3.0 s, the setup 2.0 s of it -> others kept 0.5 cores busy
-    assert bench.other_cores(start, bench.CpuMark(12.0, 103.0, 42.0)) == pytest.approx(0.5)
-    assert bench.other_cores(start, bench.CpuMark(12.0, 101.0, 42.0)) == 0.0  # tick jitter
-    assert bench.other_cores(start, start) == 0.0
+    start = mark(10.0, 100.0, 5.0, (2.0, 4.0), 1.0)
+    # 2 s later: the machine was busy 3.2 s; fabric's P used 1.0 s on core 0, nixl-pull's
+    # engines 0.2 s on core 0 and 1.4 s on core 1 (0.7 s of it in SCHED_IDLE threads), this
+    # process 0.2 s -> outside work kept 0.2 cores busy
+    end = mark(12.0, 103.2, 6.0, (2.2, 5.4), 1.2)
+
+    cores = bench.cores_between(start, end, "fabric")
+
+    assert cores["own_cores"] == pytest.approx(0.5)
+    assert cores["own_core0_cores"] == pytest.approx(0.5)
+    assert cores["own_core1_cores"] == 0.0
+    assert cores["others_cores"] == pytest.approx(0.8)
+    assert cores["others_core0_cores"] == pytest.approx(0.1)
+    assert cores["others_core1_cores"] == pytest.approx(0.7)
+    assert cores["others_idle_thread_cores"] == pytest.approx(0.35)
+    assert cores["others_by_stack"] == {"nixl-pull": pytest.approx(0.8)}
+    assert cores["outside_cores"] == pytest.approx(0.2)
+    assert bench.cores_between(start, start, "fabric") == {}
+    assert bench.autogroup_enabled() in (True, False, None)
+
+
+def test_proc_readers_see_this_process(bench: ModuleType) -> None:
+    busy_until = time.process_time() + 0.05
+    while time.process_time() < busy_until:
+        pass
+
     assert bench.machine_busy_s() > 0
+    assert bench.process_cpu_s([os.getpid()]) > 0
+    assert bench.threads_cpu_s([(os.getpid(), threading.get_native_id())]) >= 0
+    assert bench.threads_cpu_s([(os.getpid(), 2**30)]) == 0  # a gone thread counts 0
+    assert 0 < bench.mem_used_gib() < 10_000
+    assert bench.rss_gib([os.getpid()]) > 0
 
 
 METRICS_TEXT = """\
@@ -107,81 +166,165 @@ def test_metrics_are_parsed_summed_over_labels_and_diffed(bench: ModuleType) -> 
     )
     assert bench.is_fallback(deltas)
     assert not bench.is_fallback({"vllm:nixl_xfer_time_seconds_sum": 0.15})
+    proxy = bench.parse_metrics(
+        "fabric_proxy_fallbacks_total 2\nfabric_proxy_requests_total 9\n", bench.PROXY_PREFIXES
+    )
+    assert proxy == {"fabric_proxy_fallbacks_total": 2.0, "fabric_proxy_requests_total": 9.0}
+    assert bench.is_fallback({"fabric_proxy_fallbacks_total": 1.0})
+    assert not bench.is_fallback({"fabric_proxy_early_handoffs_total": 1.0})
 
 
-def _sample(bench: ModuleType, setup: str, length: int, phase: str, **values: Any) -> Any:
-    sample = bench.Sample(setup, phase, length, values.pop("index", 0))
-    defaults = {"ttft_s": 1.0, "e2e_s": 2.0, "output_tokens": 32, "itl_s": 0.03}
-    for name, value in {**defaults, **values}.items():
-        setattr(sample, name, value)
-    return sample
+def test_prefill_timing_comes_from_the_taps_first_answered_post(bench: ModuleType) -> None:
+    sample = bench.Sample("nixl-push", 1024, 0)
+    events = [
+        TapEvent("POST /v1/completions HTTP/1.1", 100.0, 102.5, 102.5),
+        TapEvent("POST /v1/completions HTTP/1.1", 103.0, None),  # a second call, unanswered
+    ]
+
+    bench.fill_prefill_timing(sample, events, first_token_at=102.7)
+
+    assert sample.prefill_s == pytest.approx(2.5)
+    assert sample.handoff_raw_s == pytest.approx(0.2)
+    assert sample.prefill_calls == 2
+    empty = bench.Sample("fabric", 1024, 0)
+    bench.fill_prefill_timing(empty, [], first_token_at=1.0)
+    assert empty.prefill_s is None and empty.handoff_raw_s is None and empty.prefill_calls == 0
+
+
+def test_pd_outputs_are_compared_with_colocated_for_the_same_prompt(bench: ModuleType) -> None:
+    def sample(stack: str, round_: int, ids: list[int], **more: Any) -> Any:
+        s = bench.Sample(stack, 8, round_, **more)
+        s.token_ids = ids
+        return s
+
+    batch = [
+        sample("colocated", 0, [1, 2]),
+        sample("fabric", 0, [1, 2]),
+        sample("nixl-pull", 0, [1, 3]),
+        sample("nixl-push", 0, [9], error="HTTP 500"),
+        sample("fabric", 1, [1, 2]),  # no colocated sample of round 1
+    ]
+
+    bench.mark_matches(batch)
+
+    assert [s.matches_colocated for s in batch] == [None, True, False, None, None]
+
+
+# ---------------------------------------------------------------- summaries and ratios
+
+# (stack, length) -> (ttft, prefill, handoff) of each round
+DATA: dict[tuple[str, int], list[tuple[float, float | None, float | None]]] = {
+    ("fabric", 1024): [(1.0, 0.9, 0.05), (1.1, 1.0, 0.06), (1.2, 1.1, 0.04)],
+    ("nixl-pull", 1024): [(1.0, 0.9, 0.10), (1.0, 0.9, 0.12), (1.0, 0.9, 0.11)],
+    ("nixl-push", 1024): [(0.9, 0.9, 0.02), (0.95, 0.9, 0.03), (0.9, 0.9, 0.025)],
+    ("colocated", 1024): [(2.0, None, None), (2.0, None, None), (2.0, None, None)],
+    ("fabric", 4096): [(8.0, 7.6, 0.3), (8.2, 7.8, 0.3), (8.4, 8.0, 0.3)],
+    ("nixl-pull", 4096): [(8.0, 7.5, 0.2), (8.0, 7.5, 0.2), (8.0, 7.5, 0.2)],
+    ("nixl-push", 4096): [(9.0, 8.5, 0.4), (9.0, 8.5, 0.4), (9.0, 8.5, 0.4)],
+    ("colocated", 4096): [(4.0, None, None), (4.2, None, None), (4.1, None, None)],
+}
 
 
 def _samples(bench: ModuleType) -> list[dict[str, Any]]:
-    from dataclasses import asdict
-
     out = []
-    for setup, handoffs, ttft in (("fabric", [0.1, 0.3, 0.2], 10.0), ("nixl", [0.4, 0.5], 8.0)):
-        for i, handoff in enumerate(handoffs):
-            out.append(
-                _sample(bench, setup, 4096, "client", index=i, handoff_s=handoff, ttft_s=ttft)
-            )
-        out.append(_sample(bench, setup, 1024, "client", ttft_s=ttft / 10))
-    out.append(_sample(bench, "nixl", 1024, "client", index=1, ttft_s=None, error="HTTP 500"))
-    out.append(_sample(bench, "fabric", 4096, "warmup", handoff_s=9.0, ttft_s=99.0))
-    return [asdict(s) for s in out]
+    for (stack, length), rows in DATA.items():
+        for round_, (ttft, prefill, handoff) in enumerate(rows):
+            s = bench.Sample(stack, length, round_, ttft_s=ttft, prefill_s=prefill)
+            s.handoff_s = handoff
+            s.cpu = {"others_cores": 0.1 * round_, "others_core0_cores": 0.01, "outside_cores": 0.0}
+            out.append(asdict(s))
+    out.append(asdict(bench.Sample("fabric", 1024, 3, error="HTTP 502")))
+    out.append(asdict(bench.Sample("fabric", 1024, 0, phase="warmup", ttft_s=99.0)))
+    fell = bench.Sample("nixl-pull", 4096, 3, ttft_s=30.0, fallback=True)
+    out.append(asdict(fell))
+    return out
 
 
-def test_summary_rows_take_medians_of_good_samples_and_skip_warmups(bench: ModuleType) -> None:
+def test_summary_rows_take_medians_and_p90s_of_good_samples(bench: ModuleType) -> None:
     rows = bench.summarize(_samples(bench))
 
-    fabric_4k = bench.find_row(rows, "fabric", 4096, "client")
-    assert fabric_4k["n"] == 3 and fabric_4k["errors"] == 0
-    assert fabric_4k["handoff_s"] == pytest.approx(0.2)
-    assert fabric_4k["out_tok_per_s"] == pytest.approx(96 / 6.0)
-    assert fabric_4k["req_per_s"] == pytest.approx(3 / 6.0)
-    nixl_1k = bench.find_row(rows, "nixl", 1024, "client")
-    assert nixl_1k["n"] == 2 and nixl_1k["errors"] == 1 and nixl_1k["ttft_s"] == 0.8
-    assert bench.find_row(rows, "fabric", 4096, "warmup") == {}
+    assert [(r["stack"], r["length"]) for r in rows][:4] == [
+        ("fabric", 1024), ("nixl-pull", 1024), ("nixl-push", 1024), ("colocated", 1024),
+    ]  # fmt: skip
+    fabric_1k = bench.find_row(rows, "fabric", 1024)
+    assert fabric_1k["n"] == 4 and fabric_1k["errors"] == 1
+    assert fabric_1k["ttft_s"] == pytest.approx(1.1)
+    assert fabric_1k["ttft_p90_s"] == pytest.approx(1.2)
+    assert fabric_1k["handoff_s"] == pytest.approx(0.05)
+    assert fabric_1k["others_cores"] == pytest.approx(0.1)
+    assert fabric_1k["others_cores_max"] == pytest.approx(0.2)
+    pull_4k = bench.find_row(rows, "nixl-pull", 4096)
+    assert pull_4k["fallbacks"] == 1 and pull_4k["ttft_p90_s"] == 30.0  # a fallback still counts
+    assert bench.find_row(rows, "colocated", 4096)["prefill_s"] is None
+    text = bench.table(rows)
+    assert "1,100 / 1,200" in text and "nixl-push" in text
 
 
-def test_headline_is_fabric_over_nixl_at_4k_and_the_worst_ttft(bench: ModuleType) -> None:
-    rows = bench.summarize(_samples(bench))
+def test_ratios_take_the_better_nixl_per_length_and_metric(bench: ModuleType) -> None:
+    samples = [s for s in _samples(bench) if not s["fallback"]]
 
-    assert bench.headline(rows, (1024, 4096)) == {
-        "handoff_fabric_over_nixl_4k": pytest.approx(0.2 / 0.45, abs=1e-3),
-        "ttft_fabric_over_nixl_max": 1.25,
-    }
-    assert bench.headline(rows, (1024,)) == {
-        "handoff_fabric_over_nixl_4k": pytest.approx(0.444, abs=1e-3),
-        "ttft_fabric_over_nixl_max": 1.25,
-    }
-    assert bench.headline([], (1024,)) == {
-        "handoff_fabric_over_nixl_4k": None,
-        "ttft_fabric_over_nixl_max": None,
-    }
+    table = bench.ratios(samples, (1024, 4096), draws=200)
+
+    assert table["1024"]["ttft"]["nixl"]["stack"] == "nixl-push"
+    assert table["1024"]["ttft"]["nixl"]["ratio"] == pytest.approx(1.1 / 0.9, abs=1e-4)
+    assert table["1024"]["handoff"]["nixl-pull"]["ratio"] == pytest.approx(0.05 / 0.11, abs=1e-4)
+    assert table["1024"]["handoff"]["nixl"]["stack"] == "nixl-push"
+    assert table["4096"]["ttft"]["nixl"]["stack"] == "nixl-pull"
+    assert table["4096"]["ttft"]["colocated"]["ratio"] == pytest.approx(8.2 / 4.1, abs=1e-4)
+    assert "colocated" not in table["4096"]["handoff"]  # colocated has no handoff
+    lo, hi = table["4096"]["ttft"]["nixl"]["interval_90"]
+    assert lo <= table["4096"]["ttft"]["nixl"]["ratio"] <= hi
+    assert table["4096"]["handoff"]["nixl"]["p90_ratio"] == pytest.approx(1.5)
+    text = bench.ratio_table(table)
+    assert "[push]" in text and "[pull]" in text
 
 
-def test_token_ids_are_compared_with_the_colocated_engine(bench: ModuleType) -> None:
-    samples = [
-        {"setup": "colocated", "phase": "client", "length": 8, "index": 0, "token_ids": [1, 2]},
-        {"setup": "colocated", "phase": "client", "length": 8, "index": 1, "token_ids": [3, 4]},
-        {"setup": "fabric", "phase": "client", "length": 8, "index": 0, "token_ids": [1, 2]},
-        {"setup": "fabric", "phase": "client", "length": 8, "index": 1, "token_ids": [3, 5]},
-        {"setup": "nixl", "phase": "client", "length": 8, "index": 0, "token_ids": [1, 2]},
+def test_headline_is_the_worst_length_of_each_ratio(bench: ModuleType) -> None:
+    samples = [s for s in _samples(bench) if not s["fallback"]]
+    table = bench.ratios(samples, (1024, 4096), draws=200)
+
+    head = bench.headline(table)
+
+    assert list(head) == [
+        "handoff_fabric_over_nixl_max",
+        "handoff_p90_fabric_over_nixl_max",
+        "ttft_fabric_over_nixl_max",
+        "ttft_fabric_over_nixl_hi_max",
+        "prefill_fabric_over_nixl_max",
+        "ttft_pd_over_colocated_4k",
     ]
+    assert head["handoff_fabric_over_nixl_max"] == pytest.approx(0.05 / 0.025, abs=1e-3)
+    assert head["ttft_fabric_over_nixl_max"] == pytest.approx(1.222, abs=1e-3)
+    assert head["ttft_fabric_over_nixl_hi_max"] >= head["ttft_fabric_over_nixl_max"]
+    assert head["prefill_fabric_over_nixl_max"] == pytest.approx(1.0 / 0.9, abs=1e-3)  # 1k
+    assert head["ttft_pd_over_colocated_4k"] == pytest.approx(2.0, abs=1e-3)
+    assert bench.headline(bench.ratios([], (1024,))) == dict.fromkeys(head)
 
-    assert bench.token_matches(samples) == {"fabric": "1/2", "nixl": "1/1"}
+
+def test_idle_stacks_report_the_max_and_median_of_the_others_cores(bench: ModuleType) -> None:
+    idle = bench.idle_stacks(_samples(bench))
+
+    assert idle["others_cores"] == {
+        "max": pytest.approx(0.2),
+        "median": pytest.approx(0.1),
+        "n": 24,
+    }
+    assert idle["others_core0_cores"]["max"] == pytest.approx(0.01)
+    assert idle["others_core1_cores"] == {"max": None, "median": None, "n": 0}
+
+
+# ---------------------------------------------------------------- streaming and options
 
 
 def test_stream_completion_times_each_token_and_reads_usage(bench: ModuleType) -> None:
     events = [
         {"choices": [{"index": 0, "text": "a", "token_ids": [7]}]},
         {"choices": [{"index": 0, "text": "bc", "token_ids": [8, 9]}]},
-        {"choices": [], "usage": {"prompt_tokens": 1024, "completion_tokens": 3}},
+        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
     ]
     sse = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
     seen: list[dict[str, Any]] = []
+    firsts: list[int] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(json.loads(request.content))
@@ -189,15 +332,23 @@ def test_stream_completion_times_each_token_and_reads_usage(bench: ModuleType) -
 
     with httpx.Client(transport=httpx.MockTransport(handler)) as client:
         body = bench.generation_body([5, 6], 3)
-        stream = bench.stream_completion(client, "http://engine/v1/completions", bench.dump(body))
+        stream = bench.stream_completion(
+            client,
+            "http://engine/v1/completions",
+            bench.dump(body),
+            on_first_token=lambda: firsts.append(1),
+        )
 
-    assert seen == [body]
-    assert stream.error is None and stream.token_ids == [7, 8, 9] and stream.prompt_tokens == 1024
+    assert seen == [body] and firsts == [1]
+    assert stream.error is None and stream.token_ids == [7, 8, 9] and stream.prompt_tokens == 2
     assert len(stream.token_s) == 3 and stream.token_s[1] == stream.token_s[2]
-    sample = bench.Sample("colocated", "client", 2, 0)
-    bench.fill_from_stream(sample, stream, offset_s=1.0)
-    assert sample.ttft_s == pytest.approx(1.0 + stream.token_s[0])
+    sample = bench.Sample("colocated", 2, 0)
+    bench.fill_from_stream(sample, stream)
+    assert sample.error is None and sample.ttft_s == stream.token_s[0]
     assert sample.output_tokens == 3 and sample.e2e_s >= sample.ttft_s
+    short = bench.Sample("colocated", 1024, 0)
+    bench.fill_from_stream(short, stream)
+    assert short.error == "the prompt had 2 tokens, not 1024"
 
 
 def test_stream_completion_reports_an_engine_error(bench: ModuleType) -> None:
@@ -206,9 +357,120 @@ def test_stream_completion_reports_an_engine_error(bench: ModuleType) -> None:
         stream = bench.stream_completion(client, "http://engine/v1/completions", b"{}")
 
     assert stream.error == "HTTP 500: boom" and stream.token_s == []
+    sample = bench.Sample("fabric", 8, 0)
+    bench.fill_from_stream(sample, stream)
+    assert sample.ttft_s is None and sample.error == "HTTP 500: boom"
 
 
-# ---------------------------------------------------------------- the NixlConnector proxy
+def test_options_quick_and_stack_subsets(bench: ModuleType) -> None:
+    settings, workdir, _ = bench.parse_args([])
+    assert settings.lengths == (1024, 2048, 4096) and settings.requests == 7
+    assert settings.stacks == bench.STACKS and settings.kv_heavy and workdir is None
+
+    quick, _, _ = bench.parse_args(["--quick", "--stacks", "nixl-push,fabric"])
+    assert quick.quick and quick.lengths == (1024,) and quick.requests == 2
+    assert quick.stacks == ("fabric", "nixl-push")  # in the canonical order
+    alias, _, _ = bench.parse_args(
+        ["--setups", "colocated", "--lengths", "512", "--tiny", "--idle-nice", "-1"]
+    )
+    assert alias.stacks == ("colocated",) and alias.lengths == (512,) and not alias.kv_heavy
+    assert alias.idle_nice is None and settings.idle_nice == 19
+    longer, _, _ = bench.parse_args(["--lengths", "8192"])
+    assert longer.max_model_len == 8192 + 512
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--stacks", "nixl"])
+
+
+def test_stack_specs_configure_each_connector(bench: ModuleType) -> None:
+    settings = bench.Settings()
+
+    specs = {s.tag: s for s in bench.stack_specs(settings, fabric_kv_port=4242)}
+
+    assert list(specs) == [
+        "fabric-prefill", "fabric-decode", "nixl-pull-prefill", "nixl-pull-decode",
+        "nixl-push-prefill", "nixl-push-decode", "colocated-engine",
+    ]  # fmt: skip
+    fabric_d = specs["fabric-decode"].kv_transfer_config
+    assert fabric_d["kv_connector"] == "FabricConnector"
+    assert fabric_d["kv_connector_extra_config"]["kv_port"] == 4242
+    push_p = specs["nixl-push-prefill"]
+    assert push_p.kv_transfer_config["kv_connector"] == "NixlPushConnector"
+    assert push_p.kv_transfer_config["engine_id"].startswith("nixl-push-prefill-")
+    assert push_p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    side_ports = {specs[t].env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for t in specs if "nixl" in t}
+    assert len(side_ports) == 4  # a side channel of its own per engine
+    assert specs["nixl-pull-decode"].kv_transfer_config["kv_connector"] == "NixlConnector"
+    assert specs["colocated-engine"].kv_transfer_config is None
+    assert {s.core for t, s in specs.items() if t.endswith(("prefill", "engine"))} == {0}
+    assert {s.core for t, s in specs.items() if t.endswith("decode")} == {1}
+
+
+# ---------------------------------------------------------------- servers
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ServerThread]]:
+    started: list[ServerThread] = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+def _start(servers: list[ServerThread], server: ServerThread) -> Any:
+    servers.append(server.start())
+    return server
+
+
+@pytest.fixture
+def taps() -> Iterator[TapThread]:
+    with TapThread() as thread:
+        yield thread
+
+
+# ---------------------------------------------------------------- the timing tap
+
+
+def test_first_line_and_event_fields() -> None:
+    line = first_line(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n{}")
+    event = TapEvent(line, 1.0)
+
+    assert line == "POST /v1/completions HTTP/1.1"
+    assert (event.method, event.path) == ("POST", "/v1/completions")
+    assert TapEvent("", 0.0).path == ""
+
+
+def test_tap_relays_requests_and_times_each_answer(
+    servers: list[ServerThread], taps: TapThread
+) -> None:
+    engine = _start(servers, FakeEngine(FakeEngineConfig(role="prefill", delay_s=0.3)))
+    url, tap = taps.tap(engine.url)
+    body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 2}
+    since = time.perf_counter()
+
+    with httpx.Client(timeout=10, trust_env=False) as client:  # NOTE: one kept-alive connection
+        assert client.get(url + "/health").status_code == 200
+        answer = client.post(url + "/v1/completions", json=body)
+        direct = httpx.post(engine.url + "/v1/completions", json=body, timeout=10)
+        with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    assert answer.status_code == 200
+    assert answer.json()["choices"] == direct.json()["choices"]
+    assert lines[-1] == "data: [DONE]"
+    events = tap.events(since)
+    assert [(e.method, e.path) for e in events] == [
+        ("GET", "/health"), ("POST", "/v1/completions"), ("POST", "/v1/completions"),
+    ]  # fmt: skip
+    gens = tap.generations(since)
+    assert len(gens) == 2
+    for event in gens:
+        assert event.answered_s is not None and event.ended_s is not None
+        assert event.answered_s - event.sent_s >= 0.3  # the engine's delay
+        assert event.ended_s >= event.answered_s
+    assert tap.generations(time.perf_counter()) == []
+
+
+# ---------------------------------------------------------------- the NIXL proxy: pull
 
 
 def test_prefill_and_decode_bodies_follow_the_nixl_flow() -> None:
@@ -236,21 +498,17 @@ def test_prefill_and_decode_bodies_follow_the_nixl_flow() -> None:
     assert body["max_tokens"] == 9  # the client's body is not changed
 
 
-@pytest.fixture
-def servers() -> Iterator[list[ServerThread]]:
-    started: list[ServerThread] = []
-    yield started
-    for server in started:
-        server.stop()
+PEER = nixl_proxy.NixlPeer("push-p-1", "127.0.0.1", 5601)
 
 
-def _start(servers: list[ServerThread], server: ServerThread) -> Any:
-    servers.append(server.start())
-    return server
-
-
-def _proxy(servers: list[ServerThread], p: FakeEngine, d: FakeEngine) -> ServerThread:
-    config = nixl_proxy.NixlProxyConfig(p.url, d.url, timeout_s=10.0)
+def _proxy(
+    servers: list[ServerThread],
+    p: FakeEngine,
+    d: FakeEngine,
+    mode: Literal["pull", "push"] = "pull",
+) -> ServerThread:
+    peer = PEER if mode == "push" else None
+    config = nixl_proxy.NixlProxyConfig(p.url, d.url, timeout_s=10.0, mode=mode, prefill_nixl=peer)
     return _start(servers, ServerThread(nixl_proxy.create_app(config)))
 
 
@@ -276,10 +534,13 @@ def test_proxy_sends_p_one_token_then_d_the_body_with_ps_params(
     assert prefill["request_id"] == decode["request_id"] == "r1"
 
 
-def test_proxy_relays_the_decoders_stream(servers: list[ServerThread]) -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_proxy_relays_the_decoders_stream(
+    servers: list[ServerThread], mode: Literal["pull", "push"]
+) -> None:
     p = _start(servers, FakeEngine(FakeEngineConfig(role="prefill")))
     d = _start(servers, FakeEngine(FakeEngineConfig(role="decode")))
-    proxy = _proxy(servers, p, d)
+    proxy = _proxy(servers, p, d, mode)
     body = {"model": "fake", "prompt": [5, 6], "max_tokens": 3, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
 
@@ -295,25 +556,29 @@ def test_proxy_relays_the_decoders_stream(servers: list[ServerThread]) -> None:
     assert decode["body"]["stream"] is True and decode["body"]["stream_options"]
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize(
     "prefill_config",
     [{"fail_status": 500}, {"kv_params": False}],
     ids=["prefill-error", "no-kv-params"],
 )
-def test_a_failed_prefill_is_a_502_and_d_is_not_called(
-    servers: list[ServerThread], prefill_config: dict[str, Any]
+def test_a_failed_prefill_is_a_502(
+    servers: list[ServerThread], prefill_config: dict[str, Any], mode: Literal["pull", "push"]
 ) -> None:
     p = _start(servers, FakeEngine(FakeEngineConfig(role="prefill", **prefill_config)))
-    d = _start(servers, FakeEngine(FakeEngineConfig(role="decode")))
-    proxy = _proxy(servers, p, d)
+    d = _start(servers, FakeEngine(FakeEngineConfig(role="decode", token_delay_s=0.05)))
+    proxy = _proxy(servers, p, d, mode)
 
     response = httpx.post(
-        f"{proxy.url}/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=10
+        f"{proxy.url}/v1/completions",
+        json={"model": "fake", "prompt": "x", "stream": True},
+        timeout=10,
     )
 
     assert response.status_code == 502
     assert response.json()["error"]["message"].startswith("prefill failed")
-    assert d.seen == []
+    # pull: D is never called; push: D got its leg at once, then it was closed
+    assert len(d.seen) == (1 if mode == "push" else 0)
 
 
 def test_proxy_health_names_each_engine(servers: list[ServerThread]) -> None:
@@ -330,6 +595,124 @@ def test_proxy_health_names_each_engine(servers: list[ServerThread]) -> None:
     assert httpx.get(f"{proxy.url}/health", timeout=10).status_code == 503
 
 
-def test_proxy_config_refuses_bad_urls() -> None:
+def test_proxy_config_refuses_bad_urls_modes_and_a_push_without_p() -> None:
     with pytest.raises(ValueError, match="prefill_url"):
         nixl_proxy.NixlProxyConfig("localhost:1", "http://127.0.0.1:2")
+    with pytest.raises(ValueError, match="mode"):
+        nixl_proxy.NixlProxyConfig("http://a:1", "http://b:2", mode="both")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="push mode needs"):
+        nixl_proxy.NixlProxyConfig("http://a:1", "http://b:2", mode="push")
+    with pytest.raises(ValueError):
+        nixl_proxy.NixlPeer("p", "127.0.0.1", 0)
+    with pytest.raises(ValueError):
+        nixl_proxy.NixlPeer("", "127.0.0.1", 5600)
+
+
+# ---------------------------------------------------------------- the NIXL proxy: push
+
+
+def test_push_params_name_ps_engine_and_side_channel() -> None:
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 9, "stream": True}
+
+    assert nixl_proxy.push_decode_body(body, PEER, "r7") == {
+        **body,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "push-p-1",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5601,
+            "tp_size": 1,
+            "remote_request_id": "r7",
+        },
+    }
+    assert "kv_transfer_params" not in body
+
+
+def test_push_sends_both_legs_at_once_and_answers_once_p_did(
+    servers: list[ServerThread],
+) -> None:
+    p = _start(servers, FakeEngine(FakeEngineConfig(role="prefill", delay_s=1.5)))
+    d = _start(servers, FakeEngine(FakeEngineConfig(role="decode")))
+    proxy = _proxy(servers, p, d, "push")
+    body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 4}
+    answer: list[httpx.Response] = []
+
+    def send() -> None:
+        headers = {"x-request-id": "r1"}
+        url = f"{proxy.url}/v1/completions"
+        answer.append(httpx.post(url, json=body, headers=headers, timeout=10))
+
+    client = threading.Thread(target=send)
+    client.start()
+    deadline = time.monotonic() + 5
+    while not d.seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    d_had_it = bool(d.seen)
+    waiting = client.is_alive()
+    client.join(10)
+
+    assert d_had_it and waiting  # D got its leg while P still computed, and the client waited
+    [response] = answer
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["text"].split()) == 4
+    [prefill], [decode] = p.seen, d.seen
+    assert prefill["body"] == nixl_proxy.prefill_body(body)
+    assert decode["body"] == nixl_proxy.push_decode_body(body, PEER, "r1")
+    assert prefill["request_id"] == decode["request_id"] == "r1"
+
+
+def test_push_gives_a_request_id_to_both_legs_when_the_client_did_not(
+    servers: list[ServerThread],
+) -> None:
+    p = _start(servers, FakeEngine(FakeEngineConfig(role="prefill")))
+    d = _start(servers, FakeEngine(FakeEngineConfig(role="decode")))
+    proxy = _proxy(servers, p, d, "push")
+
+    response = httpx.post(
+        f"{proxy.url}/v1/completions", json={"model": "fake", "prompt": [1]}, timeout=10
+    )
+
+    assert response.status_code == 200
+    [prefill], [decode] = p.seen, d.seen
+    assert prefill["request_id"] and prefill["request_id"] == decode["request_id"]
+    assert decode["body"]["kv_transfer_params"]["remote_request_id"] == prefill["request_id"]
+
+
+def test_push_answers_a_failed_decoder_at_once(servers: list[ServerThread]) -> None:
+    p = _start(servers, FakeEngine(FakeEngineConfig(role="prefill", delay_s=5.0)))
+    d = _start(servers, FakeEngine(FakeEngineConfig(role="decode", fail_status=503)))
+    proxy = _proxy(servers, p, d, "push")
+    started = time.monotonic()
+
+    response = httpx.post(
+        f"{proxy.url}/v1/completions", json={"model": "fake", "prompt": [1]}, timeout=10
+    )
+
+    assert response.status_code == 503
+    assert time.monotonic() - started < 4.0  # P's leg was not waited for (it was cancelled)
+
+
+def test_push_mode_from_the_command_line() -> None:
+    config, host, port = nixl_proxy.parse_args(
+        ["--port", "9000", "--prefill", "http://127.0.0.1:1/", "--decode", "http://127.0.0.1:2",
+         "--mode", "push", "--prefill-engine-id", "p-id", "--prefill-side-channel",
+         "127.0.0.1:5601"]
+    )  # fmt: skip
+
+    assert (host, port) == ("127.0.0.1", 9000)
+    assert config.mode == "push" and config.prefill_url == "http://127.0.0.1:1"
+    assert config.prefill_nixl == nixl_proxy.NixlPeer("p-id", "127.0.0.1", 5601, 1)
+    pull, _, _ = nixl_proxy.parse_args(
+        ["--port", "9000", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    )
+    assert pull.mode == "pull" and pull.prefill_nixl is None
+    base = ["--port", "1", "--prefill", "http://a:1", "--decode", "http://b:2", "--mode", "push"]
+    for bad in (
+        [],
+        ["--prefill-engine-id", "p"],
+        ["--prefill-engine-id", "p", "--prefill-side-channel", "nohost"],
+        ["--prefill-engine-id", "p", "--prefill-side-channel", "h:99999"],
+    ):
+        with pytest.raises(SystemExit):
+            nixl_proxy.parse_args(base + bad)
