@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -125,17 +126,24 @@ OVERRUN_S = 0.005
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # NOTE: "cpu_ns run_delay_ns timeslices"
 HAS_SCHEDSTAT = os.path.exists(_SCHEDSTAT)
+_schedstat = (
+    threading.local()
+)  # NOTE: .fd: the asking thread's schedstat (vLLM's engine-core thread), opened once, kept
 
 
 def run_queue_s() -> float:
     """Seconds this thread has waited on a run queue (runnable, not running),
     from ``/proc/thread-self/schedstat``; 0.0 where the kernel has none
-    (``HAS_SCHEDSTAT`` False: the overrun's run-queue counter is not kept)."""
+    (``HAS_SCHEDSTAT`` False: the overrun's run-queue counter is not kept).
+    The file stays open per thread (one ``pread`` per call: asks run every
+    step)."""
     if not HAS_SCHEDSTAT:
         return 0.0
+    fd = getattr(_schedstat, "fd", None)
     try:
-        with open(_SCHEDSTAT, "rb") as f:
-            return int(f.read().split()[1]) / 1e9
+        if fd is None:
+            fd = _schedstat.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
 
