@@ -126,9 +126,8 @@ OVERRUN_S = 0.005
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # NOTE: "cpu_ns run_delay_ns timeslices"
 HAS_SCHEDSTAT = os.path.exists(_SCHEDSTAT)
-_schedstat = (
-    threading.local()
-)  # NOTE: .fd: the asking thread's schedstat (vLLM's engine-core thread), opened once, kept
+# NOTE: .fd: the asking thread's schedstat (vLLM's engine-core thread), opened once, kept
+_schedstat = threading.local()
 
 
 def run_queue_s() -> float:
