@@ -22,7 +22,9 @@ class ServerStats:
     live reservation, a slot it does not hold or a stale generation (planes
     that see writes arrive: TCP, loopback; their notifications are dropped
     too); ``late_writes``: notifications for reservations already gone or
-    chunks no longer waiting for bytes.
+    chunks no longer waiting for bytes. ``prefill_notes``: the proxy's words
+    on prefills that were kept; ``prefill_notes_late``: ones that came after
+    the transfer's note was final or released (ignored).
     """
 
     hellos: int = 0
@@ -44,6 +46,7 @@ class ServerStats:
     internal_errors: int = 0
     faults_injected: int = 0
     prefill_notes: int = 0
+    prefill_notes_late: int = 0
 
 
 @dataclass

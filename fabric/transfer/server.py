@@ -547,11 +547,12 @@ class TransferServer:
         now = time.monotonic()
         until = now + min(msg.ttl_ms / 1000, MAX_RUNNING_S)
         note = PrefillNote(msg.state, now, until, msg.reason[:MAX_REASON_CHARS])
-        recorded = full = 0
+        recorded = full = late = 0
         with self._cond:
             for rid in msg.request_ids:
                 old = self._prefills.get(rid)
                 if old is not None and old.state != "running":
+                    late += 1
                     continue  # NOTE: final (or released); a late word changes nothing
                 if old is None and len(self._prefills) >= MAX_PREFILL_NOTES:
                     full += 1
@@ -561,6 +562,7 @@ class TransferServer:
             if recorded:
                 self._notify(*msg.request_ids)
         self.stats.prefill_notes += recorded
+        self.stats.prefill_notes_late += late
         if full:
             self._warn(
                 "prefill_notes", "%d prefill notes not kept: %d kept", full, len(self._prefills)

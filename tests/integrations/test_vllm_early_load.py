@@ -219,6 +219,7 @@ def test_the_server_refuses_an_unknown_state_and_prunes_its_notes(
     # NOTE: the loader's release, once its load ended: later words are ignored a while
     server.release("t4")
     assert word.prefill_state(["t4"], "done", ttl_ms=1) == 0
+    assert server.snapshot()["server_prefill_notes_late"] == 2  # t3's running, t4's done
     assert server.table_sizes()["server_prefills"] == 4
     monkeypatch.setattr(server_module, "PREFILL_NOTE_LINGER_S", 0.0)
     monkeypatch.setattr(server_module, "RELEASED_LINGER_S", 0.0)
