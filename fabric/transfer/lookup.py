@@ -346,7 +346,9 @@ class StoreClient:
             if isinstance(reply, proto.Refused):
                 # NOTE: seq -1: a refusal the peer could not tie to a request
                 # (a bad signature): it answers the oldest request in flight.
-                self._keep(None if reply.seq == -1 else reply.seq, _refusal(reply, self.endpoint))
+                self._keep(
+                    None if reply.seq == -1 else reply.seq, refusal_error(reply, self.endpoint)
+                )
             else:
                 self._keep(getattr(reply, "seq", None), reply)
 
@@ -521,7 +523,8 @@ def _seq(msg: proto.Message) -> int:
     return seq
 
 
-def _refusal(reply: proto.Refused, endpoint: str) -> FabricError:
+def refusal_error(reply: proto.Refused, endpoint: str) -> FabricError:
+    """The error a refusal from ``endpoint`` stands for (:class:`PeerBusy`: ask again)."""
     if reply.code == "layout_mismatch":
         return LayoutMismatch(f"{endpoint}: {reply.reason}")
     if reply.code == BUSY:

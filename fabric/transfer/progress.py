@@ -22,7 +22,9 @@ class ServerStats:
     live reservation, a slot it does not hold or a stale generation (planes
     that see writes arrive: TCP, loopback; their notifications are dropped
     too); ``late_writes``: notifications for reservations already gone or
-    chunks no longer waiting for bytes. ``prefill_notes``: the proxy's words
+    chunks no longer waiting for bytes. ``lookups``: reuse-tier lookups
+    asked over the socket; ``lookups_in_process``: ones a scheduler in this
+    process asked on its own thread (``answer_here``). ``prefill_notes``: the proxy's words
     on prefills that were kept; ``prefill_notes_late``: ones that came after
     the transfer's note was final or released (ignored).
     """
@@ -39,6 +41,7 @@ class ServerStats:
     cancels: int = 0
     expired: int = 0
     lookups: int = 0
+    lookups_in_process: int = 0
     bad_signatures: int = 0
     oversized: int = 0
     disconnects: int = 0

@@ -94,7 +94,14 @@ from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
 from fabric.transfer.offload import BUSY, CLOSING, Offload
 from fabric.transfer.progress import PrefillNote, RequestProgress, ServerStats
-from fabric.transfer.tier_requests import TierRequest, blocks, is_admin, tier_reply
+from fabric.transfer.tier_requests import (
+    TierRequest,
+    blocks,
+    is_admin,
+    leave_process,
+    serve_in_process,
+    tier_reply,
+)
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
@@ -185,6 +192,7 @@ class TransferServer:
         self._admin.start()
         self._loop.start()
         self._verifier.start()
+        serve_in_process(self)
         return self
 
     # ------------------------------------------------------------ consumers
@@ -304,6 +312,7 @@ class TransferServer:
         and queued requests are answered ``closing``, and the jobs running
         now are waited for (``close_timeout_s`` in all) while the loop still
         sends their replies; then the loop, the verifier, the socket."""
+        leave_process(self)
         deadline = time.monotonic() + self.close_timeout_s
         offloads = (self._offload, self._admin)
         for offload in offloads:
@@ -629,6 +638,20 @@ class TransferServer:
                 self.stats.refused += 1
             return reply
         return self.defer(identity, msg.seq, lambda: tier_reply(tier, msg), admin=is_admin(msg))
+
+    def answers_here(self, msg: TierRequest) -> bool:
+        """Whether :meth:`answer_here` may answer ``msg`` (it touches no disk)."""
+        return self.tier is not None and not blocks(self.tier, msg)
+
+    def answer_here(self, msg: TierRequest) -> proto.Message:
+        """The reply to ``msg`` on the caller's thread, for a scheduler in
+        this process (no socket, no wait); only where :meth:`answers_here`.
+        Counted in ``lookups_in_process`` (a lookup), not ``lookups``."""
+        tier = self.tier
+        assert tier is not None and not blocks(tier, msg), "ask over the socket"
+        if isinstance(msg, proto.Lookup):
+            self.stats.lookups_in_process += 1
+        return tier_reply(tier, msg)
 
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:

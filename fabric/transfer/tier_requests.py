@@ -8,10 +8,17 @@ scheduler's Lookups (which it waits for inside a vLLM step) never queue
 behind an operator's Clear or Pin (a Clear may wait a minute for the disk
 writer, then unlink thousands of files). :func:`tier_reply` answers any of
 them, on whichever thread.
+
+A scheduler in the server's own process (vLLM at TP 1 runs its worker in
+the engine-core process) need not ask over the socket: :func:`in_process`
+finds a started server by its endpoint, and
+:meth:`~fabric.transfer.server.TransferServer.answer_here` answers a
+request that touches no disk on the caller's thread.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from fabric.errors import FabricError
@@ -20,8 +27,27 @@ from fabric.transfer import protocol as proto
 
 if TYPE_CHECKING:
     from fabric.store.tier import TieredStore
+    from fabric.transfer.server import TransferServer
 
 TierRequest = proto.Lookup | proto.Release | proto.Clear | proto.Pin
+
+# NOTE: this process's started servers, by endpoint (a closed one is gone at once)
+_SERVERS: weakref.WeakValueDictionary[str, TransferServer] = weakref.WeakValueDictionary()
+
+
+def serve_in_process(server: TransferServer) -> None:
+    """Let this process's schedulers find ``server`` by its endpoint."""
+    _SERVERS[server.endpoint] = server
+
+
+def leave_process(server: TransferServer) -> None:
+    if _SERVERS.get(server.endpoint) is server:
+        del _SERVERS[server.endpoint]
+
+
+def in_process(endpoint: str) -> TransferServer | None:
+    """The started server of this process bound at ``endpoint``, if any."""
+    return _SERVERS.get(endpoint)
 
 
 def blocks(tier: TieredStore, msg: proto.Message) -> bool:

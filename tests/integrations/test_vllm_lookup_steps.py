@@ -20,6 +20,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.transfer.tier_requests import in_process
 from tests.integrations.test_vllm_reuse_scheduler import Clock
 from tests.integrations.test_vllm_reuse_worker import TOKENS, assert_blocks_equal, make, save_prompt
 from tests.integrations.test_vllm_scheduler import Req
@@ -117,3 +118,47 @@ def test_a_request_aborted_while_its_disk_lookup_runs_leaves_nothing_held(
         assert worker.store.table_sizes()["store_referenced_slots"] == 0
     finally:
         client.close()
+
+
+def test_at_tp1_a_memory_hit_is_answered_on_the_schedulers_thread_at_its_first_ask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM at TP 1 runs the worker in the scheduler's process: a lookup that
+    reads no disk is a call. The worker's loop is stuck on the first tier
+    request it gets, so a lookup asked over the socket is not answered in
+    its step (nor in any step until the test ends)."""
+    w = make(None)  # memory only
+    client: WorkerTierClient | None = None
+    stuck = threading.Event()
+    try:
+        save_prompt(w, "r0", SRC)
+        assert w.node is not None and w.node.server is not None
+        server = w.node.server
+        real = server._on_tier
+
+        def on_tier(*args: object) -> object:
+            stuck.wait(60)
+            return real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(server, "_on_tier", on_tier)
+        e, client = engine(w)
+        req = Req("r1", TOKENS)
+        assert e.ask(req) == (4 * CT, False)
+        dst = list(range(20, 36))
+        e.blocks["r1"] = dst
+        e.s.update_state_after_alloc(req, dst, 4 * CT)
+        w.start_load(e.step())
+        assert_blocks_equal(w, SRC, dst)
+        assert w.take_load_errors() == set()
+        assert (server.stats.lookups, server.stats.lookups_in_process) == (0, 1)
+        assert "lookups_deferred" not in client.counters.take()
+        e.s.request_finished(req)
+        w.start_load(e.step())  # the release
+        assert w.tier is not None and w.tier.held_count() == 0
+    finally:
+        stuck.set()
+        if client is not None:
+            client.close()
+        endpoint = w.node.endpoint if w.node is not None else ""
+        w.shutdown()
+    assert in_process(endpoint) is None  # a closed server is not asked in process

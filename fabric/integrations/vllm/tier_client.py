@@ -36,6 +36,9 @@ leading full chunks of a prompt it holds, holding them for the request. All
 ranks are asked at once; the smallest hit wins: a rank that holds less
 limits what every rank can load. Answers are matched to their request by
 sequence number (:meth:`~fabric.transfer.lookup.StoreClient.post`).
+At TP 1 the worker lives in the scheduler's process, and a lookup that
+reads no disk is answered on the scheduler's thread at its first ask
+(:meth:`WorkerTierClient._ask_here`): nothing above applies to it.
 
 What a failure costs (:class:`Backoff`):
 
@@ -89,9 +92,11 @@ from fabric.transfer.lookup import (
     PeerBusy,
     ReplyTimeout,
     StoreClient,
+    refusal_error,
     resolve_endpoint,
     wait_ready,
 )
+from fabric.transfer.tier_requests import in_process
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +359,9 @@ class WorkerTierClient:
         and waits at most ``wait_s``; later asks take what came, no wait."""
         ask = self._asks.pending.get(request_id)
         if ask is None:
+            here = self._ask_here(request_id, token_ids, identity)
+            if here is not None:
+                return here
             ask = self._start(request_id, token_ids, identity)
             if ask is None:
                 return 0
@@ -405,6 +413,37 @@ class WorkerTierClient:
             "scheduler_lookups": len(self._asks.pending),
             "scheduler_lookups_abandoned": len(self._asks.abandoned),
         }
+
+    def _ask_here(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int | None:
+        """The hit, asked on this thread, when every rank's server lives in
+        this process and answers without the disk; None: ask over the sockets.
+
+        At TP 1 vLLM runs the worker in the engine-core process, the
+        scheduler's (the ``uni`` executor: ``vllm/config/parallel.py:1079-1080``),
+        so the lookup is a call: no socket, no wait, and neither thread
+        waits to be woken on a busy machine. A lookup that holds chunks on
+        disk reads them in, so it goes over the socket to run off this thread."""
+        if self.backoff.skipping() or (self.backoff.suspect and self._asks.pending):
+            return None
+        clients = self._connect()
+        servers = [in_process(c.endpoint) for c in clients]
+        if not clients or None in servers:
+            return None
+        hold, lease = request_id, self.config.lease_ms
+        msgs = [
+            c.lookup_message(token_ids, hold=hold, lease_ms=lease, identity=identity)
+            for c in clients
+        ]
+        pairs = [(server, msg) for server, msg in zip(servers, msgs, strict=True) if server]
+        if not all(server.answers_here(msg) for server, msg in pairs):
+            return None
+        results: list[Result] = []
+        for (server, msg), client in zip(pairs, clients, strict=True):
+            reply = server.answer_here(msg)
+            results.append(
+                refusal_error(reply, client.endpoint) if isinstance(reply, proto.Refused) else reply
+            )
+        return self._hit(results)
 
     def _start(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> _Ask | None:
         if self.backoff.skipping() or (self.backoff.suspect and self._asks.pending):
