@@ -30,6 +30,8 @@ from fabric.integrations.vllm.counters import TABLES_KEY, FabricCounters
 from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import (
+    GAUGE_PROBE_EVERY,
+    GAUGE_WINDOW,
     MAX_IN_FLIGHT,
     MAX_TIMEOUTS,
     SharedTierClient,
@@ -108,6 +110,7 @@ def counts(counters: FabricCounters) -> dict[str, Any]:
     and how long it took, depend on this box)."""
     taken = counters.take()
     taken.pop("lookups_deferred", None)
+    taken.pop("lookup_waits_skipped", None)
     for name in list(taken):
         if name.startswith(("scheduler_wait_seconds", "scheduler_wait_overrun")):
             del taken[name]
@@ -419,6 +422,52 @@ def test_a_rank_slower_than_the_steps_wait_costs_steps_not_the_hit(
         assert s.counters.take()["lookups_deferred"] == 1
         assert counts(s.counters) == {}  # no timeout, no backoff
         assert not client.backoff.skipping()
+    finally:
+        client.close()
+
+
+def test_first_asks_stop_waiting_while_answers_miss_their_wait_and_a_probe_resumes(
+    ranks, engine, monkeypatch
+) -> None:
+    """A rank slower than the step's wait every time (a machine whose cores
+    are all busy): after a window of first asks that waited in vain, first
+    asks send and go on, but one in GAUGE_PROBE_EVERY; once the rank is
+    fast again, the next probe is answered in its wait and first asks wait
+    again."""
+    waits: list[float] = []
+    real_wait = tier_module.wait_ready
+
+    def recording_wait(receiving: Any, timeout_ms: float, sending: Any = ()) -> None:
+        waits.append(timeout_ms)
+        real_wait(receiving, timeout_ms, sending)
+
+    monkeypatch.setattr(tier_module, "wait_ready", recording_wait)
+    slow = threading.Event()
+    slow.set()
+    rank = ranks(3, before_answer=lambda: slow.is_set() and time.sleep(0.15))  # 3x the wait
+    client = tier(engine([rank.endpoint]), 1, Clock())
+    asked = 0
+
+    def first_ask() -> tuple[bool, bool]:
+        """(waited, answered in the step) for a new request, then its answer."""
+        nonlocal asked
+        asked += 1
+        waits.clear()
+        chunks = client.ask(f"r{asked}", TOKENS, BASE, STEP_MS / 1000)
+        waited = bool(waits) and max(waits) > 0
+        assert answer(client, f"r{asked}") == 3
+        return waited, chunks is not None
+
+    try:
+        assert [first_ask() for _ in range(GAUGE_WINDOW)] == [(True, False)] * GAUGE_WINDOW
+        skipped = [(False, False)] * (GAUGE_PROBE_EVERY - 1)
+        assert [first_ask() for _ in range(GAUGE_PROBE_EVERY)] == [*skipped, (True, False)]
+        assert client.counters.take()["lookup_waits_skipped"] == GAUGE_PROBE_EVERY - 1
+        slow.clear()
+        # NOTE: the probe's answer is in time (a 50 ms wait for a rank that answers at once)
+        assert [first_ask() for _ in range(GAUGE_PROBE_EVERY)] == [*skipped, (True, True)]
+        assert first_ask() == (True, True)  # waiting again
+        assert counts(client.counters) == {}  # no timeout, no backoff
     finally:
         client.close()
 

@@ -50,6 +50,8 @@ COUNTERS = {
     "those asks",
     "scheduler_wait_overrun_runq_us": "microseconds the OS kept the scheduler thread waiting to "
     "run in those asks (runnable, not running: the machine was busy)",
+    "lookup_waits_skipped": "reuse-tier lookups and shared-store fetches sent without waiting "
+    "for their answer in the step, because recent ones rarely came within lookup_timeout_ms",
     "lookups_deferred": "reuse-tier lookups and shared-store fetches not answered within the "
     "step's wait (lookup_timeout_ms): vLLM skipped the request and asked again next step",
 }

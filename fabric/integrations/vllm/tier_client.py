@@ -36,9 +36,11 @@ leading full chunks of a prompt it holds, holding them for the request. All
 ranks are asked at once; the smallest hit wins: a rank that holds less
 limits what every rank can load. Answers are matched to their request by
 sequence number (:meth:`~fabric.transfer.lookup.StoreClient.post`).
-At TP 1 the worker lives in the scheduler's process, and a lookup that
-reads no disk is answered on the scheduler's thread at its first ask
-(:meth:`WorkerTierClient._ask_here`): nothing above applies to it.
+Where the worker lives in the scheduler's process (TP 1 on a GPU), a
+lookup that reads no disk is answered on the scheduler's thread at its
+first ask (:meth:`WorkerTierClient._ask_here`): nothing above applies to
+it. Whether a first ask waits at all is :class:`WaitGauge`'s call: not
+while recent answers did not come within their wait.
 
 What a failure costs (:class:`Backoff`):
 
@@ -79,6 +81,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -106,6 +109,11 @@ MAX_TIMEOUTS = 3
 # NOTE: per rank; a healthy rank answers each lookup within the step that
 # sent it, so only a slow or stalled one ever has more than one in flight.
 MAX_IN_FLIGHT = 4
+
+# NOTE: when a first ask waits for its answer (WaitGauge)
+GAUGE_WINDOW = 16  # the last first asks that waited, remembered
+GAUGE_MIN_ANSWERED = 0.5  # below this share of them answered within their wait, stop waiting
+GAUGE_PROBE_EVERY = 8  # ... but one first ask in this many still waits (a probe)
 
 Result = proto.Message | FabricError
 _NOT_CONNECTED = "no connection took it"
@@ -171,6 +179,47 @@ class Backoff:
 
 
 # ---------------------------------------------------------------- in flight
+class WaitGauge:
+    """Whether a request's first ask should wait (up to the step's wait) for
+    its answer.
+
+    A wait pays only when the answer comes within it. On a machine whose
+    cores are all busy, the peer (another process: vLLM's multiproc
+    executor) and then the scheduler thread each wait to be run, the answer
+    rarely comes within a 2 ms wait, and each wait stalls every running
+    request for nothing (the answer is taken in a later step either way).
+    So when fewer than ``GAUGE_MIN_ANSWERED`` of the last ``GAUGE_WINDOW``
+    first asks that waited were answered within their wait, first asks do
+    not wait (``lookup_waits_skipped``), except one in
+    ``GAUGE_PROBE_EVERY``, which waits to see whether answers come in time
+    again: one that does resumes waiting at once. It starts out waiting.
+    """
+
+    def __init__(self) -> None:
+        self._recent: deque[bool] = deque(maxlen=GAUGE_WINDOW)
+        self._skipped = 0
+
+    def pays(self) -> bool:
+        answered = sum(self._recent)
+        return len(self._recent) < GAUGE_WINDOW or answered >= GAUGE_MIN_ANSWERED * GAUGE_WINDOW
+
+    def wait_s(self, wait_s: float) -> float:
+        """What a first ask offered ``wait_s`` waits."""
+        if wait_s <= 0 or self.pays():
+            return wait_s
+        self._skipped += 1
+        if self._skipped >= GAUGE_PROBE_EVERY:
+            self._skipped = 0
+            return wait_s
+        return 0.0
+
+    def record(self, answered: bool) -> None:
+        """A first ask that waited was answered within its wait, or not."""
+        if answered and not self.pays():
+            self._recent.clear()  # NOTE: a probe answered in time: wait again
+        self._recent.append(answered)
+
+
 @dataclass
 class _Call:
     """One request to one peer."""
@@ -248,6 +297,7 @@ class _InFlight:
         self._clock = clock
         self.pending: dict[str, _Ask] = {}
         self.abandoned: list[_Ask] = []
+        self.gauge = WaitGauge()
 
     def start(
         self, key: str, calls: Sequence[tuple[StoreClient, proto.Lookup | proto.Fetch]]
@@ -284,6 +334,19 @@ class _InFlight:
         del self.pending[ask.key]
         self._watch(ask)
         return ask.outcome(self.deadline_ms)
+
+    def first(self, ask: _Ask, wait_s: float, counters: FabricCounters) -> list[Result] | None:
+        """:meth:`progress` for an ask just started: it waits what the gauge
+        says (at most ``wait_s``); one not answered is ``lookups_deferred``."""
+        wait = self.gauge.wait_s(wait_s)
+        if wait < wait_s:
+            counters.add(lookup_waits_skipped=1)
+        results = self.progress(ask, wait)
+        if wait > 0:
+            self.gauge.record(results is not None)
+        if results is None:
+            counters.add(lookups_deferred=1)
+        return results
 
     def pump(self) -> list[tuple[str, Result]]:
         """Once per step: advance every ask in flight (oldest first, so held-back
@@ -365,9 +428,7 @@ class WorkerTierClient:
             ask = self._start(request_id, token_ids, identity)
             if ask is None:
                 return 0
-            results = self._asks.progress(ask, wait_s)
-            if results is None:
-                self.counters.add(lookups_deferred=1)
+            results = self._asks.first(ask, wait_s, self.counters)
         else:
             results = self._asks.progress(ask, 0.0)
         return None if results is None else self._hit(results)
@@ -421,7 +482,9 @@ class WorkerTierClient:
         At TP 1 vLLM runs the worker in the engine-core process, the
         scheduler's (the ``uni`` executor: ``vllm/config/parallel.py:1079-1080``),
         so the lookup is a call: no socket, no wait, and neither thread
-        waits to be woken on a busy machine. A lookup that holds chunks on
+        waits to be woken on a busy machine. vLLM's CPU build never does:
+        it turns ``uni`` into ``mp`` (``vllm/platforms/cpu.py:334-341``), and
+        its workers answer over the socket. A lookup that holds chunks on
         disk reads them in, so it goes over the socket to run off this thread."""
         if self.backoff.skipping() or (self.backoff.suspect and self._asks.pending):
             return None
@@ -574,9 +637,7 @@ class SharedTierClient:
             ask = self._start(transfer_id, token_ids, min_chunks, identity)
             if ask is None:
                 return 0
-            results = self._asks.progress(ask, wait_s)
-            if results is None:
-                self.counters.add(lookups_deferred=1)
+            results = self._asks.first(ask, wait_s, self.counters)
         else:
             results = self._asks.progress(ask, 0.0)
         return None if results is None else self._fetched(results[0])
