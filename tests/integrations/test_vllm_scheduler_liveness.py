@@ -30,11 +30,13 @@ from fabric.integrations.vllm.counters import TABLES_KEY, FabricCounters
 from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import (
+    GAUGE_MAX_LATE,
     GAUGE_PROBE_EVERY,
     GAUGE_WINDOW,
     MAX_IN_FLIGHT,
     MAX_TIMEOUTS,
     SharedTierClient,
+    WaitGauge,
     WorkerTierClient,
 )
 from fabric.integrations.vllm.worker import endpoint_file
@@ -387,19 +389,23 @@ def scheduler(client: Any, clock: Clock) -> FabricScheduler:
     )
 
 
-def test_a_rank_slower_than_the_steps_wait_costs_steps_not_the_hit(
-    ranks, engine, monkeypatch
-) -> None:
-    """A hold that reads its chunks from disk first answers after the step's
-    wait: the request waits a step or a few and loads its hit."""
-    waits: list[float] = []
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The timeouts (ms) the tier clients' polls for answers were given."""
+    given: list[float] = []
     real_wait = tier_module.wait_ready
 
     def recording_wait(receiving: Any, timeout_ms: float, sending: Any = ()) -> None:
-        waits.append(timeout_ms)
+        given.append(timeout_ms)
         real_wait(receiving, timeout_ms, sending)
 
     monkeypatch.setattr(tier_module, "wait_ready", recording_wait)
+    return given
+
+
+def test_a_rank_slower_than_the_steps_wait_costs_steps_not_the_hit(ranks, engine, waits) -> None:
+    """A hold that reads its chunks from disk first answers after the step's
+    wait: the request waits a step or a few and loads its hit."""
     fast = ranks(3)
     slow = ranks(3, before_answer=lambda: time.sleep(0.3))  # 6x the step's wait
     clock = Clock()
@@ -427,21 +433,13 @@ def test_a_rank_slower_than_the_steps_wait_costs_steps_not_the_hit(
 
 
 def test_first_asks_stop_waiting_while_answers_miss_their_wait_and_a_probe_resumes(
-    ranks, engine, monkeypatch
+    ranks, engine, waits
 ) -> None:
     """A rank slower than the step's wait every time (a machine whose cores
     are all busy): after a window of first asks that waited in vain, first
     asks send and go on, but one in GAUGE_PROBE_EVERY; once the rank is
     fast again, the next probe is answered in its wait and first asks wait
     again."""
-    waits: list[float] = []
-    real_wait = tier_module.wait_ready
-
-    def recording_wait(receiving: Any, timeout_ms: float, sending: Any = ()) -> None:
-        waits.append(timeout_ms)
-        real_wait(receiving, timeout_ms, sending)
-
-    monkeypatch.setattr(tier_module, "wait_ready", recording_wait)
     slow = threading.Event()
     slow.set()
     rank = ranks(3, before_answer=lambda: slow.is_set() and time.sleep(0.15))  # 3x the wait
@@ -470,6 +468,28 @@ def test_first_asks_stop_waiting_while_answers_miss_their_wait_and_a_probe_resum
         assert counts(client.counters) == {}  # no timeout, no backoff
     finally:
         client.close()
+
+
+def test_first_asks_stop_waiting_while_waits_come_back_late() -> None:
+    """Answers that came in time, but a scheduler thread that got its core
+    back late (a busy machine) more than GAUGE_MAX_LATE times in the window:
+    waiting stalls the running requests, so first asks stop waiting until a
+    probe is answered and back on time."""
+    gauge = WaitGauge()
+    for i in range(GAUGE_WINDOW):
+        assert gauge.wait_s(0.002) == 0.002
+        gauge.record(True, late=i <= GAUGE_MAX_LATE)  # GAUGE_MAX_LATE + 1 late
+    assert [gauge.wait_s(0.002) for _ in range(GAUGE_PROBE_EVERY)] == [0.0] * (
+        GAUGE_PROBE_EVERY - 1
+    ) + [0.002]
+    gauge.record(True, late=True)  # a probe back late: still not waiting
+    assert gauge.wait_s(0.002) == 0.0
+    assert gauge.wait_s(0.0) == 0.0  # nothing left of the step's wait: nothing to skip
+    for _ in range(GAUGE_PROBE_EVERY - 2):
+        gauge.wait_s(0.002)
+    assert gauge.wait_s(0.002) == 0.002  # the next probe
+    gauge.record(True, late=False)
+    assert gauge.pays() and gauge.wait_s(0.002) == 0.002
 
 
 def test_a_rank_that_never_answers_is_a_miss_at_the_deadline(ranks, engine) -> None:

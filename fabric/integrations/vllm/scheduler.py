@@ -114,14 +114,12 @@ from fabric.integrations.vllm.metadata import (
     SaveChunk,
     SendPlan,
 )
+from fabric.integrations.vllm.tier_client import OVERRUN_S  # NOTE: such an ask is counted
 
 if TYPE_CHECKING:
     from fabric.kv.identity import KeyIdentity
 
 logger = logging.getLogger(__name__)
-
-# NOTE: an ask this far past its step's wait is counted (scheduler_wait_overruns)
-OVERRUN_S = 0.005
 
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # NOTE: "cpu_ns run_delay_ns timeslices"

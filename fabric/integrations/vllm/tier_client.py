@@ -113,6 +113,8 @@ MAX_IN_FLIGHT = 4
 # NOTE: when a first ask waits for its answer (WaitGauge)
 GAUGE_WINDOW = 16  # the last first asks that waited, remembered
 GAUGE_MIN_ANSWERED = 0.5  # below this share of them answered within their wait, stop waiting
+GAUGE_MAX_LATE = 2  # ... or when more of them than this came back late:
+OVERRUN_S = 0.005  # this far past their wait (counted as scheduler_wait_overruns too)
 GAUGE_PROBE_EVERY = 8  # ... but one first ask in this many still waits (a probe)
 
 Result = proto.Message | FabricError
@@ -183,25 +185,31 @@ class WaitGauge:
     """Whether a request's first ask should wait (up to the step's wait) for
     its answer.
 
-    A wait pays only when the answer comes within it. On a machine whose
-    cores are all busy, the peer (another process: vLLM's multiproc
-    executor) and then the scheduler thread each wait to be run, the answer
-    rarely comes within a 2 ms wait, and each wait stalls every running
-    request for nothing (the answer is taken in a later step either way).
-    So when fewer than ``GAUGE_MIN_ANSWERED`` of the last ``GAUGE_WINDOW``
-    first asks that waited were answered within their wait, first asks do
-    not wait (``lookup_waits_skipped``), except one in
-    ``GAUGE_PROBE_EVERY``, which waits to see whether answers come in time
-    again: one that does resumes waiting at once. It starts out waiting.
+    A wait pays when the answer comes within it and the scheduler thread
+    is back when it ends. On a machine whose cores are all busy, the peer
+    (another process: vLLM's multiproc executor) and then the scheduler
+    thread each wait to be run: the answer often misses a 2 ms wait, and a
+    thread that slept may get a core back only tens or hundreds of
+    milliseconds later, while every running request waits for the step (a
+    request not answered now is answered in a later step either way). So
+    when, of the last ``GAUGE_WINDOW`` first asks that waited, fewer than
+    ``GAUGE_MIN_ANSWERED`` were answered within their wait or more than
+    ``GAUGE_MAX_LATE`` came back ``OVERRUN_S`` past it, first asks do not
+    wait (``lookup_waits_skipped``), except one in ``GAUGE_PROBE_EVERY``,
+    which waits to see whether waits pay again: one answered in time and
+    back on time resumes waiting at once. It starts out waiting.
     """
 
     def __init__(self) -> None:
-        self._recent: deque[bool] = deque(maxlen=GAUGE_WINDOW)
+        self._recent: deque[tuple[bool, bool]] = deque(maxlen=GAUGE_WINDOW)  # (answered, late)
         self._skipped = 0
 
     def pays(self) -> bool:
-        answered = sum(self._recent)
-        return len(self._recent) < GAUGE_WINDOW or answered >= GAUGE_MIN_ANSWERED * GAUGE_WINDOW
+        if len(self._recent) < GAUGE_WINDOW:
+            return True
+        answered = sum(a for a, _ in self._recent)
+        late = sum(late for _, late in self._recent)
+        return answered >= GAUGE_MIN_ANSWERED * GAUGE_WINDOW and late <= GAUGE_MAX_LATE
 
     def wait_s(self, wait_s: float) -> float:
         """What a first ask offered ``wait_s`` waits."""
@@ -213,11 +221,12 @@ class WaitGauge:
             return wait_s
         return 0.0
 
-    def record(self, answered: bool) -> None:
-        """A first ask that waited was answered within its wait, or not."""
-        if answered and not self.pays():
-            self._recent.clear()  # NOTE: a probe answered in time: wait again
-        self._recent.append(answered)
+    def record(self, answered: bool, late: bool) -> None:
+        """A first ask that waited: answered within its wait or not; back
+        ``OVERRUN_S`` past it or not."""
+        if answered and not late and not self.pays():
+            self._recent.clear()  # NOTE: a probe that paid: wait again
+        self._recent.append((answered, late))
 
 
 @dataclass
@@ -341,9 +350,10 @@ class _InFlight:
         wait = self.gauge.wait_s(wait_s)
         if wait < wait_s:
             counters.add(lookup_waits_skipped=1)
+        start = time.perf_counter()
         results = self.progress(ask, wait)
         if wait > 0:
-            self.gauge.record(results is not None)
+            self.gauge.record(results is not None, time.perf_counter() - start > wait + OVERRUN_S)
         if results is None:
             counters.add(lookups_deferred=1)
         return results
