@@ -639,19 +639,27 @@ class TransferServer:
             return reply
         return self.defer(identity, msg.seq, lambda: tier_reply(tier, msg), admin=is_admin(msg))
 
-    def answers_here(self, msg: TierRequest) -> bool:
-        """Whether :meth:`answer_here` may answer ``msg`` (it touches no disk)."""
-        return self.tier is not None and not blocks(self.tier, msg)
+    def answers_lookups_here(self) -> bool:
+        """Whether :meth:`answer_here` may answer a Lookup: a reuse tier
+        with no disk (a hold never reads a file)."""
+        return self.tier is not None and self.tier.disk is None
 
     def answer_here(self, msg: TierRequest) -> proto.Message:
         """The reply to ``msg`` on the caller's thread, for a scheduler in
-        this process (no socket, no wait); only where :meth:`answers_here`.
-        Counted in ``lookups_in_process`` (a lookup), not ``lookups``."""
+        this process (no socket, no wait); only for what touches no disk.
+        Counted in ``lookups_in_process`` (a lookup), not ``lookups``; a
+        bug is answered ``internal_error``, as over the socket."""
         tier = self.tier
         assert tier is not None and not blocks(tier, msg), "ask over the socket"
         if isinstance(msg, proto.Lookup):
             self.stats.lookups_in_process += 1
-        return tier_reply(tier, msg)
+        try:
+            return tier_reply(tier, msg)
+        except Exception as exc:
+            self.stats.internal_errors += 1
+            logger.exception("fabric server failed on %s asked in process", type(msg).__name__)
+            reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
+            return proto.Refused(msg.seq, "", "internal_error", reason)
 
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:

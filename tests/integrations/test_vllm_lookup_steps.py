@@ -20,7 +20,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
-from fabric.transfer.tier_requests import in_process
+from fabric.transfer.tier_requests import in_process, leave_process
 from tests.integrations.test_vllm_reuse_scheduler import Clock
 from tests.integrations.test_vllm_reuse_worker import TOKENS, assert_blocks_equal, make, save_prompt
 from tests.integrations.test_vllm_scheduler import Req
@@ -150,7 +150,7 @@ def test_at_tp1_a_memory_hit_is_answered_on_the_schedulers_thread_at_its_first_a
         w.start_load(e.step())
         assert_blocks_equal(w, SRC, dst)
         assert w.take_load_errors() == set()
-        assert (server.stats.lookups, server.stats.lookups_in_process) == (0, 1)
+        assert server.stats.lookups_in_process == 1
         assert "lookups_deferred" not in client.counters.take()
         e.s.request_finished(req)
         w.start_load(e.step())  # the release
@@ -162,3 +162,29 @@ def test_at_tp1_a_memory_hit_is_answered_on_the_schedulers_thread_at_its_first_a
         endpoint = w.node.endpoint if w.node is not None else ""
         w.shutdown()
     assert in_process(endpoint) is None  # a closed server is not asked in process
+
+
+def test_a_memory_hit_asked_over_the_socket_loads_too() -> None:
+    """The same lookup where the worker is another process (vLLM's CPU
+    build, TP > 1): over the control socket, answered within a few steps."""
+    w = make(None)
+    client: WorkerTierClient | None = None
+    try:
+        save_prompt(w, "r0", SRC)
+        assert w.node is not None and w.node.server is not None
+        server = w.node.server
+        leave_process(server)  # NOTE: as seen from another process
+        e, client = engine(w)
+        req = Req("r1", TOKENS)
+        answer, releases = e.ask_until_answered(req)
+        assert (answer, releases) == ((4 * CT, False), [])
+        dst = list(range(20, 36))
+        e.blocks["r1"] = dst
+        e.s.update_state_after_alloc(req, dst, 4 * CT)
+        w.start_load(e.step())
+        assert_blocks_equal(w, SRC, dst)
+        assert (server.stats.lookups, server.stats.lookups_in_process) == (1, 0)
+    finally:
+        if client is not None:
+            client.close()
+        w.shutdown()

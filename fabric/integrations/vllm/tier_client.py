@@ -249,6 +249,7 @@ class _Ask:
     ) -> None:
         self.key, self.calls, self.started = key, calls, started
         self.deadline, self.lease_end = deadline, lease_end
+        self.waited = False  # NOTE: it polled for an answer (something was in flight)
 
     def advance(self, max_in_flight: int) -> None:
         """Send what can be sent now, take the answers that came (no wait)."""
@@ -303,6 +304,7 @@ class _InFlight:
 
     def __init__(self, config: ConnectorConfig, clock: Callable[[], float]) -> None:
         self.deadline_ms, self.lease_ms = config.lookup_deadline_ms, config.lease_ms
+        self.step_wait_s = config.lookup_timeout_ms / 1000
         self._clock = clock
         self.pending: dict[str, _Ask] = {}
         self.abandoned: list[_Ask] = []
@@ -339,6 +341,7 @@ class _InFlight:
             sending = [c.client for c in waiting if c.unsent == _NOT_CONNECTED]
             if left <= 0 or not (receiving or sending):
                 return None
+            ask.waited = True
             wait_ready(receiving, left * 1000, sending)
         del self.pending[ask.key]
         self._watch(ask)
@@ -346,13 +349,19 @@ class _InFlight:
 
     def first(self, ask: _Ask, wait_s: float, counters: FabricCounters) -> list[Result] | None:
         """:meth:`progress` for an ask just started: it waits what the gauge
-        says (at most ``wait_s``); one not answered is ``lookups_deferred``."""
-        wait = self.gauge.wait_s(wait_s)
+        says (at most ``wait_s``); one not answered is ``lookups_deferred``.
+
+        A wait past the step's (a tool's :meth:`WorkerTierClient.lookup`) is
+        not the gauge's to cut. The gauge learns only from asks that polled
+        for their answer with at least half the step's wait: not from one
+        held back behind calls in flight, nor from one the step's earlier
+        asks left a sliver of the wait."""
+        wait = wait_s if wait_s > self.step_wait_s else self.gauge.wait_s(wait_s)
         if wait < wait_s:
             counters.add(lookup_waits_skipped=1)
         start = time.perf_counter()
         results = self.progress(ask, wait)
-        if wait > 0:
+        if ask.waited and self.step_wait_s / 2 <= wait <= self.step_wait_s:
             self.gauge.record(results is not None, time.perf_counter() - start > wait + OVERRUN_S)
         if results is None:
             counters.add(lookups_deferred=1)
@@ -487,31 +496,30 @@ class WorkerTierClient:
 
     def _ask_here(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int | None:
         """The hit, asked on this thread, when every rank's server lives in
-        this process and answers without the disk; None: ask over the sockets.
+        this process and keeps no disk tier; None: ask over the sockets.
 
         At TP 1 vLLM runs the worker in the engine-core process, the
         scheduler's (the ``uni`` executor: ``vllm/config/parallel.py:1079-1080``),
         so the lookup is a call: no socket, no wait, and neither thread
-        waits to be woken on a busy machine. vLLM's CPU build never does:
-        it turns ``uni`` into ``mp`` (``vllm/platforms/cpu.py:334-341``), and
-        its workers answer over the socket. A lookup that holds chunks on
-        disk reads them in, so it goes over the socket to run off this thread."""
+        waits to be woken on a busy machine. vLLM's CPU build does not (with
+        ``VLLM_ENABLE_V1_MULTIPROCESSING`` on, its default, it turns ``uni``
+        into ``mp``: ``vllm/platforms/cpu.py:334-341``), and its workers
+        answer over the socket. With a disk tier a lookup's hold may read
+        chunks in, so it goes over the socket to run off this thread. The
+        call is not bounded by the step's wait: it hashes the prompt's chunk
+        keys and looks them up in memory (microseconds per chunk), work the
+        worker's thread would do otherwise."""
         if self.backoff.skipping() or (self.backoff.suspect and self._asks.pending):
             return None
         clients = self._connect()
         servers = [in_process(c.endpoint) for c in clients]
-        if not clients or None in servers:
+        if not clients or not all(server and server.answers_lookups_here() for server in servers):
             return None
         hold, lease = request_id, self.config.lease_ms
-        msgs = [
-            c.lookup_message(token_ids, hold=hold, lease_ms=lease, identity=identity)
-            for c in clients
-        ]
-        pairs = [(server, msg) for server, msg in zip(servers, msgs, strict=True) if server]
-        if not all(server.answers_here(msg) for server, msg in pairs):
-            return None
         results: list[Result] = []
-        for (server, msg), client in zip(pairs, clients, strict=True):
+        for server, client in zip(servers, clients, strict=True):
+            assert server is not None
+            msg = client.lookup_message(token_ids, hold=hold, lease_ms=lease, identity=identity)
             reply = server.answer_here(msg)
             results.append(
                 refusal_error(reply, client.endpoint) if isinstance(reply, proto.Refused) else reply
