@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -256,8 +257,39 @@ def wait_http_ok(
             time.sleep(interval)
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICK_SPAN = 20_000  # ports below the ephemeral range that free_port picks from
+PICK_TRIES = 64
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The ports the OS hands to binds of port 0 and outgoing connections."""
+    try:
+        low, high = (int(v) for v in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # NOTE: Linux's default
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (bind to port 0, then release)."""
+    """A TCP port on ``host`` that was free a moment ago.
+
+    Picked at random below the OS's ephemeral range, so that while the
+    caller has not bound it yet, no bind to port 0 elsewhere (an engine's
+    own ZMQ, gloo or UCX listeners starting meanwhile) and no outgoing
+    connection can take it; a port the OS picks when that range leaves no
+    room below it, or no pick was free."""
+    low, _ = ephemeral_ports()
+    first = max(1024, low - PICK_SPAN)
+    if low - first >= 1024:
+        for _ in range(PICK_TRIES):
+            port = random.randrange(first, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))  # NOTE: no SO_REUSEADDR: a port in use fails here
+                except OSError:
+                    continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from fabric.launch import process as process_module
 from fabric.launch.process import (
     ManagedProcess,
     ProcessExited,
@@ -237,3 +239,21 @@ def test_vllm_main_reports_a_cpu_version_for_vllm() -> None:
     code = "import fabric.launch.vllm_main, importlib.metadata as m; print(m.version('vllm'))"
     version = subprocess.run(python(code), capture_output=True, text=True, check=True).stdout
     assert version.strip() == expected
+
+
+def test_free_port_picks_below_the_ephemeral_range_and_skips_a_port_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port the OS may hand to another process's bind to port 0 (an
+    engine's own listeners starting meanwhile) is never picked; nor is
+    one something listens on."""
+    low, _ = process_module.ephemeral_ports()
+    picked = [process_module.free_port() for _ in range(20)]
+    assert all(low - process_module.PICK_SPAN <= port < low for port in picked)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", picked[0]))
+        busy.listen()
+        other = next(port for port in picked if port != picked[0])
+        picks = iter([picked[0], other])
+        monkeypatch.setattr(process_module.random, "randrange", lambda a, b: next(picks))
+        assert process_module.free_port() == other
