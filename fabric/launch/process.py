@@ -24,6 +24,7 @@ log tail) and ``StartTimeout`` (it never answered), both ``LaunchError``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -259,7 +260,10 @@ def wait_http_ok(
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 PICK_SPAN = 20_000  # ports below the ephemeral range that free_port picks from
+PICK_TOP = 30_000  # ... and below Kubernetes' NodePorts (30000-32767, which a bind cannot see)
 PICK_TRIES = 64
+_pick = random.SystemRandom()  # NOTE: not the global random: vLLM seeds it, every process alike
+_handed: collections.deque[int] = collections.deque(maxlen=256)  # this process's recent picks
 
 
 def ephemeral_ports() -> tuple[int, int]:
@@ -277,18 +281,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     Picked at random below the OS's ephemeral range, so that while the
     caller has not bound it yet, no bind to port 0 elsewhere (an engine's
     own ZMQ, gloo or UCX listeners starting meanwhile) and no outgoing
-    connection can take it; a port the OS picks when that range leaves no
-    room below it, or no pick was free."""
+    connection can take it, and below Kubernetes' NodePort range; never one
+    this process handed out lately (its caller may not have bound it yet).
+    A port the OS picks when that leaves no room, or no pick was free. One
+    port: a TP engine's ranks bind ``kv_port + rank`` above it, unchecked."""
     low, _ = ephemeral_ports()
-    first = max(1024, low - PICK_SPAN)
-    if low - first >= 1024:
+    top = min(low, PICK_TOP)
+    first = max(1024, top - PICK_SPAN)
+    if top - first >= 1024:
         for _ in range(PICK_TRIES):
-            port = random.randrange(first, low)
+            port = _pick.randrange(first, top)
+            if port in _handed:
+                continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 try:
                     sock.bind((host, port))  # NOTE: no SO_REUSEADDR: a port in use fails here
                 except OSError:
                     continue
+            _handed.append(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
