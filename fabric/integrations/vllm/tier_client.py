@@ -36,8 +36,8 @@ leading full chunks of a prompt it holds, holding them for the request. All
 ranks are asked at once; the smallest hit wins: a rank that holds less
 limits what every rank can load. Answers are matched to their request by
 sequence number (:meth:`~fabric.transfer.lookup.StoreClient.post`).
-Where the worker lives in the scheduler's process (TP 1 on a GPU), a
-lookup that reads no disk is answered on the scheduler's thread at its
+Where the worker lives in the scheduler's process (TP 1 on a GPU) and
+keeps no disk tier, a lookup is answered on the scheduler's thread at its
 first ask (:meth:`WorkerTierClient._ask_here`): nothing above applies to
 it. Whether a first ask waits at all is :class:`WaitGauge`'s call: not
 while recent answers did not come within their wait.
@@ -113,9 +113,9 @@ MAX_IN_FLIGHT = 4
 # NOTE: when a first ask waits for its answer (WaitGauge)
 GAUGE_WINDOW = 16  # the last first asks that waited, remembered
 GAUGE_MIN_ANSWERED = 0.5  # below this share of them answered within their wait, stop waiting
-GAUGE_MAX_LATE = 2  # ... or when more of them than this came back late:
-OVERRUN_S = 0.005  # this far past their wait (counted as scheduler_wait_overruns too)
+GAUGE_MAX_LATE = 2  # ... or when more of them than this came back OVERRUN_S late
 GAUGE_PROBE_EVERY = 8  # ... but one first ask in this many still waits (a probe)
+OVERRUN_S = 0.005  # late: this far past the wait (counted as scheduler_wait_overruns too)
 
 Result = proto.Message | FabricError
 _NOT_CONNECTED = "no connection took it"
@@ -494,6 +494,13 @@ class WorkerTierClient:
             "scheduler_lookups_abandoned": len(self._asks.abandoned),
         }
 
+    def _lookup(
+        self, client: StoreClient, request_id: str, token_ids: list[int], identity: KeyIdentity
+    ) -> proto.Lookup:
+        """The request's Lookup for one rank, holding what it finds."""
+        lease = self.config.lease_ms
+        return client.lookup_message(token_ids, hold=request_id, lease_ms=lease, identity=identity)
+
     def _ask_here(self, request_id: str, token_ids: list[int], identity: KeyIdentity) -> int | None:
         """The hit, asked on this thread, when every rank's server lives in
         this process and keeps no disk tier; None: ask over the sockets.
@@ -515,12 +522,10 @@ class WorkerTierClient:
         servers = [in_process(c.endpoint) for c in clients]
         if not clients or not all(server and server.answers_lookups_here() for server in servers):
             return None
-        hold, lease = request_id, self.config.lease_ms
         results: list[Result] = []
         for server, client in zip(servers, clients, strict=True):
             assert server is not None
-            msg = client.lookup_message(token_ids, hold=hold, lease_ms=lease, identity=identity)
-            reply = server.answer_here(msg)
+            reply = server.answer_here(self._lookup(client, request_id, token_ids, identity))
             results.append(
                 refusal_error(reply, client.endpoint) if isinstance(reply, proto.Refused) else reply
             )
@@ -532,15 +537,7 @@ class WorkerTierClient:
         clients = self._connect()
         if not clients:
             return None
-        calls = [
-            (
-                c,
-                c.lookup_message(
-                    token_ids, hold=request_id, lease_ms=self.config.lease_ms, identity=identity
-                ),
-            )
-            for c in clients
-        ]
+        calls = [(c, self._lookup(c, request_id, token_ids, identity)) for c in clients]
         return self._asks.start(request_id, calls)
 
     def _hit(self, results: list[Result]) -> int:
