@@ -467,9 +467,15 @@ def test_first_asks_stop_waiting_while_answers_miss_their_wait_and_a_probe_resum
         assert [first_ask() for _ in range(GAUGE_PROBE_EVERY)] == [*skipped, (True, False)]
         assert client.counters.take()["lookup_waits_skipped"] == GAUGE_PROBE_EVERY - 1
         slow.clear()
-        # NOTE: the probe's answer is in time (a 50 ms wait for a rank that answers at once)
-        assert [first_ask() for _ in range(GAUGE_PROBE_EVERY)] == [*skipped, (True, True)]
-        assert first_ask() == (True, True)  # waiting again
+        # NOTE: a rank that answers at once: a probe's answer comes within its 50 ms
+        # wait, unless this box stalls the test that long (then the next probe)
+        for _ in range(3):
+            *skips, probe = [first_ask() for _ in range(GAUGE_PROBE_EVERY)]
+            assert skips == skipped and probe[0]
+            if probe[1]:
+                break
+        assert probe == (True, True)
+        assert first_ask()[0]  # waiting again
         assert counts(client.counters) == {}  # no timeout, no backoff
     finally:
         client.close()
