@@ -26,7 +26,9 @@ class ServerStats:
     asked over the socket; ``lookups_in_process``: ones a scheduler in this
     process asked on its own thread (``answer_here``). ``prefill_notes``: the proxy's words
     on prefills that were kept; ``prefill_notes_late``: ones that came after
-    the transfer's note was final or released (ignored).
+    the transfer's note was final or released (ignored); ``reserves_late``:
+    Reserves refused because the transfer's load had already ended (the
+    consumer released it before a byte came).
     """
 
     hellos: int = 0
@@ -50,6 +52,7 @@ class ServerStats:
     faults_injected: int = 0
     prefill_notes: int = 0
     prefill_notes_late: int = 0
+    reserves_late: int = 0
 
 
 @dataclass

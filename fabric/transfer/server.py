@@ -47,10 +47,12 @@ while the job holds a reference to it.
 Per-request tables stay bounded: a reservation's progress goes when its
 consumer releases it or its sender cancels it, and otherwise once the
 store no longer holds its reservation (expired by its lease, e.g. a
-transfer nobody loads, or one that landed after its request ended): it is
-then marked expired, kept ``ENDED_LINGER_S`` for a consumer still polling
-it, and dropped. Peers are bounded by ``peer_idle_s``; warnings by their
-kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
+transfer nobody loads): it is then marked expired, kept ``ENDED_LINGER_S``
+for a consumer still polling it, and dropped. A Reserve that comes after its
+consumer released the transfer (its load stopped waiting, or its request
+ended) is refused ``released`` for ``RELEASED_LINGER_S`` and counted in
+``reserves_late``: it takes no slot. Peers are bounded by ``peer_idle_s``;
+warnings by their kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
 the tier's and the owner's ``extra_tables``), also in ``Stats`` as
 ``tables.<name>``.
 
@@ -118,7 +120,14 @@ TABLES_PREFIX = "tables."  # Stats keys of table sizes: tables.<name> -> entries
 CLOSE_TIMEOUT_S = 10.0  # how long close waits for blocking work running now
 MAX_PREFILL_NOTES = 65536  # transfers whose prefill state is kept at once
 PREFILL_NOTE_LINGER_S = 60.0  # a note is dropped this long after it ran out (or was final)
-RELEASED_LINGER_S = 2.0  # a released transfer's note: late words for it are ignored this long
+RELEASED_LINGER_S = 40.0
+"""How long a released transfer's note is kept: late words for it are
+ignored, and a Reserve for it is refused (``released``), this long. A push
+that comes after its load gave up (in the sequential flow a prefiller with a
+backlog of pushes can be seconds later than ``unknown_transfer_grace_s``)
+would otherwise hold slots that nobody loads for its whole lease, and under
+load fill the store for the pushes after it. One later than this is reserved
+and holds its slots until its lease runs out."""
 MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
 PRUNE_PREFILLS_S = 1.0  # how often the notes are pruned
 
@@ -256,8 +265,9 @@ class TransferServer:
             return self._prefills.get(request_id)
 
     def release(self, request_id: str) -> None:
-        """The consumer is done with a reservation's chunks (and with the
-        proxy's word on it: words that come later are ignored a while)."""
+        """The consumer is done with a reservation's chunks, or with a
+        transfer that never came: words and a Reserve that come later are
+        ignored (refused) for ``RELEASED_LINGER_S``."""
         with self._cond:
             self._progress.pop(request_id, None)
             self._ended.pop(request_id, None)
@@ -519,6 +529,13 @@ class TransferServer:
             self.stats.refused += 1
             self.stats.faults_injected += 1
             return proto.Refused(msg.seq, msg.request_id, "fault_injected", "refused on purpose")
+        with self._cond:
+            note = self._prefills.get(msg.request_id)
+        if note is not None and note.state == "released":
+            self.stats.refused += 1
+            self.stats.reserves_late += 1
+            reason = "its load already ended (it stopped waiting, or its request ended)"
+            return proto.Refused(msg.seq, msg.request_id, "released", reason)
         try:
             res = self.store.reserve(msg.request_id, msg.keys, msg.nbytes, msg.lease_ms)
         except CapacityError as exc:

@@ -565,7 +565,13 @@ def test_proxy_relays_the_decoders_stream(
 def test_a_failed_prefill_is_a_502(
     servers: list[ServerThread], prefill_config: dict[str, Any], mode: Literal["pull", "push"]
 ) -> None:
-    p = _start(servers, FakeEngine(FakeEngineConfig(role="prefill", **prefill_config)))
+    # push: P fails only after a second, so D's leg, sent at once, has surely
+    # landed (a P that fails at once can beat it there: the leg is then
+    # cancelled before D records it, and nothing is left open either way)
+    delay_s = 1.0 if mode == "push" else 0.0
+    p = _start(
+        servers, FakeEngine(FakeEngineConfig(role="prefill", delay_s=delay_s, **prefill_config))
+    )
     d = _start(servers, FakeEngine(FakeEngineConfig(role="decode", token_delay_s=0.05)))
     proxy = _proxy(servers, p, d, mode)
 

@@ -222,6 +222,24 @@ def compare(
     return exact, wrong
 
 
+def fabric_counters(engine: Engine) -> dict[str, float]:
+    """Every ``vllm:fabric_*_total`` counter of ``engine``, summed over labels."""
+    text = httpx.get(engine.url("/metrics"), timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.split("{")[0]
+        if name.startswith("vllm:fabric_") and name.endswith("_total"):
+            key = name.removeprefix("vllm:fabric_").removesuffix("_total")
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The counters that moved between ``before`` and ``after``, by how much."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 def has_metric(engine: Engine, name: str) -> bool:
     text = httpx.get(engine.url("/metrics"), timeout=30).text
     return any(line.startswith(name) for line in text.splitlines())
@@ -239,6 +257,7 @@ def test_200_concurrent_requests_under_preemption_equal_colocated(
     before = {n: metric(e.base_url, "vllm:num_preemptions_total") for n, e in pd_engines.items()}
     hits = metric(cluster.prefill.base_url, "vllm:fabric_store_hit_chunks_total")
     loads = metric(cluster.decode.base_url, "vllm:fabric_loads_ok_total")
+    counted = {n: fabric_counters(e) for n, e in pd_engines.items()}
 
     started = time.monotonic()
     colocated = cluster.colocated.url("/v1/completions")
@@ -265,11 +284,13 @@ def test_200_concurrent_requests_under_preemption_equal_colocated(
         f"{exact} exact, {len(wrong)} wrong, the rest near-tie flips; preempted {preempted}; "
         f"P store hits {hits:.0f} chunks; D loads {loads:.0f}"
     )
+    counters = {n: moved(counted[n], fabric_counters(e)) for n, e in pd_engines.items()}
+    print(f"fabric counters that moved: {counters}")
     assert not wrong, "\n".join(wrong)
     assert exact >= NUM_REQUESTS * 3 // 4, f"{NUM_REQUESTS - exact} outputs flipped"
     assert all(preempted.values()), f"not preempted on both P and D: {preempted}"
     assert hits > 0, "the reuse tier never hit"
-    assert loads > 0, "no KV arrived over the fabric"
+    assert loads > 0, f"no KV arrived over the fabric: {counters}"
     for name, engine in pd_engines.items():
         assert has_metric(engine, "vllm:fabric_corrupt_chunks_total"), name
         assert metric(engine.base_url, "vllm:fabric_corrupt_chunks_total") == 0, name

@@ -200,6 +200,36 @@ def test_a_failed_word_after_every_chunk_landed_keeps_the_load(
             assert torch.equal(d_layer[t], p_layer[s])
 
 
+def test_a_push_that_comes_after_its_load_gave_up_takes_no_slot(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """Sequential flow, P late (a backlog): D's load stops waiting after its
+    grace, then P's Reserve comes. It is refused; the old code reserved it,
+    and its chunks, which nobody loads, held slots of D's store for the whole
+    lease (in the full run, enough of them filled D's store: every later push
+    was refused and no KV arrived at all)."""
+    p, d = pair
+    assert d.node is not None and d.node.server is not None
+    server = d.node.server
+    load(d, "t-late")  # NOTE: no word: the sequential flow's bounds
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    push(p, d.node.endpoint, "t-late")
+    moved: dict[str, int] = {}
+    deadline = time.monotonic() + 10
+    while not (moved.get("push_failures") or moved.get("chunks_sent")):
+        assert time.monotonic() < deadline, f"the push never ended: {moved}"
+        for name, n in p.counters.take().items():
+            if isinstance(n, int):  # NOTE: histograms come as lists
+                moved[name] = moved.get(name, 0) + n
+        time.sleep(0.01)
+    assert moved.get("push_failures") == 1 and not moved.get("chunks_sent"), moved
+    snap = server.snapshot()
+    assert snap["server_reserves_late"] == 1
+    sizes = server.table_sizes()
+    assert (sizes["store_leases"], sizes["store_referenced_slots"]) == (0, 0), sizes
+    assert snap["reserved"] == 0, snap
+
+
 def test_the_server_refuses_an_unknown_state_and_prunes_its_notes(
     pair: tuple[FabricWorker, FabricWorker], word: StoreClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,10 +3,11 @@
 A producing and a consuming worker (no vLLM engine, loopback data plane)
 serve a mix of requests that end every way a request can: loaded,
 fallen back (its transfer never came), failed at unpack, aborted before
-its transfer came (which then lands late), given up then pushed late,
-pushed but never loaded, aborted mid-prefill on P, aborted on D with half
-its chunks in. vLLM's part is played by hand: ``get_results`` once per
-"step" with the ids vLLM would name in ``finished_req_ids``. Afterwards
+its transfer came (whose push then comes late and is refused), given up
+then pushed late (refused too), pushed but never loaded, aborted
+mid-prefill on P, aborted on D with half its chunks in. vLLM's part is
+played by hand: ``get_results`` once per "step" with the ids vLLM would
+name in ``finished_req_ids``. Afterwards
 every table (read over the control channel in the decoder's Stats, and
 from each worker's gauges) is empty and no slot is reserved or held.
 """
@@ -23,6 +24,7 @@ from fabric.integrations.vllm import loader as loader_module
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.transfer import server as server_module
 from fabric.transfer.lookup import StoreClient
 from tests.integrations.test_vllm_worker import CT, worker
 
@@ -183,6 +185,16 @@ def test_every_table_empties_however_requests_end(
     p, d = pair
     assert d.node is not None
     steps = run_mixed(p, d, monkeypatch)
+    server = d.node.server
+    assert server is not None
+    # NOTE: the two pushes that came after their loads ended are refused
+    deadline = time.monotonic() + 20
+    while server.snapshot()["server_reserves_late"] < 2:  # t-ab, t-late
+        assert time.monotonic() < deadline, server.snapshot()
+        steps.step()
+        time.sleep(0.05)
+    # NOTE: released transfers' notes go RELEASED_LINGER_S (40 s) later: now
+    monkeypatch.setattr(server_module, "RELEASED_LINGER_S", 0.0)
     client = StoreClient(d.node.endpoint, timeout_ms=3000)
     try:
         tables = settle(steps, client)
