@@ -22,11 +22,16 @@ class TransferConfig:
     ``transport``: ``auto`` picks NIXL when it imports, else TCP.
     ``host``/``port``: where the receiver's control channel binds (port 0 =
     a free port chosen by the OS). ``poll_interval_ms``: how often the
-    receiver checks for notifications while writes are outstanding;
-    ``idle_poll_interval_ms`` when none are. ``peer_idle_s``: a receiver
-    forgets a sender (and unloads its data-plane metadata) after this long
-    without a control message from it; a sender that comes back is asked
-    to say Hello again, which its link does by itself. ``nixl_progress_thread``: NIXL's
+    receiver checks for notifications while writes are outstanding and
+    something came within the last ``server.QUIET_AFTER_MS`` (a
+    notification or a control message); ``quiet_poll_interval_ms`` while
+    writes are outstanding and nothing came for that long (a reservation
+    made at dispatch waits a whole prefill for its first chunk);
+    ``idle_poll_interval_ms`` when none are outstanding (a control message
+    wakes it at once). ``peer_idle_s``: a receiver forgets a sender (and
+    unloads its data-plane metadata) after this long without a control
+    message from it; a sender that comes back is asked to say Hello again,
+    which its link does by itself. ``nixl_progress_thread``: NIXL's
     busy-polling progress thread (off: see ``benchmarks/transfer.py``).
     ``ucx_net_devices``: sets ``UCX_NET_DEVICES`` before NIXL starts (``lo``
     for single-host tests; None leaves UCX's choice).
@@ -54,6 +59,7 @@ class TransferConfig:
     lease_ms: int = 10000
     write_timeout_ms: int = 30_000
     poll_interval_ms: float = 0.2
+    quiet_poll_interval_ms: float = 1.0
     idle_poll_interval_ms: float = 5.0
     expire_interval_ms: float = 50.0
     peer_idle_s: float = 900.0
@@ -72,6 +78,7 @@ class TransferConfig:
                 raise ConfigError(f"transfer.{name}: must be positive")
         for name in (
             "poll_interval_ms",
+            "quiet_poll_interval_ms",
             "idle_poll_interval_ms",
             "expire_interval_ms",
             "peer_idle_s",

@@ -11,8 +11,13 @@
       checksums, generations)             store.fill -> key present
 
 One loop thread owns the ZMQ ROUTER socket and polls the data plane for
-notifications: every ``poll_interval_ms`` while writes are outstanding,
-every ``idle_poll_interval_ms`` otherwise, never busy-spinning. It also
+notifications: every ``poll_interval_ms`` while writes are outstanding and
+a notification or control message came in the last ``QUIET_AFTER_MS``,
+every ``quiet_poll_interval_ms`` while they are outstanding but nothing
+came for that long (a decoder admitted at dispatch holds its reservation
+through the whole prefill before the first chunk), every
+``idle_poll_interval_ms`` otherwise (a control message wakes it at once),
+never busy-spinning. It also
 expires leases. A verifier thread hashes landed chunks, so the loop keeps
 serving while large chunks are checked.
 
@@ -128,6 +133,13 @@ backlog of pushes can be seconds later than ``unknown_transfer_grace_s``)
 would otherwise hold slots that nobody loads for its whole lease, and under
 load fill the store for the pushes after it. One later than this is reserved
 and holds its slots until its lease runs out."""
+QUIET_AFTER_MS = 20.0
+"""Writes outstanding, nothing came for this long: poll at ``quiet_poll_interval_ms``.
+
+Chunks of one push land back to back (a few ms apart), so a push in flight
+is polled at ``poll_interval_ms``; a reservation that waits for a prefill to
+compute its next chunk costs a wake-up per ``quiet_poll_interval_ms``, not
+per ``poll_interval_ms``, and its next chunk is seen at most that late."""
 MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
 PRUNE_PREFILLS_S = 1.0  # how often the notes are pruned
 
@@ -180,6 +192,7 @@ class TransferServer:
         self._ended: dict[str, float] = {}  # request -> when its reservation was found gone
         self._prefills: dict[str, PrefillNote] = {}  # transfer -> the proxy's last word
         self._next_prefill_prune = 0.0
+        self._came_at = 0.0  # when the loop last got a notification or control message
         self._events = 0  # bumped on every change a consumer may wait for
         self._dirty: set[str] | None = set()  # transfers changed since take_dirty (None: all)
         self._offload = offload if offload is not None else Offload()
@@ -378,9 +391,13 @@ class TransferServer:
             self._drain_monitor()
         if self._offload.wake_fd in ready or self._admin.wake_fd in ready:
             self._send_offloaded()
-        for peer, msg in self.plane.take_notifs():
+        notifs = self.plane.take_notifs()
+        for peer, msg in notifs:
             self._on_notif(peer, msg)
-        if (now := time.monotonic()) >= next_expire:
+        now = time.monotonic()
+        if notifs or self._sock in ready:
+            self._came_at = now
+        if now >= next_expire:
             self._expire()
             next_expire = now + self.config.expire_interval_ms / 1000
         return next_expire
@@ -395,7 +412,9 @@ class TransferServer:
             return dict(poller.poll(max(1, round(self.config.idle_poll_interval_ms))))
         if ready := poller.poll(0):
             return dict(ready)
-        time.sleep(self.config.poll_interval_ms / 1000)
+        quiet = time.monotonic() - self._came_at > QUIET_AFTER_MS / 1000
+        c = self.config
+        time.sleep((c.quiet_poll_interval_ms if quiet else c.poll_interval_ms) / 1000)
         return dict(poller.poll(0))
 
     def _send_offloaded(self) -> None:

@@ -17,7 +17,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import TABLES_KEY
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
-from fabric.integrations.vllm.worker import FabricWorker, rank_endpoint
+from fabric.integrations.vllm.worker import ENGINE_IDLE_POLL_MS, FabricWorker, rank_endpoint
 
 BS, CT, LAYERS, BLOCKS = 16, 64, 3, 40
 
@@ -309,3 +309,27 @@ def test_table_gauges_are_named_after_the_global_rank() -> None:
     plain = FabricWorker(config, produce=True, consume=False, block_size=BS, model="tiny")
     plain.report_tables()
     assert set(plain.counters.take()[TABLES_KEY]) == {"worker0"}  # tp_rank without a rank
+
+
+def test_an_idle_engines_receiver_wakes_a_few_times_a_second_not_hundreds() -> None:
+    """Nothing outstanding: the receiver's loop sleeps until a control
+    message comes (at most ENGINE_IDLE_POLL_MS), on an engine that has one
+    core for vLLM's forward pass and fabric's threads. A count, not a time:
+    a busy box only makes the loop wake less."""
+    d = worker(produce=False, consume=True, seed=1)
+    try:
+        assert d.node is not None and d.node.server is not None
+        server = d.node.server
+        steps = 0
+        real = server._step
+
+        def counted(*args: object) -> float:
+            nonlocal steps
+            steps += 1
+            return real(*args)  # type: ignore[arg-type]
+
+        server._step = counted  # type: ignore[method-assign]
+        time.sleep(1.0)
+        assert 0 < steps <= 1000 / ENGINE_IDLE_POLL_MS + 10  # 5 ms polls: ~200
+    finally:
+        d.shutdown()

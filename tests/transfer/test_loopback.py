@@ -150,3 +150,42 @@ def test_idle_peer_is_forgotten_and_says_hello_again() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_reservation_waiting_for_its_first_write_is_polled_quietly() -> None:
+    """A decoder admitted at dispatch holds its reservation through the
+    whole prefill before a byte comes: the loop polls every
+    quiet_poll_interval_ms then, not every poll_interval_ms (the old code:
+    ~3,000 wake-ups a second on an engine's one core). A count, not a time:
+    a busy box only makes the loop wake less. The write that then comes
+    still lands and verifies."""
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=8, quarantine_ms=10))
+    config = TransferConfig(transport="loopback")  # NOTE: the default intervals
+    receiver = TransferNode(store, config, FINGERPRINT, name=f"lb-{next(_names)}", serve=True)
+    sender = make_node(8, serve=False)
+    try:
+        server = receiver.server
+        assert server is not None
+        keys, slots = fill(sender, 9, 2)
+        link = sender.client.connect(receiver.endpoint)
+        res = link.reserve("r-quiet", keys, [SLOT, SLOT])
+        time.sleep(0.1)  # NOTE: past QUIET_AFTER_MS since the Reserve
+        steps = 0
+        real = server._step
+
+        def counted(*args: object) -> float:
+            nonlocal steps
+            steps += 1
+            return real(*args)  # type: ignore[arg-type]
+
+        server._step = counted  # type: ignore[method-assign]
+        time.sleep(1.0)
+        server._step = real  # type: ignore[method-assign]
+        assert 0 < steps <= 1000 / config.quiet_poll_interval_ms + 50, steps
+        link.write(res, range(2), slots).wait(5)
+        prog = server.wait("r-quiet", 5)
+        assert prog is not None and prog.complete
+        server.release("r-quiet")
+    finally:
+        sender.close()
+        receiver.close()

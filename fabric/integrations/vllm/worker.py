@@ -114,6 +114,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 QUARANTINE_MARGIN_MS = 5_000
+# NOTE: an engine's receiver with no write outstanding wakes at once for a
+# control message or finished offload work; its idle tick only expires
+# leases (every expire_interval_ms anyway): 20 wake-ups a second, not 200,
+# on an engine's one core.
+ENGINE_IDLE_POLL_MS = 50.0
 IDLE_STEP_WAIT_S = 0.02  # the longest a step without tokens waits for a load to end
 
 
@@ -368,6 +373,7 @@ class FabricWorker:
             ucx_net_devices=c.ucx_net_devices or os.environ.get("UCX_NET_DEVICES"),
             secret=c.resolved_secret(),
             faults=c.faults,
+            idle_poll_interval_ms=ENGINE_IDLE_POLL_MS,
         )
 
     # ------------------------------------------------------------ per step
