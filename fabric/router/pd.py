@@ -182,11 +182,14 @@ def new_transfer_id(client_id: str | None, taken: Container[str] = ()) -> str:
     suffix, never one in ``taken`` (the requests in flight).
 
     NOTE: clients may reuse ids; P and D need unique ones, hence the suffix
-    (32 random bits: two requests in flight may draw the same, so it is
+    (64 random bits: a decoder refuses a Reserve for a transfer id it released
+    in the last 40 s; two requests in flight may still draw the same, so it is
     drawn again then).
     """
     while True:
-        transfer_id = f"{client_id[:MAX_CLIENT_ID]}-{uuid4().hex[:8]}" if client_id else uuid4().hex
+        transfer_id = (
+            f"{client_id[:MAX_CLIENT_ID]}-{uuid4().hex[:16]}" if client_id else uuid4().hex
+        )
         if transfer_id not in taken:
             return transfer_id
 

@@ -28,7 +28,7 @@ class ServerStats:
     on prefills that were kept; ``prefill_notes_late``: ones that came after
     the transfer's note was final or released (ignored); ``reserves_late``:
     Reserves refused because the transfer's load had already ended (the
-    consumer released it before a byte came).
+    consumer released it before its Reserve came).
     """
 
     hellos: int = 0

@@ -54,9 +54,10 @@ consumer releases it or its sender cancels it, and otherwise once the
 store no longer holds its reservation (expired by its lease, e.g. a
 transfer nobody loads): it is then marked expired, kept ``ENDED_LINGER_S``
 for a consumer still polling it, and dropped. A Reserve that comes after its
-consumer released the transfer (its load stopped waiting, or its request
-ended) is refused ``released`` for ``RELEASED_LINGER_S`` and counted in
-``reserves_late``: it takes no slot. Peers are bounded by ``peer_idle_s``;
+consumer released the transfer before any Reserve for it came (its load
+stopped waiting, or its request ended) is refused ``released`` for
+``GONE_LINGER_S`` and counted in ``reserves_late`` (the ``gone`` table):
+it takes no slot. Peers are bounded by ``peer_idle_s``;
 warnings by their kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
 the tier's and the owner's ``extra_tables``), also in ``Stats`` as
 ``tables.<name>``.
@@ -125,14 +126,16 @@ TABLES_PREFIX = "tables."  # Stats keys of table sizes: tables.<name> -> entries
 CLOSE_TIMEOUT_S = 10.0  # how long close waits for blocking work running now
 MAX_PREFILL_NOTES = 65536  # transfers whose prefill state is kept at once
 PREFILL_NOTE_LINGER_S = 60.0  # a note is dropped this long after it ran out (or was final)
-RELEASED_LINGER_S = 40.0
-"""How long a released transfer's note is kept: late words for it are
-ignored, and a Reserve for it is refused (``released``), this long. A push
-that comes after its load gave up (in the sequential flow a prefiller with a
-backlog of pushes can be seconds later than ``unknown_transfer_grace_s``)
-would otherwise hold slots that nobody loads for its whole lease, and under
-load fill the store for the pushes after it. One later than this is reserved
-and holds its slots until its lease runs out."""
+RELEASED_LINGER_S = 2.0  # a released transfer's note: late words for it are ignored this long
+GONE_LINGER_S = 40.0
+"""How long a transfer released before any Reserve came for it (its load
+stopped waiting, or its request ended) is remembered: a Reserve for it is
+refused (``released``) this long. In the sequential flow a prefiller with a
+backlog of pushes can be seconds later than ``unknown_transfer_grace_s``; such
+a push would otherwise hold slots that nobody loads for its whole lease, and
+under load fill the store for the pushes after it. One later than this is
+reserved and holds its slots until its lease runs out."""
+MAX_GONE = 65536  # transfers remembered so at once; the oldest is forgotten first
 QUIET_AFTER_MS = 20.0
 """Writes outstanding, nothing came for this long: poll at ``quiet_poll_interval_ms``.
 
@@ -193,6 +196,8 @@ class TransferServer:
         self._prefills: dict[str, PrefillNote] = {}  # transfer -> the proxy's last word
         self._next_prefill_prune = 0.0
         self._came_at = 0.0  # when the loop last got a notification or control message
+        # transfer -> when it was released before a Reserve came (oldest first)
+        self._gone: dict[str, float] = {}
         self._events = 0  # bumped on every change a consumer may wait for
         self._dirty: set[str] | None = set()  # transfers changed since take_dirty (None: all)
         self._offload = offload if offload is not None else Offload()
@@ -279,15 +284,24 @@ class TransferServer:
 
     def release(self, request_id: str) -> None:
         """The consumer is done with a reservation's chunks, or with a
-        transfer that never came: words and a Reserve that come later are
-        ignored (refused) for ``RELEASED_LINGER_S``."""
+        transfer that never came: words that come later are ignored for
+        ``RELEASED_LINGER_S``, and a Reserve for a transfer that never came
+        is refused for ``GONE_LINGER_S``."""
         with self._cond:
-            self._progress.pop(request_id, None)
+            if self._progress.pop(request_id, None) is None:
+                self._remember_gone(request_id, time.monotonic())
             self._ended.pop(request_id, None)
             if request_id in self._prefills or len(self._prefills) < MAX_PREFILL_NOTES:
                 now = time.monotonic()
                 self._prefills[request_id] = PrefillNote("released", now, now)
         self.store.release(request_id)
+
+    def _remember_gone(self, request_id: str, now: float) -> None:
+        """Under ``_cond``: refuse Reserves for ``request_id`` a while."""
+        self._gone.pop(request_id, None)
+        self._gone[request_id] = now
+        while len(self._gone) > MAX_GONE:
+            del self._gone[next(iter(self._gone))]
 
     def table_sizes(self) -> dict[str, int]:
         """Entries in the per-request tables of this server, its store, its
@@ -296,6 +310,7 @@ class TransferServer:
         with self._cond:
             sizes = {"server_progress": len(self._progress), "server_ended": len(self._ended)}
             sizes["server_prefills"] = len(self._prefills)
+            sizes["server_gone"] = len(self._gone)
         sizes["server_peers"] = len(self._peer_seen)
         sizes["server_offload"] = self._offload.pending()
         sizes["server_admin"] = self._admin.pending()
@@ -549,12 +564,9 @@ class TransferServer:
             self.stats.faults_injected += 1
             return proto.Refused(msg.seq, msg.request_id, "fault_injected", "refused on purpose")
         with self._cond:
-            note = self._prefills.get(msg.request_id)
-        if note is not None and note.state == "released":
-            self.stats.refused += 1
-            self.stats.reserves_late += 1
-            reason = "its load already ended (it stopped waiting, or its request ended)"
-            return proto.Refused(msg.seq, msg.request_id, "released", reason)
+            gone = msg.request_id in self._gone
+        if gone:
+            return self._refuse_late(msg)
         try:
             res = self.store.reserve(msg.request_id, msg.keys, msg.nbytes, msg.lease_ms)
         except CapacityError as exc:
@@ -569,9 +581,15 @@ class TransferServer:
         self.stats.reservations += 1
         expected = frozenset(i for i, hit in enumerate(res.already_present) if not hit)
         with self._cond:
-            self._progress[msg.request_id] = RequestProgress(msg.request_id, expected)
-            self._ended.pop(msg.request_id, None)
-            self._notify(msg.request_id)
+            # NOTE: the consumer may have released it since the check above
+            gone = msg.request_id in self._gone
+            if not gone:
+                self._progress[msg.request_id] = RequestProgress(msg.request_id, expected)
+                self._ended.pop(msg.request_id, None)
+                self._notify(msg.request_id)
+        if gone:
+            self.store.release(msg.request_id)
+            return self._refuse_late(msg)
         return proto.Reserved(
             msg.seq,
             msg.request_id,
@@ -580,6 +598,12 @@ class TransferServer:
             list(res.already_present),
             msg.lease_ms,
         )
+
+    def _refuse_late(self, msg: proto.Reserve) -> proto.Refused:
+        self.stats.refused += 1
+        self.stats.reserves_late += 1
+        reason = "its load already ended (it stopped waiting, or its request ended)"
+        return proto.Refused(msg.seq, msg.request_id, "released", reason)
 
     def _on_prefill_state(self, msg: proto.PrefillState) -> proto.Message:
         """Record the proxy's word on the prefills of ``msg.request_ids``
@@ -616,7 +640,8 @@ class TransferServer:
 
     def _prune_prefills(self, now: float) -> None:
         """Every ``PRUNE_PREFILLS_S``: drop the notes that ran out (or were
-        final) ``PREFILL_NOTE_LINGER_S`` ago, released ones ``RELEASED_LINGER_S`` ago."""
+        final) ``PREFILL_NOTE_LINGER_S`` ago, released ones ``RELEASED_LINGER_S``
+        ago, and transfers released before they came ``GONE_LINGER_S`` ago."""
         if now < self._next_prefill_prune:
             return
         self._next_prefill_prune = now + PRUNE_PREFILLS_S
@@ -624,6 +649,11 @@ class TransferServer:
             stale = [rid for rid, note in self._prefills.items() if _note_stale(note, now)]
             for rid in stale:
                 del self._prefills[rid]
+            while self._gone:
+                rid, at = next(iter(self._gone.items()))
+                if now - at <= GONE_LINGER_S:
+                    break
+                del self._gone[rid]
 
     def _notify(self, *request_ids: str | None) -> None:
         """Wake the waiters; the transfers that changed (None: any may have).
@@ -758,7 +788,7 @@ class TransferServer:
 
     def _end_gone(self, now: float) -> None:
         """Progress whose reservation the store no longer holds (its lease ran
-        out: nobody loaded it, or it landed after its request ended): mark it
+        out: nobody loaded it, e.g. no load was ever planned for it): mark it
         expired at once, drop it ``ENDED_LINGER_S`` later."""
         with self._cond:
             gone = [rid for rid in self._progress if not self.store.has_reservation(rid)]

@@ -565,10 +565,10 @@ def test_proxy_relays_the_decoders_stream(
 def test_a_failed_prefill_is_a_502(
     servers: list[ServerThread], prefill_config: dict[str, Any], mode: Literal["pull", "push"]
 ) -> None:
-    # push: P fails only after a second, so D's leg, sent at once, has surely
+    # push: P fails only after 2 s, so D's leg, sent at once, has surely
     # landed (a P that fails at once can beat it there: the leg is then
     # cancelled before D records it, and nothing is left open either way)
-    delay_s = 1.0 if mode == "push" else 0.0
+    delay_s = 2.0 if mode == "push" else 0.0
     p = _start(
         servers, FakeEngine(FakeEngineConfig(role="prefill", delay_s=delay_s, **prefill_config))
     )

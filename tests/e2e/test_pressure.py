@@ -227,7 +227,9 @@ def fabric_counters(engine: Engine) -> dict[str, float]:
     text = httpx.get(engine.url("/metrics"), timeout=30).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
         name = name.split("{")[0]
         if name.startswith("vllm:fabric_") and name.endswith("_total"):
             key = name.removeprefix("vllm:fabric_").removesuffix("_total")
@@ -286,11 +288,16 @@ def test_200_concurrent_requests_under_preemption_equal_colocated(
     )
     counters = {n: moved(counted[n], fabric_counters(e)) for n, e in pd_engines.items()}
     print(f"fabric counters that moved: {counters}")
+    refusals = {
+        n: {k: v for k, v in stats.items() if k in ("server_refused", "server_reserves_late")}
+        for n, stats in cluster.store_stats().items()
+    }
+    print(f"Reserves refused since the engines started: {refusals}")
     assert not wrong, "\n".join(wrong)
     assert exact >= NUM_REQUESTS * 3 // 4, f"{NUM_REQUESTS - exact} outputs flipped"
     assert all(preempted.values()), f"not preempted on both P and D: {preempted}"
     assert hits > 0, "the reuse tier never hit"
-    assert loads > 0, f"no KV arrived over the fabric: {counters}"
+    assert loads > 0, f"no KV arrived over the fabric: {counters}, {refusals}"
     for name, engine in pd_engines.items():
         assert has_metric(engine, "vllm:fabric_corrupt_chunks_total"), name
         assert metric(engine.base_url, "vllm:fabric_corrupt_chunks_total") == 0, name

@@ -75,11 +75,28 @@ def fabric_metric(engine: Engine, name: str) -> float:
 
 
 def wait_metric(engine: Engine, name: str, want: float, timeout: float = 60) -> float:
-    """Pushes to the shared store run behind the model step: wait for the count."""
+    """Wait for the count (``/metrics`` shows a step's counters a little after it)."""
     deadline = time.monotonic() + timeout
     while (value := fabric_metric(engine, name)) < want and time.monotonic() < deadline:
         time.sleep(0.5)
     return value
+
+
+def wait_filled(store: SharedStoreProcess, want: int, timeout: float = 60) -> int:
+    """Pushes to the shared store run behind the model step: wait until the
+    store holds ``want`` chunks (its own count)."""
+    deadline = time.monotonic() + timeout
+    while (filled := store.stats()["filled"]) < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return filled
+
+
+def step_once(engine: Engine) -> None:
+    """One request of 3 tokens (no full chunk: nothing saved or looked up),
+    so the engine steps: vLLM collects the connector's counters once per step
+    (``get_kv_connector_stats``), so what its push threads counted after the
+    last request's last step shows only after another step."""
+    complete(engine.url("/v1/completions"), body(prompt_ids(3, seed=1)) | {"max_tokens": 1})
 
 
 def test_a_fresh_engine_loads_a_prefix_another_engine_left_in_the_shared_store(
@@ -89,6 +106,10 @@ def test_a_fresh_engine_loads_a_prefix_another_engine_left_in_the_shared_store(
 
     a = start(engines, tiny_model_dir, "shared-a", shared_store.endpoint)
     want = complete(a.url("/v1/completions"), body(prompt))
+    # NOTE: the old test waited for A's counter alone; a push still running
+    # after the request's last step showed 0 there for good (A idle: no step)
+    assert wait_filled(shared_store, FULL_CHUNKS) == FULL_CHUNKS
+    step_once(a)
     assert wait_metric(a, "shared_store_saved_chunks", FULL_CHUNKS) == FULL_CHUNKS
     assert fabric_metric(a, "shared_store_failures") == 0
     a.process.stop()
@@ -104,6 +125,9 @@ def test_a_fresh_engine_loads_a_prefix_another_engine_left_in_the_shared_store(
     assert local == TAIL  # vLLM computed only the tail
     assert fabric_metric(b, "shared_store_failures") == 0
     # B saved nothing new: the shared store already had every chunk
-    assert wait_metric(b, "shared_store_saved_chunks", 0) == 0
+    step_once(b)
+    time.sleep(1.0)  # NOTE: a count that would rise shows a little after the step
+    assert fabric_metric(b, "shared_store_saved_chunks") == 0
     stats = shared_store.stats()
+    assert stats["filled"] == FULL_CHUNKS
     assert stats["service_attaches"] == 2 and stats["service_fetched_chunks"] == FULL_CHUNKS

@@ -201,7 +201,7 @@ def test_a_failed_word_after_every_chunk_landed_keeps_the_load(
 
 
 def test_a_push_that_comes_after_its_load_gave_up_takes_no_slot(
-    pair: tuple[FabricWorker, FabricWorker],
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sequential flow, P late (a backlog): D's load stops waiting after its
     grace, then P's Reserve comes. It is refused; the old code reserved it,
@@ -228,6 +228,14 @@ def test_a_push_that_comes_after_its_load_gave_up_takes_no_slot(
     sizes = server.table_sizes()
     assert (sizes["store_leases"], sizes["store_referenced_slots"]) == (0, 0), sizes
     assert snap["reserved"] == 0, snap
+    # NOTE: P lets go of its chunks too; and D forgets the transfer in time
+    assert p.store.stats().reserved == 0
+    assert p.store.table_sizes()["store_referenced_slots"] == 0
+    assert sizes["server_gone"] == 1
+    monkeypatch.setattr(server_module, "GONE_LINGER_S", 0.0)
+    while server.table_sizes()["server_gone"]:
+        assert time.monotonic() < deadline + 10, "the released transfer is never forgotten"
+        time.sleep(0.05)
 
 
 def test_the_server_refuses_an_unknown_state_and_prunes_its_notes(

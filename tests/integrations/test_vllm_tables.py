@@ -127,12 +127,12 @@ def run_mixed(p: FabricWorker, d: FabricWorker, monkeypatch: pytest.MonkeyPatch)
         send(p, d, "p-bad", "t-bad", 64, 1)
         load(d, "d-bad", "t-bad", 64)
         steps.until_reported("d-bad")
-    # aborted on D before its transfer came; the transfer then lands late
+    # aborted on D before its transfer came; its push then comes late (refused)
     load(d, "d-ab", "t-ab", 150)
     steps.step(d_done={"d-ab"})
     steps.until_reported("d-ab")
     send(p, d, "p-ab", "t-ab", 150, 3)
-    # given up (grace), then pushed late
+    # given up (grace), then pushed late (refused)
     load(d, "d-late", "t-late", 64)
     steps.until_reported("d-late")
     send(p, d, "p-late", "t-late", 64, 1)
@@ -193,8 +193,8 @@ def test_every_table_empties_however_requests_end(
         assert time.monotonic() < deadline, server.snapshot()
         steps.step()
         time.sleep(0.05)
-    # NOTE: released transfers' notes go RELEASED_LINGER_S (40 s) later: now
-    monkeypatch.setattr(server_module, "RELEASED_LINGER_S", 0.0)
+    # NOTE: transfers released before they came are forgotten GONE_LINGER_S (40 s) later: now
+    monkeypatch.setattr(server_module, "GONE_LINGER_S", 0.0)
     client = StoreClient(d.node.endpoint, timeout_ms=3000)
     try:
         tables = settle(steps, client)

@@ -31,7 +31,7 @@ def test_client_request_id_reaches_prefill_and_decode(
 
     assert [r.headers["x-request-id"] for r in responses] == ["client-42", "client-42"]
     ids = [s["request_id"] for s in p.seen]
-    assert all(re.fullmatch(r"client-42-[0-9a-f]{8}", i) for i in ids)
+    assert all(re.fullmatch(r"client-42-[0-9a-f]{16}", i) for i in ids)
     assert ids[0] != ids[1]  # a reused client id still gives P and D unique ids
     assert [s["request_id"] for s in d.seen] == ids
     assert [s["body"]["kv_transfer_params"]["transfer_id"] for s in d.seen] == ids
