@@ -77,7 +77,7 @@ def test_transfer_ids_are_drawn_again_when_one_is_in_flight(
     first = pd.new_transfer_id("client", {})
     second = pd.new_transfer_id("client", {first: object()})
 
-    assert (first, second) == ("client-aaaaaaaa", "client-bbbbbbbb")
+    assert (first, second) == ("client-" + "a" * 16, "client-" + "b" * 16)
 
 
 def test_two_requests_in_flight_never_share_a_transfer_id(
@@ -105,5 +105,5 @@ def test_two_requests_in_flight_never_share_a_transfer_id(
         assert first.result().status_code == 200
     assert second.status_code == 200
 
-    assert sorted(s["request_id"] for s in d.seen) == ["same-cccccccc", "same-dddddddd"]
+    assert sorted(s["request_id"] for s in d.seen) == ["same-" + "c" * 16, "same-" + "d" * 16]
     assert proxy.state.requests == {}
