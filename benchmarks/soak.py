@@ -114,8 +114,10 @@ FAILURE_COUNTERS = (
 )
 # under --chaos kills cause load failures; these never have a cause but a bug
 CHAOS_FAILURE_COUNTERS = ("corrupt_chunks", "refused_transfers")
-# worker tables bounded by peers, not requests (one entry per peer is fine)
-PEER_TABLES = ("_peers", "_links")
+# worker tables bounded by peers, not requests (one entry per peer is fine),
+# and a receiver's abandoned transfers (bounded in count and to 40 s: the
+# Reserves it refuses, not state a request holds)
+PEER_TABLES = ("_peers", "_links", "_abandoned")
 # store stats that count a slot still taken once every request has ended
 HELD_STATS = ("reserved", "holds", "quarantined")
 

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import zmq
 
-from fabric.errors import ConfigError, FabricError, ProtocolError
+from fabric.errors import ConfigError, FabricError, ProtocolError, ReservationRefused
 from fabric.kv.identity import KeyIdentity
 from fabric.store.disk import DiskTier
 from fabric.store.index import ChunkStore
@@ -348,8 +348,9 @@ class SharedStore:
         except FabricError as exc:
             self.count(fetch_failures=1)
             logger.warning("fetch %s to %s failed: %s", job.transfer_id, job.endpoint, exc)
-            # NOTE: the engine may have restarted; handshake again next time.
-            self.client.disconnect(job.endpoint)
+            if not isinstance(exc, ReservationRefused):  # NOTE: a refusal is a live answer
+                # NOTE: the engine may have restarted; handshake again next time.
+                self.client.disconnect(job.endpoint)
             return
         finally:
             self.store.release_slots(slots)

@@ -76,6 +76,11 @@ class TransferConfig:
         for name in ("max_message_bytes", "control_timeout_ms", "lease_ms", "write_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"transfer.{name}: must be positive")
+        if self.quiet_poll_interval_ms < self.poll_interval_ms:
+            raise ConfigError(
+                f"transfer.quiet_poll_interval_ms: {self.quiet_poll_interval_ms} is below "
+                f"poll_interval_ms ({self.poll_interval_ms}): the quiet poll is the slower one"
+            )
         for name in (
             "poll_interval_ms",
             "quiet_poll_interval_ms",

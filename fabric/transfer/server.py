@@ -56,7 +56,7 @@ transfer nobody loads): it is then marked expired, kept ``ENDED_LINGER_S``
 for a consumer still polling it, and dropped. A Reserve that comes after its
 consumer released the transfer before any Reserve for it came (its load
 stopped waiting, or its request ended) is refused ``released`` for
-``GONE_LINGER_S`` and counted in ``reserves_late`` (the ``gone`` table):
+``ABANDONED_LINGER_S`` and counted in ``reserves_late`` (the ``abandoned`` table):
 it takes no slot. Peers are bounded by ``peer_idle_s``;
 warnings by their kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
 the tier's and the owner's ``extra_tables``), also in ``Stats`` as
@@ -127,7 +127,7 @@ CLOSE_TIMEOUT_S = 10.0  # how long close waits for blocking work running now
 MAX_PREFILL_NOTES = 65536  # transfers whose prefill state is kept at once
 PREFILL_NOTE_LINGER_S = 60.0  # a note is dropped this long after it ran out (or was final)
 RELEASED_LINGER_S = 2.0  # a released transfer's note: late words for it are ignored this long
-GONE_LINGER_S = 40.0
+ABANDONED_LINGER_S = 40.0
 """How long a transfer released before any Reserve came for it (its load
 stopped waiting, or its request ended) is remembered: a Reserve for it is
 refused (``released``) this long. In the sequential flow a prefiller with a
@@ -135,14 +135,18 @@ backlog of pushes can be seconds later than ``unknown_transfer_grace_s``; such
 a push would otherwise hold slots that nobody loads for its whole lease, and
 under load fill the store for the pushes after it. One later than this is
 reserved and holds its slots until its lease runs out."""
-MAX_GONE = 65536  # transfers remembered so at once; the oldest is forgotten first
+MAX_ABANDONED = 65536  # transfers remembered so at once; the oldest is forgotten first
 QUIET_AFTER_MS = 20.0
 """Writes outstanding, nothing came for this long: poll at ``quiet_poll_interval_ms``.
 
 Chunks of one push land back to back (a few ms apart), so a push in flight
 is polled at ``poll_interval_ms``; a reservation that waits for a prefill to
 compute its next chunk costs a wake-up per ``quiet_poll_interval_ms``, not
-per ``poll_interval_ms``, and its next chunk is seen at most that late."""
+per ``poll_interval_ms``, and the notification of its next chunk is seen at
+most that late (a control message wakes the loop at once). NOTE: where
+UCX moves the bytes themselves by the target's progress (UCX over TCP, no
+CMA or RDMA), a write that starts in a quiet spell is progressed at that
+rate too: set ``quiet_poll_interval_ms`` to ``poll_interval_ms`` there."""
 MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
 PRUNE_PREFILLS_S = 1.0  # how often the notes are pruned
 
@@ -197,7 +201,7 @@ class TransferServer:
         self._next_prefill_prune = 0.0
         self._came_at = 0.0  # when the loop last got a notification or control message
         # transfer -> when it was released before a Reserve came (oldest first)
-        self._gone: dict[str, float] = {}
+        self._abandoned: dict[str, float] = {}
         self._events = 0  # bumped on every change a consumer may wait for
         self._dirty: set[str] | None = set()  # transfers changed since take_dirty (None: all)
         self._offload = offload if offload is not None else Offload()
@@ -286,22 +290,22 @@ class TransferServer:
         """The consumer is done with a reservation's chunks, or with a
         transfer that never came: words that come later are ignored for
         ``RELEASED_LINGER_S``, and a Reserve for a transfer that never came
-        is refused for ``GONE_LINGER_S``."""
+        is refused for ``ABANDONED_LINGER_S``."""
         with self._cond:
             if self._progress.pop(request_id, None) is None:
-                self._remember_gone(request_id, time.monotonic())
+                self._remember_abandoned(request_id, time.monotonic())
             self._ended.pop(request_id, None)
             if request_id in self._prefills or len(self._prefills) < MAX_PREFILL_NOTES:
                 now = time.monotonic()
                 self._prefills[request_id] = PrefillNote("released", now, now)
         self.store.release(request_id)
 
-    def _remember_gone(self, request_id: str, now: float) -> None:
+    def _remember_abandoned(self, request_id: str, now: float) -> None:
         """Under ``_cond``: refuse Reserves for ``request_id`` a while."""
-        self._gone.pop(request_id, None)
-        self._gone[request_id] = now
-        while len(self._gone) > MAX_GONE:
-            del self._gone[next(iter(self._gone))]
+        self._abandoned.pop(request_id, None)
+        self._abandoned[request_id] = now
+        while len(self._abandoned) > MAX_ABANDONED:
+            del self._abandoned[next(iter(self._abandoned))]
 
     def table_sizes(self) -> dict[str, int]:
         """Entries in the per-request tables of this server, its store, its
@@ -310,7 +314,7 @@ class TransferServer:
         with self._cond:
             sizes = {"server_progress": len(self._progress), "server_ended": len(self._ended)}
             sizes["server_prefills"] = len(self._prefills)
-            sizes["server_gone"] = len(self._gone)
+            sizes["server_abandoned"] = len(self._abandoned)
         sizes["server_peers"] = len(self._peer_seen)
         sizes["server_offload"] = self._offload.pending()
         sizes["server_admin"] = self._admin.pending()
@@ -418,10 +422,13 @@ class TransferServer:
         return next_expire
 
     def _wait(self, poller: zmq.Poller, *, busy: bool) -> dict[zmq.Socket[bytes] | int, int]:
-        """Wait for a control message at most one polling period.
+        """Wait for a control message (or offloaded work done) at most one polling period.
 
-        NOTE: zmq's poll truncates its timeout to whole milliseconds, so the
-        sub-millisecond period used while writes are outstanding is a sleep.
+        NOTE: zmq's poll truncates its timeout to whole milliseconds, so a
+        sub-millisecond period (``poll_interval_ms`` while writes are
+        outstanding and something came lately) is a sleep, which a control
+        message does not cut short; a period of 1 ms or more blocks in the
+        poller, which it does.
         """
         if not busy:
             return dict(poller.poll(max(1, round(self.config.idle_poll_interval_ms))))
@@ -429,7 +436,10 @@ class TransferServer:
             return dict(ready)
         quiet = time.monotonic() - self._came_at > QUIET_AFTER_MS / 1000
         c = self.config
-        time.sleep((c.quiet_poll_interval_ms if quiet else c.poll_interval_ms) / 1000)
+        period_ms = c.quiet_poll_interval_ms if quiet else c.poll_interval_ms
+        if period_ms >= 1:
+            return dict(poller.poll(round(period_ms)))
+        time.sleep(period_ms / 1000)
         return dict(poller.poll(0))
 
     def _send_offloaded(self) -> None:
@@ -564,8 +574,8 @@ class TransferServer:
             self.stats.faults_injected += 1
             return proto.Refused(msg.seq, msg.request_id, "fault_injected", "refused on purpose")
         with self._cond:
-            gone = msg.request_id in self._gone
-        if gone:
+            abandoned = msg.request_id in self._abandoned
+        if abandoned:
             return self._refuse_late(msg)
         try:
             res = self.store.reserve(msg.request_id, msg.keys, msg.nbytes, msg.lease_ms)
@@ -578,18 +588,20 @@ class TransferServer:
         except ValueError as exc:
             self.stats.refused += 1
             return proto.Refused(msg.seq, msg.request_id, "bad_request", str(exc))
-        self.stats.reservations += 1
         expected = frozenset(i for i, hit in enumerate(res.already_present) if not hit)
         with self._cond:
             # NOTE: the consumer may have released it since the check above
-            gone = msg.request_id in self._gone
-            if not gone:
+            abandoned = msg.request_id in self._abandoned
+            if not abandoned:
                 self._progress[msg.request_id] = RequestProgress(msg.request_id, expected)
                 self._ended.pop(msg.request_id, None)
                 self._notify(msg.request_id)
-        if gone:
-            self.store.release(msg.request_id)
+        if abandoned:
+            # NOTE: no sender ever learned these slots: free them now, not
+            # past the lease (a reader's release waits that long)
+            self.store.cancel(msg.request_id)
             return self._refuse_late(msg)
+        self.stats.reservations += 1
         return proto.Reserved(
             msg.seq,
             msg.request_id,
@@ -641,7 +653,7 @@ class TransferServer:
     def _prune_prefills(self, now: float) -> None:
         """Every ``PRUNE_PREFILLS_S``: drop the notes that ran out (or were
         final) ``PREFILL_NOTE_LINGER_S`` ago, released ones ``RELEASED_LINGER_S``
-        ago, and transfers released before they came ``GONE_LINGER_S`` ago."""
+        ago, and transfers released before they came ``ABANDONED_LINGER_S`` ago."""
         if now < self._next_prefill_prune:
             return
         self._next_prefill_prune = now + PRUNE_PREFILLS_S
@@ -649,11 +661,11 @@ class TransferServer:
             stale = [rid for rid, note in self._prefills.items() if _note_stale(note, now)]
             for rid in stale:
                 del self._prefills[rid]
-            while self._gone:
-                rid, at = next(iter(self._gone.items()))
-                if now - at <= GONE_LINGER_S:
+            while self._abandoned:
+                rid, at = next(iter(self._abandoned.items()))
+                if now - at <= ABANDONED_LINGER_S:
                     break
-                del self._gone[rid]
+                del self._abandoned[rid]
 
     def _notify(self, *request_ids: str | None) -> None:
         """Wake the waiters; the transfers that changed (None: any may have).

@@ -74,10 +74,15 @@ def fabric_metric(engine: Engine, name: str) -> float:
     return metric(engine.base_url, f"vllm:fabric_{name}_total")
 
 
-def wait_metric(engine: Engine, name: str, want: float, timeout: float = 60) -> float:
-    """Wait for the count (``/metrics`` shows a step's counters a little after it)."""
+def wait_metric(
+    engine: Engine, name: str, want: float, timeout: float = 60, *, step: bool = False
+) -> float:
+    """Wait for the count (``/metrics`` shows a step's counters a little
+    after it); ``step``: run one tiny step each round (:func:`step_once`)."""
     deadline = time.monotonic() + timeout
     while (value := fabric_metric(engine, name)) < want and time.monotonic() < deadline:
+        if step:
+            step_once(engine)
         time.sleep(0.5)
     return value
 
@@ -109,8 +114,7 @@ def test_a_fresh_engine_loads_a_prefix_another_engine_left_in_the_shared_store(
     # NOTE: the old test waited for A's counter alone; a push still running
     # after the request's last step showed 0 there for good (A idle: no step)
     assert wait_filled(shared_store, FULL_CHUNKS) == FULL_CHUNKS
-    step_once(a)
-    assert wait_metric(a, "shared_store_saved_chunks", FULL_CHUNKS) == FULL_CHUNKS
+    assert wait_metric(a, "shared_store_saved_chunks", FULL_CHUNKS, step=True) == FULL_CHUNKS
     assert fabric_metric(a, "shared_store_failures") == 0
     a.process.stop()
     assert shared_store.stats()["filled"] == FULL_CHUNKS

@@ -231,9 +231,9 @@ def test_a_push_that_comes_after_its_load_gave_up_takes_no_slot(
     # NOTE: P lets go of its chunks too; and D forgets the transfer in time
     assert p.store.stats().reserved == 0
     assert p.store.table_sizes()["store_referenced_slots"] == 0
-    assert sizes["server_gone"] == 1
-    monkeypatch.setattr(server_module, "GONE_LINGER_S", 0.0)
-    while server.table_sizes()["server_gone"]:
+    assert sizes["server_abandoned"] == 1
+    monkeypatch.setattr(server_module, "ABANDONED_LINGER_S", 0.0)
+    while server.table_sizes()["server_abandoned"]:
         assert time.monotonic() < deadline + 10, "the released transfer is never forgotten"
         time.sleep(0.05)
 

@@ -193,8 +193,8 @@ def test_every_table_empties_however_requests_end(
         assert time.monotonic() < deadline, server.snapshot()
         steps.step()
         time.sleep(0.05)
-    # NOTE: transfers released before they came are forgotten GONE_LINGER_S (40 s) later: now
-    monkeypatch.setattr(server_module, "GONE_LINGER_S", 0.0)
+    # NOTE: transfers released before they came are forgotten ABANDONED_LINGER_S (40 s) later: now
+    monkeypatch.setattr(server_module, "ABANDONED_LINGER_S", 0.0)
     client = StoreClient(d.node.endpoint, timeout_ms=3000)
     try:
         tables = settle(steps, client)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fabric.errors import ReservationRefused, TransferTimeout
+from fabric.errors import ConfigError, ReservationRefused, TransferTimeout
 from fabric.store import ChunkStore, StoreConfig
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
@@ -189,3 +189,9 @@ def test_a_reservation_waiting_for_its_first_write_is_polled_quietly() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_quiet_poll_faster_than_the_busy_one_is_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="quiet_poll_interval_ms"):
+        TransferConfig(transport="loopback", poll_interval_ms=2.0)
+    assert TransferConfig(poll_interval_ms=2.0, quiet_poll_interval_ms=2.0).poll_interval_ms == 2.0
