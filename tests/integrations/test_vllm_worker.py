@@ -18,6 +18,7 @@ from fabric.integrations.vllm.counters import TABLES_KEY
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import ENGINE_IDLE_POLL_MS, FabricWorker, rank_endpoint
+from tests.transfer.patterns import loop_wakeups
 
 BS, CT, LAYERS, BLOCKS = 16, 64, 3, 40
 
@@ -320,16 +321,7 @@ def test_an_idle_engines_receiver_wakes_a_few_times_a_second_not_hundreds() -> N
     try:
         assert d.node is not None and d.node.server is not None
         server = d.node.server
-        steps = 0
-        real = server._step
-
-        def counted(*args: object) -> float:
-            nonlocal steps
-            steps += 1
-            return real(*args)  # type: ignore[arg-type]
-
-        server._step = counted  # type: ignore[method-assign]
-        time.sleep(1.0)
+        steps = loop_wakeups(server)
         assert 0 < steps <= 1000 / ENGINE_IDLE_POLL_MS + 10  # 5 ms polls: ~200
     finally:
         d.shutdown()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from fabric.transfer import TransferNode
+    from fabric.transfer import TransferNode, TransferServer
 
 FINGERPRINT = "test-fingerprint-0001"
 
@@ -34,3 +35,21 @@ def fill_store(
         keys.append(key)
         slots.append(slot)
     return keys, slots
+
+
+def loop_wakeups(server: TransferServer, seconds: float = 1.0) -> int:
+    """How many times ``server``'s loop stepped in ``seconds`` (counted, not timed)."""
+    steps = 0
+    real = server._step
+
+    def counted(*args: object) -> float:
+        nonlocal steps
+        steps += 1
+        return real(*args)  # type: ignore[arg-type]
+
+    server._step = counted  # type: ignore[method-assign]
+    try:
+        time.sleep(seconds)
+    finally:
+        server._step = real  # type: ignore[method-assign]
+    return steps

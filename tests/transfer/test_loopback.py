@@ -13,7 +13,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
 
-from .patterns import FINGERPRINT, chunk_key, fill_store
+from .patterns import FINGERPRINT, chunk_key, fill_store, loop_wakeups
 
 SLOT = 64 << 10
 _names = itertools.count()
@@ -170,17 +170,7 @@ def test_a_reservation_waiting_for_its_first_write_is_polled_quietly() -> None:
         link = sender.client.connect(receiver.endpoint)
         res = link.reserve("r-quiet", keys, [SLOT, SLOT])
         time.sleep(0.1)  # NOTE: past QUIET_AFTER_MS since the Reserve
-        steps = 0
-        real = server._step
-
-        def counted(*args: object) -> float:
-            nonlocal steps
-            steps += 1
-            return real(*args)  # type: ignore[arg-type]
-
-        server._step = counted  # type: ignore[method-assign]
-        time.sleep(1.0)
-        server._step = real  # type: ignore[method-assign]
+        steps = loop_wakeups(server)
         assert 0 < steps <= 1000 / config.quiet_poll_interval_ms + 50, steps
         link.write(res, range(2), slots).wait(5)
         prog = server.wait("r-quiet", 5)
