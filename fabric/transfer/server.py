@@ -17,9 +17,8 @@ every ``quiet_poll_interval_ms`` while they are outstanding but nothing
 came for that long (a decoder admitted at dispatch holds its reservation
 through the whole prefill before the first chunk), every
 ``idle_poll_interval_ms`` otherwise (a control message wakes it at once),
-never busy-spinning. It also
-expires leases. A verifier thread hashes landed chunks, so the loop keeps
-serving while large chunks are checked.
+never busy-spinning. It also expires leases. A verifier thread hashes
+landed chunks, so the loop keeps serving while large chunks are checked.
 
 The loop never runs long blocking work. A request whose answer reads or
 deletes disk files or waits for the disk writer (a Lookup that holds, a
@@ -53,12 +52,12 @@ Per-request tables stay bounded: a reservation's progress goes when its
 consumer releases it or its sender cancels it, and otherwise once the
 store no longer holds its reservation (expired by its lease, e.g. a
 transfer nobody loads): it is then marked expired, kept ``ENDED_LINGER_S``
-for a consumer still polling it, and dropped. A Reserve that comes after its
-consumer released the transfer before any Reserve for it came (its load
-stopped waiting, or its request ended) is refused ``released`` for
-``ABANDONED_LINGER_S`` and counted in ``reserves_late`` (the ``abandoned`` table):
-it takes no slot. Peers are bounded by ``peer_idle_s``;
-warnings by their kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
+for a consumer still polling it, and dropped. A transfer its consumer
+released before any Reserve for it came (its load stopped waiting, or its
+request ended) is kept ``ABANDONED_LINGER_S`` in the ``abandoned`` table: a
+Reserve for it is refused ``released`` and counted in ``reserves_late``; it
+takes no slot. Peers are bounded by ``peer_idle_s``; warnings by their
+kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
 the tier's and the owner's ``extra_tables``), also in ``Stats`` as
 ``tables.<name>``.
 
@@ -291,12 +290,12 @@ class TransferServer:
         transfer that never came: words that come later are ignored for
         ``RELEASED_LINGER_S``, and a Reserve for a transfer that never came
         is refused for ``ABANDONED_LINGER_S``."""
+        now = time.monotonic()
         with self._cond:
             if self._progress.pop(request_id, None) is None:
-                self._remember_abandoned(request_id, time.monotonic())
+                self._remember_abandoned(request_id, now)
             self._ended.pop(request_id, None)
             if request_id in self._prefills or len(self._prefills) < MAX_PREFILL_NOTES:
-                now = time.monotonic()
                 self._prefills[request_id] = PrefillNote("released", now, now)
         self.store.release(request_id)
 

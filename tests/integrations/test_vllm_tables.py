@@ -7,9 +7,9 @@ its transfer came (whose push then comes late and is refused), given up
 then pushed late (refused too), pushed but never loaded, aborted
 mid-prefill on P, aborted on D with half its chunks in. vLLM's part is
 played by hand: ``get_results`` once per "step" with the ids vLLM would
-name in ``finished_req_ids``. Afterwards
-every table (read over the control channel in the decoder's Stats, and
-from each worker's gauges) is empty and no slot is reserved or held.
+name in ``finished_req_ids``. Afterwards every table (read over the
+control channel in the decoder's Stats, and from each worker's gauges) is
+empty and no slot is reserved or held.
 """
 
 from __future__ import annotations

@@ -54,10 +54,10 @@ failed, which vLLM ignores for a finished request (``scheduler.py``
 :3341-3354).
 Each end releases the transfer's reservation (``TransferServer.release``);
 a transfer whose Reserve arrives after its load ended is refused (within
-``ABANDONED_LINGER_S`` of the end, :mod:`fabric.transfer.server`), so it takes no
-slot of the store (one that a prefiller with a backlog pushes past
-``unknown_transfer_grace_s`` would otherwise hold its slots for its lease). ``table_sizes`` counts
-what is still tracked: 0 once every request ended.
+``ABANDONED_LINGER_S`` of the end, :mod:`fabric.transfer.server`), so it
+takes no slot of the store (one that a prefiller with a backlog pushes past
+``unknown_transfer_grace_s`` would otherwise hold its slots for its lease).
+``table_sizes`` counts what is still tracked: 0 once every request ended.
 """
 
 from __future__ import annotations
