@@ -49,16 +49,20 @@ closed tier (a hold it makes is dropped at once, a disk tier raises
 while the job holds a reference to it.
 
 Per-request tables stay bounded: a reservation's progress goes when its
-consumer releases it or its sender cancels it, and otherwise once the
-store no longer holds its reservation (expired by its lease, e.g. a
-transfer nobody loads): it is then marked expired, kept ``ENDED_LINGER_S``
-for a consumer still polling it, and dropped. A transfer its consumer
-released before any Reserve for it came (its load stopped waiting, or its
-request ended) is kept ``ABANDONED_LINGER_S`` in the ``abandoned`` table: a
-Reserve for it is refused ``released`` and counted in ``reserves_late``; it
-takes no slot. Peers are bounded by ``peer_idle_s``; warnings by their
-kinds. :meth:`TransferServer.table_sizes` reports them (with the store's,
-the tier's and the owner's ``extra_tables``), also in ``Stats`` as
+consumer releases it or its sender cancels it, and otherwise once the store
+no longer holds its reservation (expired by its lease, e.g. a transfer
+nobody loads): it is then marked expired, kept ``ENDED_LINGER_S`` for a
+consumer still polling it, and dropped. A transfer its consumer released
+before any Reserve for it came (its load stopped waiting, or its request
+ended) is kept ``ABANDONED_LINGER_S`` in the ``abandoned`` table: a Reserve
+for it is refused ``released`` and counted in ``reserves_late``; it takes no
+slot. A transfer whose Reserve was refused here (capacity, duplicate, bad
+request) is kept ``REFUSED_LINGER_S`` in the ``refusals`` table: no sender
+retries a refused push, so a load waiting for it stops at once
+(:meth:`TransferServer.refusal`) instead of after its grace. Peers are
+bounded by ``peer_idle_s``; warnings by their kinds.
+:meth:`TransferServer.table_sizes` reports them (with the store's, the
+tier's and the owner's ``extra_tables``), also in ``Stats`` as
 ``tables.<name>``.
 
 Bad frames are answered with ``Refused``, counted in ``stats``, and never
@@ -84,7 +88,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import zmq
 
@@ -117,6 +121,7 @@ if TYPE_CHECKING:
     from fabric.transfer.dataplane import DataPlane
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 MAX_REASON_CHARS = 512
 WARN_EVERY_S = 10.0
@@ -135,6 +140,7 @@ a push would otherwise hold slots that nobody loads for its whole lease, and
 under load fill the store for the pushes after it. One later than this is
 reserved and holds its slots until its lease runs out."""
 MAX_ABANDONED = 65536  # transfers remembered so at once; the oldest is forgotten first
+REFUSED_LINGER_S = 40.0  # a transfer whose Reserve was refused: its load is told this long
 QUIET_AFTER_MS = 20.0
 """Writes outstanding, nothing came for this long: poll at ``quiet_poll_interval_ms``.
 
@@ -201,6 +207,8 @@ class TransferServer:
         self._came_at = 0.0  # when the loop last got a notification or control message
         # transfer -> when it was released before a Reserve came (oldest first)
         self._abandoned: dict[str, float] = {}
+        # transfer -> (when, why) its Reserve was refused (oldest first)
+        self._refusals: dict[str, tuple[float, str]] = {}
         self._events = 0  # bumped on every change a consumer may wait for
         self._dirty: set[str] | None = set()  # transfers changed since take_dirty (None: all)
         self._offload = offload if offload is not None else Offload()
@@ -285,6 +293,13 @@ class TransferServer:
         with self._cond:
             return self._prefills.get(request_id)
 
+    def refusal(self, request_id: str) -> str | None:
+        """Why a Reserve for transfer ``request_id`` was refused here (within
+        ``REFUSED_LINGER_S``, and none granted since); None if none was."""
+        with self._cond:
+            refused = self._refusals.get(request_id)
+        return None if refused is None else refused[1]
+
     def release(self, request_id: str) -> None:
         """The consumer is done with a reservation's chunks, or with a
         transfer that never came: words that come later are ignored for
@@ -293,18 +308,12 @@ class TransferServer:
         now = time.monotonic()
         with self._cond:
             if self._progress.pop(request_id, None) is None:
-                self._remember_abandoned(request_id, now)
+                _remember(self._abandoned, request_id, now)
+            self._refusals.pop(request_id, None)
             self._ended.pop(request_id, None)
             if request_id in self._prefills or len(self._prefills) < MAX_PREFILL_NOTES:
                 self._prefills[request_id] = PrefillNote("released", now, now)
         self.store.release(request_id)
-
-    def _remember_abandoned(self, request_id: str, now: float) -> None:
-        """Under ``_cond``: refuse Reserves for ``request_id`` a while."""
-        self._abandoned.pop(request_id, None)
-        self._abandoned[request_id] = now
-        while len(self._abandoned) > MAX_ABANDONED:
-            del self._abandoned[next(iter(self._abandoned))]
 
     def table_sizes(self) -> dict[str, int]:
         """Entries in the per-request tables of this server, its store, its
@@ -314,6 +323,7 @@ class TransferServer:
             sizes = {"server_progress": len(self._progress), "server_ended": len(self._ended)}
             sizes["server_prefills"] = len(self._prefills)
             sizes["server_abandoned"] = len(self._abandoned)
+            sizes["server_refusals"] = len(self._refusals)
         sizes["server_peers"] = len(self._peer_seen)
         sizes["server_offload"] = self._offload.pending()
         sizes["server_admin"] = self._admin.pending()
@@ -566,12 +576,10 @@ class TransferServer:
 
     def _on_reserve(self, msg: proto.Reserve) -> proto.Message:
         if len(msg.keys) != len(msg.nbytes) or not msg.keys:
-            self.stats.refused += 1
-            return proto.Refused(msg.seq, msg.request_id, "bad_request", "keys/nbytes mismatch")
+            return self._refuse_reserve(msg, "bad_request", "keys/nbytes mismatch")
         if self.faults is not None and self.faults.roll("refuse"):
-            self.stats.refused += 1
             self.stats.faults_injected += 1
-            return proto.Refused(msg.seq, msg.request_id, "fault_injected", "refused on purpose")
+            return self._refuse_reserve(msg, "fault_injected", "refused on purpose")
         with self._cond:
             abandoned = msg.request_id in self._abandoned
         if abandoned:
@@ -579,14 +587,11 @@ class TransferServer:
         try:
             res = self.store.reserve(msg.request_id, msg.keys, msg.nbytes, msg.lease_ms)
         except CapacityError as exc:
-            self.stats.refused += 1
-            return proto.Refused(msg.seq, msg.request_id, "capacity", str(exc))
+            return self._refuse_reserve(msg, "capacity", str(exc))
         except SlotStateError as exc:
-            self.stats.refused += 1
-            return proto.Refused(msg.seq, msg.request_id, "duplicate", str(exc))
+            return self._refuse_reserve(msg, "duplicate", str(exc))
         except ValueError as exc:
-            self.stats.refused += 1
-            return proto.Refused(msg.seq, msg.request_id, "bad_request", str(exc))
+            return self._refuse_reserve(msg, "bad_request", str(exc))
         expected = frozenset(i for i, hit in enumerate(res.already_present) if not hit)
         with self._cond:
             # NOTE: the consumer may have released it since the check above
@@ -594,6 +599,7 @@ class TransferServer:
             if not abandoned:
                 self._progress[msg.request_id] = RequestProgress(msg.request_id, expected)
                 self._ended.pop(msg.request_id, None)
+                self._refusals.pop(msg.request_id, None)
                 self._notify(msg.request_id)
         if abandoned:
             # NOTE: no sender ever learned these slots: free them now, not
@@ -609,6 +615,14 @@ class TransferServer:
             list(res.already_present),
             msg.lease_ms,
         )
+
+    def _refuse_reserve(self, msg: proto.Reserve, code: str, reason: str) -> proto.Refused:
+        """Refuse ``msg``; a load waiting for its transfer is told at once."""
+        self.stats.refused += 1
+        with self._cond:
+            _remember(self._refusals, msg.request_id, (time.monotonic(), f"{code}: {reason}"))
+            self._notify(msg.request_id)
+        return proto.Refused(msg.seq, msg.request_id, code, reason)
 
     def _refuse_late(self, msg: proto.Reserve) -> proto.Refused:
         self.stats.refused += 1
@@ -652,7 +666,8 @@ class TransferServer:
     def _prune_prefills(self, now: float) -> None:
         """Every ``PRUNE_PREFILLS_S``: drop the notes that ran out (or were
         final) ``PREFILL_NOTE_LINGER_S`` ago, released ones ``RELEASED_LINGER_S``
-        ago, and transfers released before they came ``ABANDONED_LINGER_S`` ago."""
+        ago, transfers released before they came ``ABANDONED_LINGER_S`` ago,
+        and refusals ``REFUSED_LINGER_S`` ago."""
         if now < self._next_prefill_prune:
             return
         self._next_prefill_prune = now + PRUNE_PREFILLS_S
@@ -660,11 +675,8 @@ class TransferServer:
             stale = [rid for rid, note in self._prefills.items() if _note_stale(note, now)]
             for rid in stale:
                 del self._prefills[rid]
-            while self._abandoned:
-                rid, at = next(iter(self._abandoned.items()))
-                if now - at <= ABANDONED_LINGER_S:
-                    break
-                del self._abandoned[rid]
+            _forget_older(self._abandoned, now - ABANDONED_LINGER_S, lambda at: at)
+            _forget_older(self._refusals, now - REFUSED_LINGER_S, lambda refused: refused[0])
 
     def _notify(self, *request_ids: str | None) -> None:
         """Wake the waiters; the transfers that changed (None: any may have).
@@ -866,3 +878,22 @@ def _note_stale(note: PrefillNote, now: float) -> bool:
         return now - note.at > RELEASED_LINGER_S
     end = note.until if note.state == "running" else note.at
     return now - end > PREFILL_NOTE_LINGER_S
+
+
+def _remember(table: dict[str, _T], key: str, value: _T) -> None:
+    """Under ``_cond``: (re)insert ``key`` as the newest entry of ``table``,
+    forgetting the oldest past ``MAX_ABANDONED``."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > MAX_ABANDONED:
+        del table[next(iter(table))]
+
+
+def _forget_older(table: dict[str, _T], before: float, at: Callable[[_T], float]) -> None:
+    """Under ``_cond``: drop the entries of ``table`` (oldest first) made
+    before ``before`` (``at``: when an entry was made)."""
+    while table:
+        key, value = next(iter(table.items()))
+        if at(value) >= before:
+            return
+        del table[key]

@@ -222,8 +222,8 @@ def compare(
     return exact, wrong
 
 
-def fabric_counters(engine: Engine) -> dict[str, float]:
-    """Every ``vllm:fabric_*_total`` counter of ``engine``, summed over labels."""
+def fabric_counters(engine: Engine | Proxy, prefix: str = "vllm:fabric_") -> dict[str, float]:
+    """Every ``<prefix>*_total`` counter of ``engine``, summed over labels."""
     text = httpx.get(engine.url("/metrics"), timeout=30).text
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -231,8 +231,8 @@ def fabric_counters(engine: Engine) -> dict[str, float]:
             continue
         name, _, value = line.rpartition(" ")
         name = name.split("{")[0]
-        if name.startswith("vllm:fabric_") and name.endswith("_total"):
-            key = name.removeprefix("vllm:fabric_").removesuffix("_total")
+        if name.startswith(prefix) and name.endswith("_total"):
+            key = name.removeprefix(prefix).removesuffix("_total")
             out[key] = out.get(key, 0.0) + float(value)
     return out
 
@@ -260,6 +260,7 @@ def test_200_concurrent_requests_under_preemption_equal_colocated(
     hits = metric(cluster.prefill.base_url, "vllm:fabric_store_hit_chunks_total")
     loads = metric(cluster.decode.base_url, "vllm:fabric_loads_ok_total")
     counted = {n: fabric_counters(e) for n, e in pd_engines.items()}
+    routed = fabric_counters(cluster.proxy, "fabric_proxy_")
 
     started = time.monotonic()
     colocated = cluster.colocated.url("/v1/completions")
@@ -288,11 +289,16 @@ def test_200_concurrent_requests_under_preemption_equal_colocated(
     )
     counters = {n: moved(counted[n], fabric_counters(e)) for n, e in pd_engines.items()}
     print(f"fabric counters that moved: {counters}")
+    print(f"proxy: {moved(routed, fabric_counters(cluster.proxy, 'fabric_proxy_'))}")
     refusals = {
-        n: {k: v for k, v in stats.items() if k in ("server_refused", "server_reserves_late")}
+        n: {
+            k: v
+            for k, v in stats.items()
+            if k in ("server_refused", "server_reserves_late", "expired_reservations")
+        }
         for n, stats in cluster.store_stats().items()
     }
-    print(f"Reserves refused since the engines started: {refusals}")
+    print(f"Reserves refused, and expired, since the engines started: {refusals}")
     assert not wrong, "\n".join(wrong)
     assert exact >= NUM_REQUESTS * 3 // 4, f"{NUM_REQUESTS - exact} outputs flipped"
     assert all(preempted.values()), f"not preempted on both P and D: {preempted}"

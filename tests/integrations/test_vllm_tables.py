@@ -26,7 +26,7 @@ from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.transfer import server as server_module
 from fabric.transfer.lookup import StoreClient
-from tests.integrations.test_vllm_worker import CT, worker
+from tests.integrations.test_vllm_worker import CT, leased_pair, worker
 
 LEASE_MS = 1000
 SRC = [7, 8, 9, 10, 30, 31, 1, 2, 3, 4]
@@ -44,15 +44,7 @@ def prompt(tid: str, num_tokens: int) -> list[int]:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[FabricWorker, FabricWorker]]:
-    p = worker(produce=True, consume=False, seed=1, lease_ms=LEASE_MS)
-    d = worker(
-        produce=False,
-        consume=True,
-        seed=2,
-        lease_ms=LEASE_MS,
-        load_timeout_s=3,
-        unknown_transfer_grace_s=0.3,
-    )
+    p, d = leased_pair(LEASE_MS, load_timeout_s=3, unknown_transfer_grace_s=0.3)
     yield p, d
     p.shutdown()
     d.shutdown()

@@ -40,6 +40,12 @@ def worker(*, produce: bool, consume: bool, seed: int, **extra: object) -> Fabri
     return w
 
 
+def leased_pair(lease_ms: int, **d_extra: object) -> tuple[FabricWorker, FabricWorker]:
+    """A producer and a consumer whose leases last ``lease_ms``."""
+    p = worker(produce=True, consume=False, seed=1, lease_ms=lease_ms)
+    return p, worker(produce=False, consume=True, seed=2, lease_ms=lease_ms, **d_extra)
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[FabricWorker, FabricWorker]]:
     p = worker(produce=True, consume=False, seed=1)

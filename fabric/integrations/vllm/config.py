@@ -20,7 +20,9 @@ class ConnectorConfig:
     chunk, a multiple of vLLM's block size. ``store_mib``: the chunk pool.
     ``load_timeout_s``: how long a decoder waits for pushed KV before it
     recomputes. ``unknown_transfer_grace_s``: how long it waits for a transfer
-    it has not heard of at all. ``pack_threads``: copy threads per pack.
+    it has not heard of at all. ``waiting_hold_s``: how long it keeps a
+    transfer pushed for a request still waiting in vLLM's queue (no blocks
+    yet) alive past the transfer's lease, at most. ``pack_threads``: copy threads per pack.
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
@@ -57,6 +59,7 @@ class ConnectorConfig:
     lease_ms: int = 30_000
     load_timeout_s: float = 20.0
     unknown_transfer_grace_s: float = 2.0
+    waiting_hold_s: float = 600.0
     push_timeout_s: float = 30.0
     pack_threads: int = 1
     async_save: bool = True
@@ -94,7 +97,13 @@ class ConnectorConfig:
                 f"below lookup_timeout_ms {self.lookup_timeout_ms} (the deadline bounds a "
                 "lookup over all the steps it waits; raise it with lookup_timeout_ms)"
             )
-        for name in ("load_timeout_s", "unknown_transfer_grace_s", "push_timeout_s", "disk_gib"):
+        for name in (
+            "load_timeout_s",
+            "unknown_transfer_grace_s",
+            "waiting_hold_s",
+            "push_timeout_s",
+            "disk_gib",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be > 0")
         self._check_secret()

@@ -269,6 +269,11 @@ class FabricConnector(KVConnectorBase_V1):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @_holds_scheduler
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    @_holds_scheduler
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:

@@ -41,6 +41,8 @@ COUNTERS = {
     "answer within lookup_deadline_ms: a miss for that request, the prompt is computed",
     "lookup_backoffs": "times the scheduler stopped asking its reuse tier or the shared store "
     "for a while (a hard failure or repeated late answers; the log says why)",
+    "claims_expired": "transfers pushed for a request that waited in vLLM's queue longer "
+    "than waiting_hold_s: no longer kept alive (their lease then runs out)",
     "loads_ended": "loads given up because their request ended first (aborted while its KV "
     "was on the way): released at once, not a load failure",
     "scheduler_wait_overruns": "lookups and fetches whose ask ran more than 5 ms past the "

@@ -5,9 +5,11 @@ prefiller) and the vLLM blocks to fill. The thread unpacks every chunk as
 soon as the transfer server verified it (or at once when the store already
 held it), and reports the request finished. Every wait is bounded: a
 transfer never heard of fails after ``unknown_transfer_grace_s``, a known
-one after ``load_timeout_s``; a checksum failure or an expired lease fails
-at once. A failed load is logged, counted, and reported to vLLM, which
-recomputes the prompt (``kv_load_failure_policy: recompute``).
+one after ``load_timeout_s``; a checksum failure, an expired lease, or a
+push whose Reserve this engine refused (its store was full: no sender
+retries it, :meth:`TransferServer.refusal`) fails at once. A failed load is
+logged, counted, and reported to vLLM, which recomputes the prompt
+(``kv_load_failure_policy: recompute``).
 
 A decoder admitted at dispatch (the proxy sent it the request with the
 prefill's) waits while the prefiller still computes; the proxy says how the
@@ -57,6 +59,23 @@ a transfer whose Reserve arrives after its load ended is refused (within
 ``ABANDONED_LINGER_S`` of the end, :mod:`fabric.transfer.server`), so it
 takes no slot of the store (one that a prefiller with a backlog pushes past
 ``unknown_transfer_grace_s`` would otherwise hold its slots for its lease).
+
+A request queued in vLLM waits there, blocks not allocated, until the
+scheduler can fit it; under KV pressure that is longer than a lease, and its
+pushed transfer expired before its load began (in the sequential flow P
+pushes as soon as it computed, and D may queue a backlog). So the scheduler
+claims the transfer on the request's arrival (``on_new_request``, called by
+``Scheduler.add_request``, ``vllm/v1/core/sched/scheduler.py:2640``) and the
+worker gets a ``Claim``: while the request waits, this thread heartbeats the
+transfer's reservation (every ``HEARTBEAT_S``, whenever it exists) like a
+load's, for at most ``waiting_hold_s`` (counted as ``claims_expired``). The
+claim ends when the load starts (which takes the transfer over) or when the
+request ends first (``finished``: the transfer is released, and a Reserve
+that comes later is refused). A claim holds store slots, never vLLM blocks:
+a store full of claimed transfers refuses the next pushes for capacity (the
+prefiller drops them, the decoder computes those prompts), and drains as
+the queue does.
+
 ``table_sizes`` counts what is still tracked: 0 once every request ended.
 """
 
@@ -70,6 +89,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fabric.errors import ChecksumMismatch
+from fabric.integrations.vllm.metadata import Claim, LoadPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.kv import chunk_keys, unpack
 
@@ -77,7 +97,6 @@ if TYPE_CHECKING:
     import torch
 
     from fabric.integrations.vllm.counters import FabricCounters
-    from fabric.integrations.vllm.metadata import LoadPlan
     from fabric.kv import KVLayout
     from fabric.store import ChunkStore
     from fabric.transfer import TransferServer
@@ -136,6 +155,12 @@ class _Load:
     stepped: bool = False  # stepped once since it started (a new load always is)
 
 
+@dataclass
+class _Claimed:
+    transfer_id: str
+    at: float  # when the request arrived
+
+
 class Loader:
     """Single thread that completes LoadPlans and reports them."""
 
@@ -153,14 +178,18 @@ class Loader:
         unknown_grace_s: float,
         lease_ms: int,
         pack_threads: int,
+        waiting_hold_s: float = 600.0,
     ) -> None:
         self.server, self.store, self.layout, self.kv_caches = server, store, layout, kv_caches
         self.counters = counters
         self.chunk_tokens, self.block_size = chunk_tokens, block_size
         self.load_timeout_s, self.unknown_grace_s = load_timeout_s, unknown_grace_s
         self.lease_ms, self.pack_threads = lease_ms, pack_threads
-        self._plans: queue.Queue[LoadPlan] = queue.Queue()
+        self.waiting_hold_s = waiting_hold_s
+        self._plans: queue.Queue[LoadPlan | Claim] = queue.Queue()
         self._active: dict[str, _Load] = {}
+        self._claims: dict[str, _Claimed] = {}  # request -> the transfer it will load
+        self._claims_kept_at = 0.0
         self._lock = threading.Lock()
         self._results = threading.Condition(self._lock)  # notified when a load ends
         self._finished: set[str] = set()
@@ -174,6 +203,11 @@ class Loader:
     def submit(self, plan: LoadPlan) -> None:
         self._plans.put(plan)
         self.server.wake()
+
+    def claim(self, claim: Claim) -> None:
+        """Keep what is pushed for ``claim.transfer_id`` while its request
+        waits for blocks (see the module docstring)."""
+        self._plans.put(claim)
 
     def finished(self, req_ids: set[str]) -> None:
         """vLLM is done with these requests (``finished_req_ids``): a load
@@ -190,6 +224,7 @@ class Loader:
         return {
             "loader_plans": self._plans.qsize() + self._ended.qsize(),
             "loader_active": len(self._active),
+            "loader_claims": len(self._claims),
             "loader_finished": finished,
             "loader_failed": failed,
         }
@@ -235,6 +270,8 @@ class Loader:
         self._take_plans(block=not self._active)
         self._take_ended()  # NOTE: after the plans: a plan always comes before its end
         now = time.monotonic()
+        if self._claims and now - self._claims_kept_at >= min(HEARTBEAT_S, self.lease_ms / 4000):
+            self._keep_claims(now)
         if now - self._swept_at >= IDLE_WAIT_S:
             dirty, self._swept_at = None, now
         for load in list(self._active.values()):
@@ -280,6 +317,9 @@ class Loader:
                 return
             if rid not in self._active:
                 self._take_plans(block=False)
+            claimed = self._claims.pop(rid, None)
+            if claimed is not None:  # NOTE: ended while it waited for blocks
+                self.server.release(claimed.transfer_id)
             load = self._active.get(rid)
             if load is not None:
                 self._finish(load, ok=False, ended=True)
@@ -290,11 +330,33 @@ class Loader:
         except queue.Empty:
             return
         while True:
-            self._start(plan)
+            if isinstance(plan, Claim):
+                self._claims[plan.req_id] = _Claimed(plan.transfer_id, time.monotonic())
+            else:
+                self._claims.pop(plan.req_id, None)  # NOTE: its load holds the transfer now
+                self._start(plan)
             try:
                 plan = self._plans.get_nowait()
             except queue.Empty:
                 return
+
+    def _keep_claims(self, now: float) -> None:
+        """Heartbeat the reservation of every claimed transfer (where one
+        exists yet); give up on claims older than ``waiting_hold_s``."""
+        self._claims_kept_at = now
+        for rid, claimed in list(self._claims.items()):
+            if now - claimed.at > self.waiting_hold_s:
+                del self._claims[rid]
+                self.counters.add(claims_expired=1)
+                logger.info(
+                    "fabric: request %s waited %.0f s for blocks; its transfer %s is no "
+                    "longer kept (waiting_hold_s)",
+                    rid,
+                    now - claimed.at,
+                    claimed.transfer_id,
+                )
+                continue
+            self.store.heartbeat(claimed.transfer_id, self.lease_ms)
 
     def _start(self, plan: LoadPlan) -> None:
         """Make ``plan`` active; a plan that cannot even be mapped fails at once."""
@@ -341,6 +403,10 @@ class Loader:
             self._finish(load, ok=False, why=failed)
             return
         if prog is None or res is None:
+            refused = self.server.refusal(tid)
+            if refused is not None:  # NOTE: no sender retries a refused push
+                self._finish(load, ok=False, why=f"the push of {tid} was refused here: {refused}")
+                return
             overdue = self._overdue(load, note, now, self.unknown_grace_s)
             if overdue:
                 why = (

@@ -69,6 +69,16 @@ class LoadPlan:
 
 
 @dataclass
+class Claim:
+    """Decoder: request ``req_id`` arrived (vLLM queued it) and will load
+    ``transfer_id``; keep what is pushed for it until its load starts or the
+    request ends (see :class:`~fabric.integrations.vllm.loader.Loader`)."""
+
+    req_id: str
+    transfer_id: str
+
+
+@dataclass
 class LocalLoad:
     """Reuse tier: unpack the first ``num_chunks`` chunks the worker's store
     holds for ``req_id`` (a Lookup with hold) into ``block_ids``, before this
@@ -91,6 +101,7 @@ class FabricMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     local_loads: list[LocalLoad] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # holds never loaded
+    claims: list[Claim] = field(default_factory=list)
     # NOTE: the step schedules no token: vLLM runs no forward, only the connector
     # (kv_connector_no_forward), and loops at once (see FabricWorker.get_results)
     idle: bool = False

@@ -75,7 +75,7 @@ Per-request tables and when they are pruned (vLLM 0.32,
         (``_attempted``), and ends through request_finished like any other.
         ``_hits`` and ``_receiving`` are also dropped once vLLM allocated
         the request (update_state_after_alloc).
-    _loads, _local_loads, _releases
+    _loads, _local_loads, _releases, _claims
         drained by every build_connector_meta (once per schedule(), :1529).
         After a request ends vLLM runs one more schedule() to tell the
         workers (has_finished_requests, :2813), which drains what its end
@@ -108,6 +108,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.identity import request_identity
 from fabric.integrations.vllm.metadata import (
+    Claim,
     FabricMetadata,
     LoadPlan,
     LocalLoad,
@@ -280,6 +281,7 @@ class FabricScheduler:
         self._identities: dict[str, KeyIdentity | None] = {}
         self._local_loads: list[LocalLoad] = []
         self._releases: list[str] = []
+        self._claims: list[Claim] = []
         # NOTE: a request waiting for blocks asks again every step; its hit is
         # looked up once and refreshed only before the hold's lease could end.
         self._hit_refresh_s = config.lease_ms / 2000
@@ -496,6 +498,17 @@ class FabricScheduler:
         )
         return num_tokens - num_computed_tokens, True
 
+    def on_new_request(self, request: RequestLike) -> None:
+        """A request vLLM just queued (``Scheduler.add_request``,
+        ``vllm/v1/core/sched/scheduler.py:2640``, before it is ever
+        scheduled): a decoder claims its transfer, so what is pushed for it
+        is kept while it waits for blocks (see
+        :class:`~fabric.integrations.vllm.loader.Loader`)."""
+        params = request.kv_transfer_params or {}
+        transfer_id = params.get("transfer_id")
+        if self.consume and params.get("do_remote_prefill") and isinstance(transfer_id, str):
+            self._claims.append(Claim(request.request_id, transfer_id))
+
     def _refuse_params(self, params: dict[str, Any], num_tokens: int) -> str:
         """Why P's ``kv_transfer_params`` cannot describe this prompt ("" if they can).
 
@@ -606,9 +619,10 @@ class FabricScheduler:
             loads=self._loads,
             local_loads=self._local_loads,
             releases=self._releases,
+            claims=self._claims,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._loads, self._local_loads, self._releases = [], [], []
+        self._loads, self._local_loads, self._releases, self._claims = [], [], [], []
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             send = self._sending.get(new.req_id)
@@ -673,6 +687,7 @@ class FabricScheduler:
             "scheduler_identities": len(self._identities),
             "scheduler_local_loads": len(self._local_loads),
             "scheduler_releases": len(self._releases),
+            "scheduler_claims": len(self._claims),
         }
 
     def report_tables(self) -> None:
@@ -683,6 +698,8 @@ class FabricScheduler:
     def request_finished(self, request: RequestLike) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` for the response (prefiller), or None."""
         rid = request.request_id
+        # NOTE: a claim not yet shipped (it ended in the step it came): none
+        self._claims = [claim for claim in self._claims if claim.req_id != rid]
         self._receiving.pop(rid, None)
         self._attempted.discard(rid)
         self._identities.pop(rid, None)

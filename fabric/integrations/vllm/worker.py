@@ -276,6 +276,7 @@ class FabricWorker:
                 unknown_grace_s=self.config.unknown_transfer_grace_s,
                 lease_ms=self.config.lease_ms,
                 pack_threads=self.config.pack_threads,
+                waiting_hold_s=self.config.waiting_hold_s,
             )
 
         if self.node.server is not None:
@@ -393,10 +394,13 @@ class FabricWorker:
                 self.tier.release_hold(rid)
         for local in meta.local_loads:
             self._load_local(local)
-        for plan in meta.loads:
+        if meta.claims or meta.loads:
             if self.loader is None:
                 raise ConfigError("a LoadPlan reached a worker that does not consume KV")
-            self.loader.submit(plan)
+            for claim in meta.claims:  # NOTE: before the loads: a claim comes first
+                self.loader.claim(claim)
+            for plan in meta.loads:
+                self.loader.submit(plan)
 
     def _load_local(self, load: LocalLoad) -> None:
         """Unpack the chunks the scheduler held for a request (before the forward).
