@@ -620,8 +620,11 @@ class TransferServer:
         """Refuse ``msg``; a load waiting for its transfer is told at once."""
         self.stats.refused += 1
         with self._cond:
-            _remember(self._refusals, msg.request_id, (time.monotonic(), f"{code}: {reason}"))
-            self._notify(msg.request_id)
+            # NOTE: not for a transfer with a reservation (a duplicate Reserve): its load goes on
+            if msg.request_id not in self._progress:
+                refused = (time.monotonic(), f"{code}: {reason}")
+                _remember(self._refusals, msg.request_id, refused)
+                self._notify(msg.request_id)
         return proto.Refused(msg.seq, msg.request_id, code, reason)
 
     def _refuse_late(self, msg: proto.Reserve) -> proto.Refused:

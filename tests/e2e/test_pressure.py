@@ -252,8 +252,9 @@ def test_200_concurrent_requests_under_preemption_equal_colocated(
     cluster: PressureCluster,
 ) -> None:
     """Outputs equal the colocated engine's up to near-tie flips (the batches
-    differ), most exactly; P and D both preempted; P's reuse tier hit; no
-    chunk found corrupt; nothing left reserved, held or quarantined."""
+    differ), most exactly; P and D both preempted; P's reuse tier hit; KV
+    arrived, and nothing pushed to D expired there unloaded; no chunk found
+    corrupt; nothing left reserved, held or quarantined."""
     requests = workload(seed=7)
     pd_engines = {"prefill": cluster.prefill, "decode": cluster.decode}
     before = {n: metric(e.base_url, "vllm:num_preemptions_total") for n, e in pd_engines.items()}
@@ -304,6 +305,10 @@ def test_200_concurrent_requests_under_preemption_equal_colocated(
     assert all(preempted.values()), f"not preempted on both P and D: {preempted}"
     assert hits > 0, "the reuse tier never hit"
     assert loads > 0, f"no KV arrived over the fabric: {counters}, {refusals}"
+    # NOTE: what P pushed waits for its request however long the request
+    # queues (claims); before them, most pushes expired on D unloaded
+    # (8 and 0 of 140 loads arrived in two runs)
+    assert refusals["decode"]["expired_reservations"] == 0, refusals
     for name, engine in pd_engines.items():
         assert has_metric(engine, "vllm:fabric_corrupt_chunks_total"), name
         assert metric(engine.base_url, "vllm:fabric_corrupt_chunks_total") == 0, name

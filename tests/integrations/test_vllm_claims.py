@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,11 +24,14 @@ import torch
 
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import Claim, FabricMetadata, LoadPlan, SaveChunk, SendPlan
-from fabric.integrations.vllm.scheduler import FabricScheduler, chunk_block_counts
+from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.transfer import server as server_module
 
 from . import test_vllm_tables
 from .test_vllm_early_load import DST, SRC, load, push, results_now
+from .test_vllm_scheduler import Out, Req
+from .test_vllm_scheduler_liveness import scheduler_connector
 from .test_vllm_worker import leased_pair, tokens, wait_results
 
 LEASE_MS = test_vllm_tables.LEASE_MS
@@ -122,6 +126,7 @@ def test_a_request_that_ends_while_it_waits_lets_its_transfer_go(
         assert time.monotonic() < deadline, (server.table_sizes(), d.table_sizes())
         time.sleep(0.01)
     assert server.table_sizes()["store_referenced_slots"] == 0
+    assert d.store.stats().expired_reservations == 0  # NOTE: released, not run out
     push(p, d.node.endpoint, "t-never")
     while not server.snapshot()["server_reserves_late"]:
         assert time.monotonic() < deadline, "the late Reserve was not refused"
@@ -130,50 +135,124 @@ def test_a_request_that_ends_while_it_waits_lets_its_transfer_go(
 
 
 def test_a_claim_is_kept_no_longer_than_waiting_hold_s() -> None:
-    p, d = leased_pair(LEASE_MS, unknown_transfer_grace_s=0.3, waiting_hold_s=0.5)
+    """A hold of 2.5 leases: the transfer outlives its lease while the claim
+    holds, then runs out once the hold ended (not released: the request may
+    still come, and load what is left)."""
+    p, d = leased_pair(LEASE_MS, unknown_transfer_grace_s=0.3, waiting_hold_s=2.5)
     try:
         assert d.node is not None and d.node.server is not None
         claim(d, "t-old")
         push(p, d.node.endpoint, "t-old")
         wait_pushed(d, "t-old")
+        claimed_at = time.monotonic()
+        step_idle(d, 2.0)  # NOTE: past the 1 s lease
+        assert d.node.server.table_sizes()["store_leases"] == 1
         deadline = time.monotonic() + 10
         while d.node.server.table_sizes()["store_leases"]:
             assert time.monotonic() < deadline, "the claim held the transfer past its bound"
             time.sleep(0.05)
+        assert time.monotonic() - claimed_at >= 2.0
         assert d.counters.take()["claims_expired"] == 1
         assert d.table_sizes()["loader_claims"] == 0
+        assert d.store.stats().expired_reservations == 1
     finally:
         p.shutdown()
         d.shutdown()
 
 
-def request(rid: str, params: dict[str, object] | None) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens(150), kv_transfer_params=params)
+def test_a_claim_does_not_keep_a_push_that_never_completes(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """A Reserve, then no chunk and no heartbeat (its prefiller died
+    mid-prefill): the claim keeps only complete pushes, so the reservation
+    runs out with its lease, as without a claim."""
+    p, d = pair
+    assert d.node is not None and d.node.server is not None
+    claim(d, "t-dead")
+    assert p.sender is not None
+    link = p.sender.client.connect(d.node.endpoint)
+    nbytes = d.store.pool.slot_bytes
+    link.reserve("t-dead", [bytes([i]) * 16 for i in range(3)], [nbytes] * 3, LEASE_MS)
+    assert d.node.server.progress("t-dead") is not None
+    deadline = time.monotonic() + 10
+    while d.node.server.table_sizes()["store_leases"]:
+        assert time.monotonic() < deadline, "the claim kept an incomplete push alive"
+        time.sleep(0.05)
+    assert d.table_sizes()["loader_claims"] == 1  # NOTE: the request still waits
 
 
-def test_the_scheduler_claims_a_decoders_transfer_on_arrival() -> None:
-    """vLLM calls ``on_new_request`` in ``add_request``; the claim rides the
-    next metadata; a request that ends before that step ships none; a
-    prefiller, or a request without a remote prefill, claims nothing."""
-    config = ConnectorConfig.from_extra({"chunk_tokens": 64})
-    sched = FabricScheduler(config, 16, produce=False, consume=True)
+def test_a_claimed_request_allocated_without_a_load_releases_its_transfer(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """vLLM allocated it but loads nothing (refused params, a full local
+    hit): the scheduler ships an unclaim, and the transfer goes at once,
+    released rather than held until the request ends."""
+    p, d = pair
+    assert d.node is not None and d.node.server is not None
+    claim(d, "t-unused")
+    push(p, d.node.endpoint, "t-unused")
+    wait_pushed(d, "t-unused")
+    d.start_load(FabricMetadata(unclaims=["d-req"]))
+    deadline = time.monotonic() + 10
+    while d.node.server.table_sizes()["store_leases"] or d.table_sizes()["loader_claims"]:
+        assert time.monotonic() < deadline, "the unclaimed transfer is still held"
+        time.sleep(0.01)
+    assert d.store.stats().expired_reservations == 0
+
+
+def test_a_claim_and_its_load_in_one_step_load(pair: tuple[FabricWorker, FabricWorker]) -> None:
+    """A request scheduled in the step after its arrival: both come in one
+    metadata (claims first); the load takes the transfer over."""
+    p, d = pair
+    assert d.node is not None
+    push(p, d.node.endpoint, "t-now")
+    plan = LoadPlan("d-req", "t-now", 0, DST, 150, tokens(150))
+    d.start_load(FabricMetadata(claims=[Claim("d-req", "t-now")], loads=[plan]))
+    assert wait_results(d) == ({"d-req"}, set())
+    assert d.table_sizes()["loader_claims"] == 0
+
+
+def test_vllm_calls_on_new_request_for_each_request_it_queues() -> None:
+    """The contract claims rest on (vLLM 0.32): ``Scheduler.add_request``
+    calls the connector's ``on_new_request`` for a new request, and the
+    FabricConnector overrides the base's no-op."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from fabric.integrations.vllm.connector import FabricConnector
+
+    assert "self.connector.on_new_request(request)" in inspect.getsource(Scheduler.add_request)
+    assert FabricConnector.on_new_request is not KVConnectorBase_V1.on_new_request
+
+
+def test_the_scheduler_claims_a_decoders_transfer_on_arrival(tmp_path: Path) -> None:
+    """Through the connector's hook: the claim rides the next metadata; a
+    request that ends before that step ships none; one without a remote
+    prefill claims nothing; a claimed request allocated without a load
+    ships an unclaim, one that loads does not."""
+    c = scheduler_connector(tmp_path)
     remote = {"do_remote_prefill": True, "transfer_id": "t1"}
-    sched.on_new_request(request("r1", remote))
-    sched.on_new_request(request("r2", remote | {"transfer_id": "t2"}))
-    sched.on_new_request(request("r3", None))
-    sched.request_finished(request("r2", remote))
-    assert sched.table_sizes()["scheduler_claims"] == 1
-    out = SimpleNamespace(
-        total_num_scheduled_tokens=0,
-        num_scheduled_tokens={},
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
-    )
-    assert sched.build_connector_meta(out).claims == [Claim("r1", "t1")]
-    assert sched.build_connector_meta(out).claims == []
-    producer = FabricScheduler(config, 16, produce=True, consume=False)
-    producer.on_new_request(request("r1", remote))
-    assert producer.build_connector_meta(out).claims == []
+    c.on_new_request(Req("r1", tokens(150), remote))
+    c.on_new_request(Req("r2", tokens(150), remote | {"transfer_id": "t2"}))
+    c.on_new_request(Req("r3", tokens(150), None))
+    c.request_finished(Req("r2", tokens(150), remote), [])
+    assert c._scheduler.table_sizes()["scheduler_claims"] == 1
+    meta = c.build_connector_meta(Out())
+    assert (meta.claims, meta.unclaims) == ([Claim("r1", "t1")], [])
+    assert c.build_connector_meta(Out()).claims == []
+    refused = Req("r4", tokens(150), remote | {"transfer_id": "t4", "num_tokens": 99})
+    c.on_new_request(refused)
+    assert c.get_num_new_matched_tokens(refused, 0) == (0, False)  # NOTE: P pushed 99 tokens
+    c.update_state_after_alloc(refused, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([*range(10)],))
+    loading = Req("r1", tokens(150), remote)
+    assert c.get_num_new_matched_tokens(loading, 0) == (150, True)
+    c.update_state_after_alloc(loading, blocks, 150)
+    meta = c.build_connector_meta(Out())
+    assert meta.claims == [Claim("r4", "t4")] and meta.unclaims == ["r4"]
+    assert [plan.req_id for plan in meta.loads] == ["r1"]
 
 
 def test_waiting_hold_s_must_be_positive() -> None:
@@ -183,22 +262,27 @@ def test_waiting_hold_s_must_be_positive() -> None:
         ConnectorConfig.from_extra({"waiting_hold_s": 0})
 
 
+@pytest.mark.parametrize("planned", ["before", "after"])
 def test_a_load_whose_push_this_store_refused_fails_at_once(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, planned: str
 ) -> None:
     """D's store (3 slots) is full of a claimed transfer whose request still
-    waits; the next push is refused for capacity. Its load, already waiting
-    (grace 60 s), fails at once: no sender retries a refused push. The old
-    loader waited out its grace holding the request's blocks."""
+    waits; the next push is refused for capacity. Its load fails at once (no
+    sender retries a refused push): one already waiting (grace 60 s), and
+    one planned after the server forgot the refusal (its request waited in
+    the queue past ``REFUSED_LINGER_S``; the claim kept the refusal). The
+    old loader waited out its grace holding the request's blocks."""
     p, d = leased_pair(LEASE_MS, store_slots=3, load_timeout_s=60, unknown_transfer_grace_s=60)
     try:
         assert d.node is not None and d.node.server is not None
+        server = d.node.server
         claim(d, "t-first", rid="r-first")
         push(p, d.node.endpoint, "t-first")  # NOTE: 3 chunks: every slot
         wait_pushed(d, "t-first")
         other = list(range(1000, 1150))
         plan = LoadPlan("d-req", "t-full", 0, DST, 150, other)
-        d.start_load(FabricMetadata(claims=[Claim("d-req", "t-full")], loads=[plan]))
+        claims = [Claim("d-req", "t-full")]
+        d.start_load(FabricMetadata(claims=claims, loads=[plan] if planned == "before" else []))
         caplog.set_level(logging.WARNING)
         counts = chunk_block_counts(150, 64, 16)
         saves, start = [], 0
@@ -207,10 +291,22 @@ def test_a_load_whose_push_this_store_refused_fails_at_once(
             start += n
         sends = [SendPlan("p-full", "t-full", d.node.endpoint, other, counts)]
         p.save(FabricMetadata(sends=sends, saves=saves))
+        if planned == "after":
+            deadline = time.monotonic() + 10
+            while server.refusal("t-full") is None:
+                assert time.monotonic() < deadline, "the push was never refused"
+                time.sleep(0.01)
+            step_idle(d, 2.0)  # NOTE: the claim looks at least once a second
+            monkeypatch.setattr(server_module, "REFUSED_LINGER_S", 0.0)
+            while server.table_sizes()["server_refusals"]:
+                assert time.monotonic() < deadline + 10, "the refusal is never forgotten"
+                time.sleep(0.05)
+            d.start_load(FabricMetadata(loads=[plan]))
         assert wait_results(d, timeout=5) == ({"d-req"}, {"d-req"})
         assert "the push of t-full was refused here: capacity" in caplog.text
-        assert d.node.server.refusal("t-full") is None  # NOTE: its load released it
-        assert d.node.server.table_sizes()["server_refusals"] == 0
+        assert server.refusal("t-full") is None  # NOTE: its load released it
+        assert server.table_sizes()["server_refusals"] == 0
+        assert d.table_sizes()["loader_claims"] == 1  # r-first still waits
     finally:
         p.shutdown()
         d.shutdown()

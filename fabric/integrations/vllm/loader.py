@@ -67,11 +67,14 @@ pushes as soon as it computed, and D may queue a backlog). So the scheduler
 claims the transfer on the request's arrival (``on_new_request``, called by
 ``Scheduler.add_request``, ``vllm/v1/core/sched/scheduler.py:2640``) and the
 worker gets a ``Claim``: while the request waits, this thread heartbeats the
-transfer's reservation (every ``HEARTBEAT_S``, whenever it exists) like a
-load's, for at most ``waiting_hold_s`` (counted as ``claims_expired``). The
-claim ends when the load starts (which takes the transfer over) or when the
-request ends first (``finished``: the transfer is released, and a Reserve
-that comes later is refused). A claim holds store slots, never vLLM blocks:
+transfer's reservation (every ``HEARTBEAT_S``) like a load's once the push
+landed complete and verified (a push in flight its sender heartbeats; one
+whose sender died or whose chunk failed ends with its lease), for at most
+``waiting_hold_s`` (counted as ``claims_expired``). The claim ends when the
+load starts (which takes the transfer over), when vLLM allocates the
+request without a load (refused params, a full local hit: ``unclaims``,
+released), or when the request ends first (``finished``: released, and a
+Reserve that comes later is refused). A claim holds store slots, never vLLM blocks:
 a store full of claimed transfers refuses the next pushes for capacity (the
 prefiller drops them, the decoder computes those prompts), and drains as
 the queue does.
@@ -153,12 +156,19 @@ class _Load:
     done: set[int] = field(default_factory=set)
     beat_at: float = 0.0  # when it last extended its reservation's lease
     stepped: bool = False  # stepped once since it started (a new load always is)
+    refused: str | None = None  # why its push was refused, seen while it was claimed
 
 
 @dataclass
 class _Claimed:
     transfer_id: str
-    at: float  # when the request arrived
+    at: float  # when this thread took the claim (a step after the request arrived)
+    refused: str | None = None  # why its Reserve was refused here (kept for its load)
+
+
+@dataclass(frozen=True)
+class _Unclaim:
+    req_id: str
 
 
 class Loader:
@@ -186,7 +196,7 @@ class Loader:
         self.load_timeout_s, self.unknown_grace_s = load_timeout_s, unknown_grace_s
         self.lease_ms, self.pack_threads = lease_ms, pack_threads
         self.waiting_hold_s = waiting_hold_s
-        self._plans: queue.Queue[LoadPlan | Claim] = queue.Queue()
+        self._plans: queue.Queue[LoadPlan | Claim | _Unclaim] = queue.Queue()
         self._active: dict[str, _Load] = {}
         self._claims: dict[str, _Claimed] = {}  # request -> the transfer it will load
         self._claims_kept_at = 0.0
@@ -208,6 +218,11 @@ class Loader:
         """Keep what is pushed for ``claim.transfer_id`` while its request
         waits for blocks (see the module docstring)."""
         self._plans.put(claim)
+
+    def unclaim(self, req_id: str) -> None:
+        """vLLM allocated ``req_id`` without a load: release its claimed
+        transfer (nothing when its claim already ended)."""
+        self._plans.put(_Unclaim(req_id))
 
     def finished(self, req_ids: set[str]) -> None:
         """vLLM is done with these requests (``finished_req_ids``): a load
@@ -324,25 +339,35 @@ class Loader:
             if load is not None:
                 self._finish(load, ok=False, ended=True)
 
+    def _take(self, plan: LoadPlan | Claim | _Unclaim) -> None:
+        if isinstance(plan, Claim):
+            self._claims[plan.req_id] = _Claimed(plan.transfer_id, time.monotonic())
+            return
+        # NOTE: a load holds the transfer now (and learns a refusal seen meanwhile)
+        claimed = self._claims.pop(plan.req_id, None)
+        if isinstance(plan, _Unclaim):
+            if claimed is not None:
+                self.server.release(claimed.transfer_id)
+            return
+        self._start(plan, None if claimed is None else claimed.refused)
+
     def _take_plans(self, *, block: bool) -> None:
         try:
             plan = self._plans.get(timeout=0.05) if block else self._plans.get_nowait()
         except queue.Empty:
             return
         while True:
-            if isinstance(plan, Claim):
-                self._claims[plan.req_id] = _Claimed(plan.transfer_id, time.monotonic())
-            else:
-                self._claims.pop(plan.req_id, None)  # NOTE: its load holds the transfer now
-                self._start(plan)
+            self._take(plan)
             try:
                 plan = self._plans.get_nowait()
             except queue.Empty:
                 return
 
     def _keep_claims(self, now: float) -> None:
-        """Heartbeat the reservation of every claimed transfer (where one
-        exists yet); give up on claims older than ``waiting_hold_s``."""
+        """Heartbeat the reservation of every claimed transfer that landed
+        complete and verified; note a refusal of its Reserve for its load (the
+        request may wait longer than the server remembers refusals); give up
+        on claims older than ``waiting_hold_s``."""
         self._claims_kept_at = now
         for rid, claimed in list(self._claims.items()):
             if now - claimed.at > self.waiting_hold_s:
@@ -356,9 +381,17 @@ class Loader:
                     claimed.transfer_id,
                 )
                 continue
-            self.store.heartbeat(claimed.transfer_id, self.lease_ms)
+            tid = claimed.transfer_id
+            prog = self.server.progress(tid)
+            if prog is None:
+                # NOTE: the request may wait longer than the server remembers
+                claimed.refused = claimed.refused or self.server.refusal(tid)
+            elif prog.complete and not (prog.failed or prog.expired):
+                # NOTE: only a complete push: one in flight its sender heartbeats
+                # itself, one whose sender died or that failed ends with its lease
+                self.store.heartbeat(tid, self.lease_ms)
 
-    def _start(self, plan: LoadPlan) -> None:
+    def _start(self, plan: LoadPlan, refused: str | None = None) -> None:
         """Make ``plan`` active; a plan that cannot even be mapped fails at once."""
         try:
             keys = chunk_keys(
@@ -368,6 +401,7 @@ class Loader:
                 identity=plan.identity,
             )
             load = _Load(plan, time.monotonic(), self._chunk_map(plan), tuple(keys))
+            load.refused = refused
         except Exception as exc:
             self.counters.add(thread_errors=1)
             logger.exception("fabric load thread: cannot start the load of %s", plan.req_id)
@@ -403,7 +437,7 @@ class Loader:
             self._finish(load, ok=False, why=failed)
             return
         if prog is None or res is None:
-            refused = self.server.refusal(tid)
+            refused = load.refused or self.server.refusal(tid)
             if refused is not None:  # NOTE: no sender retries a refused push
                 self._finish(load, ok=False, why=f"the push of {tid} was refused here: {refused}")
                 return

@@ -102,6 +102,9 @@ class FabricMetadata(KVConnectorMetadata):
     local_loads: list[LocalLoad] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # holds never loaded
     claims: list[Claim] = field(default_factory=list)
+    # NOTE: claimed requests vLLM allocated without a load (refused params, a
+    # full local hit): their transfer is released
+    unclaims: list[str] = field(default_factory=list)
     # NOTE: the step schedules no token: vLLM runs no forward, only the connector
     # (kv_connector_no_forward), and loops at once (see FabricWorker.get_results)
     idle: bool = False

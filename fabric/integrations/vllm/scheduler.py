@@ -64,7 +64,7 @@ so no hold waits for its lease.
 Per-request tables and when they are pruned (vLLM 0.32,
 ``vllm/v1/core/sched/scheduler.py``):
 
-    _sending, _receiving, _attempted, _hits, _identities
+    _sending, _receiving, _attempted, _hits, _identities, _claimed
         request_finished. vLLM calls it for every request that ends, however:
         finished (update_from_output -> _free_request, :2230), aborted or
         client gone, running or still waiting without blocks
@@ -75,7 +75,7 @@ Per-request tables and when they are pruned (vLLM 0.32,
         (``_attempted``), and ends through request_finished like any other.
         ``_hits`` and ``_receiving`` are also dropped once vLLM allocated
         the request (update_state_after_alloc).
-    _loads, _local_loads, _releases, _claims
+    _loads, _local_loads, _releases, _claims, _unclaims
         drained by every build_connector_meta (once per schedule(), :1529).
         After a request ends vLLM runs one more schedule() to tell the
         workers (has_finished_requests, :2813), which drains what its end
@@ -282,6 +282,8 @@ class FabricScheduler:
         self._local_loads: list[LocalLoad] = []
         self._releases: list[str] = []
         self._claims: list[Claim] = []
+        self._unclaims: list[str] = []
+        self._claimed: set[str] = set()  # claimed requests vLLM has not allocated yet
         # NOTE: a request waiting for blocks asks again every step; its hit is
         # looked up once and refreshed only before the hold's lease could end.
         self._hit_refresh_s = config.lease_ms / 2000
@@ -508,6 +510,7 @@ class FabricScheduler:
         transfer_id = params.get("transfer_id")
         if self.consume and params.get("do_remote_prefill") and isinstance(transfer_id, str):
             self._claims.append(Claim(request.request_id, transfer_id))
+            self._claimed.add(request.request_id)
 
     def _refuse_params(self, params: dict[str, Any], num_tokens: int) -> str:
         """Why P's ``kv_transfer_params`` cannot describe this prompt ("" if they can).
@@ -552,7 +555,16 @@ class FabricScheduler:
             else:
                 self._release(rid)
         recv = self._receiving.pop(rid, None)
-        if recv is not None and num_external_tokens > 0:
+        loads = recv is not None and num_external_tokens > 0
+        if rid in self._claimed:
+            self._claimed.discard(rid)
+            if not loads:
+                # NOTE: vLLM calls this for every request it allocates (scheduler.py:1289):
+                # one that loads nothing (refused params, a full local hit) lets its
+                # claimed transfer go now, not when the request ends
+                self._unclaims.append(rid)
+        if loads:
+            assert recv is not None
             self._attempted.add(rid)
             first = recv.num_local_tokens // self.block_size
             last = -(-(recv.num_local_tokens + num_external_tokens) // self.block_size)
@@ -620,9 +632,11 @@ class FabricScheduler:
             local_loads=self._local_loads,
             releases=self._releases,
             claims=self._claims,
+            unclaims=self._unclaims,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._loads, self._local_loads, self._releases, self._claims = [], [], [], []
+        self._loads, self._local_loads, self._releases = [], [], []
+        self._claims, self._unclaims = [], []
         num_scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             send = self._sending.get(new.req_id)
@@ -688,6 +702,8 @@ class FabricScheduler:
             "scheduler_local_loads": len(self._local_loads),
             "scheduler_releases": len(self._releases),
             "scheduler_claims": len(self._claims),
+            "scheduler_unclaims": len(self._unclaims),
+            "scheduler_claimed": len(self._claimed),
         }
 
     def report_tables(self) -> None:
@@ -700,6 +716,7 @@ class FabricScheduler:
         rid = request.request_id
         # NOTE: a claim not yet shipped (it ended in the step it came): none
         self._claims = [claim for claim in self._claims if claim.req_id != rid]
+        self._claimed.discard(rid)
         self._receiving.pop(rid, None)
         self._attempted.discard(rid)
         self._identities.pop(rid, None)

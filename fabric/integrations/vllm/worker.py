@@ -394,11 +394,13 @@ class FabricWorker:
                 self.tier.release_hold(rid)
         for local in meta.local_loads:
             self._load_local(local)
-        if meta.claims or meta.loads:
+        if meta.claims or meta.unclaims or meta.loads:
             if self.loader is None:
                 raise ConfigError("a LoadPlan reached a worker that does not consume KV")
             for claim in meta.claims:  # NOTE: before the loads: a claim comes first
                 self.loader.claim(claim)
+            for rid in meta.unclaims:
+                self.loader.unclaim(rid)
             for plan in meta.loads:
                 self.loader.submit(plan)
 
