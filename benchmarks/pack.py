@@ -8,9 +8,18 @@ each rep packs the prompt as 256-token chunks into a contiguous store buffer
 baseline is ``dst.copy_(src)`` of two contiguous uint8 tensors of the same
 size, at torch's default thread count.
 
-Run: ``python benchmarks/pack.py``. Prints a table, writes
+A prefiller packs each chunk and checksums it for the store: ``pack`` then
+an xxh3-64 pass over the slot ("separate", what fabric did before), or
+``pack_checksummed`` ("fused": each piece's source hashed as the copy reads
+it, one thread). Both are timed alternately per rep; the summary gives the
+median of the per-rep time ratios fused/separate with a bootstrap 90%
+interval.
+
+Run: ``python benchmarks/pack.py`` (``--checksum`` for the fused-checksum
+comparison alone). Prints a table, writes
 ``benchmarks/results/pack-<date>.json``, and ends with one JSON line holding
-the worst layout's pack/unpack to memcpy ratios (default backend and threads).
+the worst layout's pack/unpack to memcpy ratios (default backend and
+threads) and the fused checksum's time ratio.
 """
 
 from __future__ import annotations
@@ -30,8 +39,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
-from fabric.kv import KVLayout, LayoutKind, backend, pack, unpack
+from fabric.kv import KVLayout, LayoutKind, backend, pack, pack_checksummed, unpack
 from fabric.kv.pack import DEFAULT_NUM_THREADS, Backend
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -82,6 +92,45 @@ def pack_all(setup: Setup, use: Backend, threads: int) -> None:
 def unpack_all(setup: Setup, use: Backend, threads: int) -> None:
     for i, ids in enumerate(setup.chunks):
         unpack(setup.slot(i), setup.caches, setup.layout, ids, backend=use, num_threads=threads)
+
+
+def pack_hashed_all(setup: Setup, fused: bool) -> None:
+    """Pack every chunk and checksum it, as the worker does for its store."""
+    for i, ids in enumerate(setup.chunks):
+        slot = setup.slot(i)
+        if fused:
+            pack_checksummed(setup.caches, setup.layout, ids, slot)
+        else:
+            nbytes = pack(setup.caches, setup.layout, ids, slot, backend="c", num_threads=1)
+            xxhash.xxh3_64_intdigest(slot[:nbytes].numpy())
+
+
+def measure_checksum(setup: Setup, reps: int = 3 * REPS) -> dict[str, Any]:
+    """Fused against separate pack+checksum, alternately; per-rep time ratios."""
+    fused, separate = (functools.partial(pack_hashed_all, setup, f) for f in (True, False))
+    fused()
+    separate()
+    ratios, times = [], {"fused": [], "separate": []}  # type: ignore[var-annotated]
+    for rep in range(reps):
+        order = [("fused", fused), ("separate", separate)][:: 1 if rep % 2 else -1]
+        took = {}
+        for name, fn in order:
+            start = time.perf_counter()
+            fn()
+            took[name] = time.perf_counter() - start
+            times[name].append(took[name])
+        ratios.append(took["fused"] / took["separate"])
+    rng = np.random.default_rng(0)
+    boot = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
+    return {
+        "layout": setup.name,
+        "op": "pack+checksum",
+        "reps": reps,
+        "fused_gbps": round(setup.nbytes / statistics.median(times["fused"]) / 1e9, 2),
+        "separate_gbps": round(setup.nbytes / statistics.median(times["separate"]) / 1e9, 2),
+        "time_ratio_fused_over_separate": round(statistics.median(ratios), 3),
+        "ratio_interval_90": [round(float(q), 3) for q in np.quantile(boot, [0.05, 0.95])],
+    }
 
 
 def paired_gbps(
@@ -170,19 +219,34 @@ def worst_ratio(rows: list[dict[str, Any]], op: str) -> float:
 
 
 def main() -> None:
+    checksum_only = "--checksum" in sys.argv[1:]
     info = machine()
     print(f"machine: {json.dumps(info)}")
     rows: list[dict[str, Any]] = []
+    fused: list[dict[str, Any]] = []
     for name, kind, block_size in (("cpu", LayoutKind.CPU, 128), ("flash", LayoutKind.FLASH, 16)):
-        rows += measure(build(name, kind, block_size))  # one pool alive at a time
-    print_table(rows)
-    summary = {
-        "pack_vs_memcpy": worst_ratio(rows, "pack"),
-        "unpack_vs_memcpy": worst_ratio(rows, "unpack"),
-    }
+        setup = build(name, kind, block_size)  # one pool alive at a time
+        if not checksum_only:
+            rows += measure(setup)
+        if backend() == "c":
+            fused.append(measure_checksum(setup))
+            print(json.dumps(fused[-1]))
+    summary: dict[str, Any] = {}
+    if rows:
+        print_table(rows)
+        summary["pack_vs_memcpy"] = worst_ratio(rows, "pack")
+        summary["unpack_vs_memcpy"] = worst_ratio(rows, "unpack")
+    if fused:
+        worst = max(fused, key=lambda r: r["time_ratio_fused_over_separate"])
+        summary["pack_checksum_fused_over_separate_max"] = worst["time_ratio_fused_over_separate"]
+        summary["pack_checksum_fused_over_separate_hi"] = max(
+            r["ratio_interval_90"][1] for r in fused
+        )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / f"pack-{datetime.date.today().isoformat()}.json"
-    out.write_text(json.dumps({"machine": info, "rows": rows, "summary": summary}, indent=2) + "\n")
+    stem = "pack-checksum" if checksum_only else "pack"
+    out = RESULTS_DIR / f"{stem}-{datetime.date.today().isoformat()}.json"
+    record = {"machine": info, "rows": rows, "checksum": fused, "summary": summary}
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
     print(json.dumps(summary))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fabric.kv.keys import chunk_keys, num_chunks, num_full_chunks
 from fabric.kv.layout import KVLayout, LayoutKind
-from fabric.kv.pack import backend, pack, unpack
+from fabric.kv.pack import backend, pack, pack_checksummed, unpack
 
 __all__ = [
     "KVLayout",
@@ -20,5 +20,6 @@ __all__ = [
     "num_chunks",
     "num_full_chunks",
     "pack",
+    "pack_checksummed",
     "unpack",
 ]

@@ -75,13 +75,16 @@ def step(
 def test_chunks_are_packed_before_the_next_forward_rewrites_freed_blocks(
     connector: FabricConnector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_pack = worker_module.pack
+    def slowed(real: Callable[..., Any]) -> Callable[..., Any]:
+        def slow_pack(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.3)  # NOTE: a busy pack thread: the next step comes first
+            return real(*args, **kwargs)
 
-    def slow_pack(*args: Any, **kwargs: Any) -> int:
-        time.sleep(0.3)  # NOTE: a busy pack thread: the next step comes first
-        return real_pack(*args, **kwargs)
+        return slow_pack
 
-    monkeypatch.setattr(worker_module, "pack", slow_pack)
+    # NOTE: one pack thread packs with pack_checksummed, more with pack
+    for name in ("pack", "pack_checksummed"):
+        monkeypatch.setattr(worker_module, name, slowed(getattr(worker_module, name)))
     worker = connector._worker
     assert worker is not None and worker._saver is not None
     src = list(range(0, 4 * CB))

@@ -7,7 +7,8 @@ plane, with small random CPU-layout KV caches standing in for vLLM's.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -245,15 +246,20 @@ def test_an_exception_in_the_pack_thread_fails_that_push_only(
 
     p, d = pair
     assert d.node is not None
-    real_pack, calls = worker_module.pack, []
+    calls: list[int] = []
 
-    def pack_failing_once(*args: object, **kwargs: object) -> int:
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected")
-        return real_pack(*args, **kwargs)  # type: ignore[arg-type]
+    def failing_once(real: Callable[..., Any]) -> Callable[..., Any]:
+        def pack_failing_once(*args: object, **kwargs: object) -> Any:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker_module, "pack", pack_failing_once)
+        return pack_failing_once
+
+    # NOTE: one pack thread packs with pack_checksummed, more with pack
+    for name in ("pack", "pack_checksummed"):
+        monkeypatch.setattr(worker_module, name, failing_once(getattr(worker_module, name)))
     push(p, d.node.endpoint, 150, [7, 8, 9, 10, 30, 31, 1, 2, 3, 4])
     p.before_step()
     d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, list(range(10)), 150, tokens(150))]))

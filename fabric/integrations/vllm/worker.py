@@ -98,7 +98,7 @@ from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.loader import Loader, unpack_slot
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
-from fabric.kv import KVLayout, chunk_keys, pack
+from fabric.kv import KVLayout, chunk_keys, pack, pack_checksummed
 from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
 from fabric.store.tier import TieredStore
@@ -647,18 +647,26 @@ class FabricWorker:
         """Pack ``block_ids`` into the allocated ``slot`` and commit it as
         ``key``; on failure the slot goes back (nothing half-packed stays)."""
         assert self.layout is not None
+        view = self.store.pool.slot_view(slot)
         try:
-            nbytes = pack(
-                self.kv_caches,
-                self.layout,
-                block_ids,
-                self.store.pool.slot_view(slot),
-                num_threads=self.config.pack_threads,
-            )
+            if self.config.pack_threads == 1:
+                # NOTE: one thread: the checksum is taken as the copy reads (no pass of its own)
+                nbytes, checksum = pack_checksummed(self.kv_caches, self.layout, block_ids, view)
+            else:
+                nbytes, checksum = (
+                    pack(
+                        self.kv_caches,
+                        self.layout,
+                        block_ids,
+                        view,
+                        num_threads=self.config.pack_threads,
+                    ),
+                    None,
+                )
         except BaseException:
             self.store.abort(slot)
             raise
-        self.store.commit(slot, key, nbytes)
+        self.store.commit(slot, key, nbytes, checksum)
         return nbytes
 
     def _share(self, req_id: str, index: int, key: bytes) -> None:
