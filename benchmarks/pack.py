@@ -10,10 +10,12 @@ size, at torch's default thread count.
 
 A prefiller packs each chunk and checksums it for the store: ``pack`` then
 an xxh3-64 pass over the slot ("separate", what fabric did before), or
-``pack_checksummed`` ("fused": each piece's source hashed as the copy reads
-it, one thread). Both are timed alternately per rep; the summary gives the
-median of the per-rep time ratios fused/separate with a bootstrap 90%
-interval.
+``pack_checksummed`` (each piece's source hashed as the copy reads it, one
+thread; copies under ``FUSED_MIN_COPY_BYTES`` on average are packed, then
+hashed). Both are timed alternately per rep; each row gives the median of
+the per-rep time ratios with a bootstrap 90% interval, the path taken, and
+the same with the fused path forced (how the threshold was chosen); the
+summary covers the shipped rows.
 
 Run: ``python benchmarks/pack.py`` (``--checksum`` for the fused-checksum
 comparison alone). Prints a table, writes
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import json
 import os
 import platform
@@ -42,7 +45,9 @@ import torch
 import xxhash
 
 from fabric.kv import KVLayout, LayoutKind, backend, pack, pack_checksummed, unpack
-from fabric.kv.pack import DEFAULT_NUM_THREADS, Backend
+from fabric.kv.pack import DEFAULT_NUM_THREADS, FUSED_MIN_COPY_BYTES, Backend, copy_plan
+
+pack_module = importlib.import_module("fabric.kv.pack")  # NOTE: fabric.kv.pack is the function
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 PROMPT_TOKENS, CHUNK_TOKENS, POOL_FACTOR = 4096, 256, 1.5
@@ -105,8 +110,21 @@ def pack_hashed_all(setup: Setup, fused: bool) -> None:
             xxhash.xxh3_64_intdigest(slot[:nbytes].numpy())
 
 
-def measure_checksum(setup: Setup, reps: int = 3 * REPS) -> dict[str, Any]:
-    """Fused against separate pack+checksum, alternately; per-rep time ratios."""
+def measure_checksum(setup: Setup, reps: int = 3 * REPS, *, forced: bool = False) -> dict[str, Any]:
+    """``pack_checksummed`` against separate pack+checksum, alternately;
+    per-rep time ratios. ``forced``: its fused path even where the mean copy
+    is under ``FUSED_MIN_COPY_BYTES`` (how that threshold was chosen)."""
+    if forced:
+        pack_module.FUSED_MIN_COPY_BYTES = 0
+    try:
+        return _measure_checksum(setup, reps, forced)
+    finally:
+        pack_module.FUSED_MIN_COPY_BYTES = FUSED_MIN_COPY_BYTES
+
+
+def _measure_checksum(setup: Setup, reps: int, forced: bool) -> dict[str, Any]:
+    _, _, lengths = copy_plan(setup.caches, setup.layout, setup.chunks[0], 0)
+    fused_path = forced or lengths.mean() >= FUSED_MIN_COPY_BYTES
     fused, separate = (functools.partial(pack_hashed_all, setup, f) for f in (True, False))
     fused()
     separate()
@@ -125,6 +143,9 @@ def measure_checksum(setup: Setup, reps: int = 3 * REPS) -> dict[str, Any]:
     return {
         "layout": setup.name,
         "op": "pack+checksum",
+        "path": "fused" if fused_path else "pack-then-hash",
+        "forced": forced,
+        "mean_copy_bytes": int(lengths.mean()),
         "reps": reps,
         "fused_gbps": round(setup.nbytes / statistics.median(times["fused"]) / 1e9, 2),
         "separate_gbps": round(setup.nbytes / statistics.median(times["separate"]) / 1e9, 2),
@@ -229,18 +250,20 @@ def main() -> None:
         if not checksum_only:
             rows += measure(setup)
         if backend() == "c":
-            fused.append(measure_checksum(setup))
-            print(json.dumps(fused[-1]))
+            for forced in (False, True):
+                fused.append(measure_checksum(setup, forced=forced))
+                print(json.dumps(fused[-1]))
     summary: dict[str, Any] = {}
     if rows:
         print_table(rows)
         summary["pack_vs_memcpy"] = worst_ratio(rows, "pack")
         summary["unpack_vs_memcpy"] = worst_ratio(rows, "unpack")
     if fused:
-        worst = max(fused, key=lambda r: r["time_ratio_fused_over_separate"])
+        shipped = [r for r in fused if not r["forced"]]  # NOTE: as fabric packs
+        worst = max(shipped, key=lambda r: r["time_ratio_fused_over_separate"])
         summary["pack_checksum_fused_over_separate_max"] = worst["time_ratio_fused_over_separate"]
         summary["pack_checksum_fused_over_separate_hi"] = max(
-            r["ratio_interval_90"][1] for r in fused
+            r["ratio_interval_90"][1] for r in shipped
         )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = "pack-checksum" if checksum_only else "pack"

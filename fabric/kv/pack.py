@@ -77,8 +77,9 @@ FUSED_MIN_COPY_BYTES = 128 << 10
 """Below this mean copy size, ``pack_checksummed`` packs and then hashes: one
 hash call per copy costs more than the pass it saves. Measured on the 2-core
 dev VM (``benchmarks/pack.py --checksum``, Llama-3-8B geometry, 33 alternating
-reps): the CPU layout's 512 KiB copies 0.86x the time of pack-then-hash
-(interval 0.82-0.89), the flash layout's 32 KiB ones 1.10x (1.07-1.18)."""
+reps): the CPU layout's 512 KiB copies 0.85x the time of pack-then-hash
+(interval 0.83-0.85); the flash layout's 32 KiB ones 1.10x (1.07-1.18) in a
+first run, 0.94x (0.92-0.98) in a second: not settled (NOTE: remeasure)."""
 
 
 def backend() -> Backend:
@@ -124,13 +125,16 @@ def pack_checksummed(
     """:func:`pack`, and the xxh3-64 of the bytes written: (nbytes, checksum).
 
     On the C backend the checksum costs no pass of its own: the cache's
-    bytes are copied in pieces of :data:`~fabric.kv.verify.PIECE_BYTES` (in chunk order, one
-    thread, streaming stores), and each piece's source bytes are hashed
-    right after the copy read them, from cache. A source that changed
-    between the copy and the hash gives a checksum the written bytes do not
-    match (found at use, never hidden). Elsewhere (an accelerator, the
-    torch fallback) the checksum is None: the caller hashes ``dst``. Copies
-    shorter than ``FUSED_MIN_COPY_BYTES`` on average are packed, then hashed.
+    bytes are copied in pieces of :data:`~fabric.kv.verify.PIECE_BYTES` (in
+    chunk order, one thread, streaming stores), and each piece's source bytes
+    are hashed right after the copy read them, from cache. A source rewritten
+    between a piece's copy and its hash gives a checksum the written bytes do
+    not match: every reader verifies, so the chunk fails at use (and stays so
+    in this store until evicted); one rewritten before its copy is not seen,
+    as with pack-then-hash (the hook order keeps writers out). Elsewhere (an
+    accelerator, the torch fallback) the checksum is None: the caller hashes
+    ``dst``. Copies shorter than ``FUSED_MIN_COPY_BYTES`` on average are
+    packed, then hashed.
     """
     ids = _block_ids(block_ids, layout)
     device = named_layers(kv_caches)[0][1].device

@@ -6,6 +6,7 @@ plane, with small random CPU-layout KV caches standing in for vLLM's.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -92,9 +93,17 @@ def assert_the_next_push_loads(p: FabricWorker, d: FabricWorker, transfer_id: st
 
 
 @pytest.mark.parametrize("first_block", [0, 2, 5])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-checksum", "pack-then-hash"])
 def test_pushed_kv_lands_in_the_decoders_blocks(
-    pair: tuple[FabricWorker, FabricWorker], first_block: int
+    pair: tuple[FabricWorker, FabricWorker],
+    first_block: int,
+    fused: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Either way P takes the checksum (its copies here are 1 KiB: the
+    fused path is forced), D verifies the chunks it loads against it."""
+    pack_module = importlib.import_module("fabric.kv.pack")  # NOTE: fabric.kv.pack is the function
+    monkeypatch.setattr(pack_module, "FUSED_MIN_COPY_BYTES", 0 if fused else 1 << 62)
     p, d = pair
     assert d.node is not None
     num_tokens = 150  # chunks of 4, 4, 2 blocks

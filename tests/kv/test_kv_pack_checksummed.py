@@ -37,8 +37,8 @@ def test_the_checksum_is_the_hash_of_the_bytes_pack_writes(
     pieces: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every layout, unordered and repeated-run ids, pieces that cut copies
-    mid-block: the same bytes as ``pack``, and their xxh3-64."""
+    """Every layout, unordered ids with a run among single blocks, pieces
+    that cut copies mid-block: the same bytes as ``pack``, and their xxh3-64."""
     if pieces is not None:
         monkeypatch.setattr(kv_verify, "PIECE_BYTES", pieces)
     caches = make_caches(kind)
@@ -53,13 +53,14 @@ def test_the_checksum_is_the_hash_of_the_bytes_pack_writes(
     assert checksum == xxhash.xxh3_64_intdigest(want[:nbytes].numpy())
 
 
-def test_a_source_changed_after_its_copy_gives_a_checksum_the_bytes_do_not_match(
+def test_a_source_changed_between_its_copy_and_its_hash_fails_the_checksum(
     make_caches: MakeCaches, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """A writer racing the pack (vLLM reusing a block too early) after the
-    copy read a piece: the checksum is the source's, so the written bytes
-    fail it at use instead of passing as a torn copy would under a hash of
-    what was written."""
+    """A writer racing the pack (vLLM reusing a block too early) that lands
+    after the copy read a piece and before its hash: the checksum is the
+    source's, so the written bytes fail it at use (pack-then-hash passes
+    them). One that lands before the copy reads the piece is not seen by
+    either: the hook order keeps writers out (``test_vllm_hook_order``)."""
     pack_module = importlib.import_module("fabric.kv.pack")  # NOTE: fabric.kv.pack is the function
 
     caches = make_caches(LayoutKind.CPU)
