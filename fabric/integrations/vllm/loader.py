@@ -332,9 +332,7 @@ class Loader:
                 return
             if rid not in self._active:
                 self._take_plans(block=False)
-            claimed = self._claims.pop(rid, None)
-            if claimed is not None:  # NOTE: ended while it waited for blocks
-                self.server.release(claimed.transfer_id)
+            self._release_claim(rid)  # NOTE: ended while it waited for blocks
             load = self._active.get(rid)
             if load is not None:
                 self._finish(load, ok=False, ended=True)
@@ -343,13 +341,18 @@ class Loader:
         if isinstance(plan, Claim):
             self._claims[plan.req_id] = _Claimed(plan.transfer_id, time.monotonic())
             return
+        if isinstance(plan, _Unclaim):
+            self._release_claim(plan.req_id)
+            return
         # NOTE: a load holds the transfer now (and learns a refusal seen meanwhile)
         claimed = self._claims.pop(plan.req_id, None)
-        if isinstance(plan, _Unclaim):
-            if claimed is not None:
-                self.server.release(claimed.transfer_id)
-            return
         self._start(plan, None if claimed is None else claimed.refused)
+
+    def _release_claim(self, rid: str) -> None:
+        """End ``rid``'s claim (if any) without a load: release its transfer."""
+        claimed = self._claims.pop(rid, None)
+        if claimed is not None:
+            self.server.release(claimed.transfer_id)
 
     def _take_plans(self, *, block: bool) -> None:
         try:
