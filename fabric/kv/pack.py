@@ -154,21 +154,38 @@ def _pack_hashed_c(
 ) -> int:
     """Copy with fabric.kv._copy piece by piece, hashing each piece's source
     (``offsets`` in the chunk, ``cache`` addresses, ``lengths``: :func:`copy_plan`)."""
+    if int(lengths.sum()) != nbytes:
+        raise LayoutError("pack: the copies do not tile the chunk in order")  # NOTE: a bug
+    hasher = xxhash.xxh3_64()
+    copy_hashing(dst.data_ptr(), offsets, cache, lengths, hasher)
+    return hasher.intdigest()
+
+
+def copy_hashing(
+    base: int, offsets: np.ndarray, cache: np.ndarray, lengths: np.ndarray, hasher: xxhash.xxh3_64
+) -> None:
+    """Copy ``lengths`` bytes from ``cache`` addresses to ``base + offsets``
+    (ascending, back to back: part of a :func:`copy_plan`) piece by piece,
+    feeding each piece's source bytes to ``hasher`` right after the copy read them."""
     assert _copy is not None
     copy_batch, stream = _copy.copy_batch, _stream_kwargs()
     offsets, cache, lengths = split_at_pieces(offsets, cache, lengths)
-    if int(lengths.sum()) != nbytes or (len(offsets) > 1 and (np.diff(offsets) <= 0).any()):
+    if len(offsets) > 1 and (offsets[1:] != offsets[:-1] + lengths[:-1]).any():
         raise LayoutError("pack: the copies do not tile the chunk in order")  # NOTE: a bug
-    starts = offsets + dst.data_ptr()
+    starts = offsets + base
     pieces = offsets // kv_verify.PIECE_BYTES
     cuts = [0, *(np.flatnonzero(np.diff(pieces)) + 1).tolist(), len(offsets)]
     sources, sizes = cache.tolist(), lengths.tolist()
-    hasher = xxhash.xxh3_64()
     for a, b in itertools.pairwise(cuts):
         copy_batch(starts[a:b], cache[a:b], lengths[a:b], 1, **stream)
         for addr, size in zip(sources[a:b], sizes[a:b], strict=True):
             hasher.update((ctypes.c_char * size).from_address(addr))
-    return hasher.intdigest()
+
+
+def copy_to_chunk(base: int, offsets: np.ndarray, cache: np.ndarray, lengths: np.ndarray) -> None:
+    """Copy ``lengths`` bytes from ``cache`` addresses to ``base + offsets``, one thread."""
+    assert _copy is not None
+    _copy.copy_batch(offsets + base, cache, lengths, 1)
 
 
 def unpack(

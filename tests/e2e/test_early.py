@@ -113,9 +113,10 @@ def heard(cluster: Cluster) -> int:
 
 
 def test_early_admitted_requests_equal_colocated(cluster: Cluster) -> None:
-    d_url = cluster.engines["decode"].base_url
+    d_url, p_url = cluster.engines["decode"].base_url, cluster.engines["prefill"].base_url
     proxy = cluster.proxy()
     before_ok = metric(d_url, "vllm:fabric_loads_ok_total")
+    before_layered = metric(p_url, "vllm:fabric_chunks_packed_layerwise_total")
     words = heard(cluster)
     lengths = [300, 700, 1300, LONG]
     for i, n in enumerate(lengths):
@@ -123,6 +124,10 @@ def test_early_admitted_requests_equal_colocated(cluster: Cluster) -> None:
         got = complete(proxy.url("/v1/completions"), body(prompt, stream=i % 2 == 1))
         assert_same(got, cluster.want(prompt))
     assert metric(d_url, "vllm:fabric_loads_ok_total") - before_ok == len(lengths)
+    # NOTE: P packed every chunk (fresh prompts) a layer group at a time inside
+    # its forward passes, driven by vLLM's own save_kv_layer calls
+    chunks = sum(-(-n // 256) for n in lengths)
+    assert metric(p_url, "vllm:fabric_chunks_packed_layerwise_total") - before_layered == chunks
     assert metric(d_url, "vllm:fabric_load_failures_total") == 0
     assert proxy_counter(proxy, "early_handoffs") == len(lengths)
     assert proxy_counter(proxy, "fallbacks") == 0

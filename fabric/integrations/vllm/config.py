@@ -23,6 +23,10 @@ class ConnectorConfig:
     it has not heard of at all. ``waiting_hold_s``: how long it keeps a
     transfer pushed for a request still waiting in vLLM's queue (no blocks
     yet) alive past the transfer's lease, at most. ``pack_threads``: copy threads per pack.
+    ``layer_groups``: with more than 1, the chunks a step completes are packed
+    in that many groups of layers, each as soon as the forward pass has
+    computed it, so only the last group is left to pack when the step ends
+    (CPU KV caches, ``pack_threads`` 1; elsewhere packed at the step's end).
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
@@ -62,6 +66,7 @@ class ConnectorConfig:
     waiting_hold_s: float = 600.0
     push_timeout_s: float = 30.0
     pack_threads: int = 1
+    layer_groups: int = 8
     async_save: bool = True
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
@@ -82,7 +87,7 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.kv_port: {self.kv_port} is not a port")
         if self.store_slots < 0:
             raise ConfigError("kv_connector_extra_config.store_slots: must be >= 0")
-        for name in ("chunk_tokens", "store_mib", "lease_ms", "pack_threads"):
+        for name in ("chunk_tokens", "store_mib", "lease_ms", "pack_threads", "layer_groups"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be >= 1")
         if self.eviction != "lru":

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
@@ -182,6 +183,7 @@ class FabricConnector(KVConnectorBase_V1):
                 tp_size=parallel.tensor_parallel_size,
                 engine_id=transfer.engine_id,
                 rank=getattr(parallel, "rank", 0),
+                microbatched=bool(getattr(parallel, "use_ubatching", False)),
             )
 
     # ------------------------------------------------------------ worker side
@@ -206,12 +208,27 @@ class FabricConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.save_layer(layer_name, self._fabric_meta())
 
     def wait_for_save(self) -> None:
+        """Pack and push what the step computed, unless its forward raised.
+
+        vLLM calls this from a ``finally`` around the forward
+        (``vllm/v1/worker/kv_connector_model_runner_mixin.py:86-92``), so
+        also while the forward's exception propagates (the engine then dies,
+        ``vllm/v1/engine/core.py``): the layers it did not reach hold stale
+        KV, so the step's chunks are dropped and their pushes failed.
+        """
         assert self._worker is not None
-        if self.has_connector_metadata():
-            self._worker.save(self._fabric_meta())
+        if not self.has_connector_metadata():
+            return
+        failed = sys.exc_info()[1]
+        if failed is not None:
+            why = f"the step's forward raised {type(failed).__name__}"
+            self._worker.abandon(self._fabric_meta(), why)
+            return
+        self._worker.save(self._fabric_meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

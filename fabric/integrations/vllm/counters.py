@@ -19,6 +19,8 @@ COUNTERS = {
     "store_hit_tokens": "prompt tokens loaded from this engine's own store instead of computed",
     "store_load_failures": "store hits lost before they were loaded: recomputed",
     "chunks_saved": "computed chunks packed into this engine's store for reuse",
+    "chunks_packed_layerwise": "computed chunks packed layer group by layer group while the "
+    "forward pass ran (layer_groups), only the last group at the step's end",
     "bytes_saved": "bytes packed into this engine's store for reuse",
     "disk_hit_chunks": "chunks read back from the disk tier (checksum verified)",
     "disk_corrupt_chunks": "disk tier files found corrupt or truncated: deleted, not loaded",

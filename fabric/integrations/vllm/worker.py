@@ -19,7 +19,12 @@ Hook order this relies on (vLLM 0.32, one ``execute_model`` per step)::
     bind_connector_metadata    kv_connector_model_runner_mixin.py:77
     start_load_kv              mixin.py:83-85 before the forward when the
                                step has synchronous loads, else :88-90 AFTER it
-    forward                    writes KV into this step's blocks
+    forward                    writes KV into this step's blocks; after each
+                               attention layer ``save_kv_layer``
+                               (``vllm/model_executor/layers/attention/
+                               kv_transfer_utils.py:54-57``): save_layer()
+                               hands finished layer groups to the pack thread
+                               (:mod:`fabric.integrations.vllm.layered`)
     wait_for_save              mixin.py:91-92
     get_transfer_results       mixin.py:94-96
 
@@ -95,10 +100,11 @@ from typing import TYPE_CHECKING, Any
 
 from fabric.errors import CapacityError, ChecksumMismatch, ConfigError
 from fabric.integrations.vllm.counters import FabricCounters
+from fabric.integrations.vllm.layered import LayeredSaves
 from fabric.integrations.vllm.loader import Loader, unpack_slot
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
-from fabric.kv import KVLayout, chunk_keys, pack, pack_checksummed
+from fabric.kv import KVLayout, chunk_keys, layerwise, pack, pack_checksummed
 from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
 from fabric.store.tier import TieredStore
@@ -164,8 +170,10 @@ class FabricWorker:
         tp_size: int = 1,
         engine_id: str | None = None,
         rank: int | None = None,
+        microbatched: bool = False,
     ) -> None:
         self.config, self.produce, self.consume = config, produce, consume
+        self.microbatched = microbatched
         self.block_size, self.model = block_size, model
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.rank = tp_rank if rank is None else rank
@@ -193,10 +201,14 @@ class FabricWorker:
             ThreadPoolExecutor(1, thread_name_prefix="fabric-pack") if config.async_save else None
         )
         self._saving: list[Future[None]] = []
+        self.layered: LayeredSaves | None = None
+        self._sends_begun: FabricMetadata | None = None  # pack thread: the step begun early
+        self._joined = False  # before_step joined the pack thread this step
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
+        self._named_caches = kv_caches
         layout = KVLayout.from_tensors(
             kv_caches, model=self.model, tp_rank=self.tp_rank, tp_size=self.tp_size
         )
@@ -215,6 +227,7 @@ class FabricWorker:
             StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots, quarantine_ms=quarantine_ms)
         )
         self.store = store
+        self._setup_layered(layout)
         if self.config.reuse:
             self.tier = TieredStore(
                 store,
@@ -293,6 +306,28 @@ class FabricWorker:
         stops sending it work; see ``fabric.router.engines.probe``)."""
         return {"threads_down": len(self.threads_down())}
 
+    def _setup_layered(self, layout: KVLayout) -> None:
+        """Layer-wise packing with ``layer_groups`` > 1, where the cache allows it."""
+        groups = self.config.layer_groups
+        if groups <= 1:
+            return
+        if (
+            self.config.pack_threads != 1
+            or self.microbatched
+            or not layerwise.supported(self._named_caches)
+        ):
+            # NOTE: microbatches (vLLM's ubatching) run each attention layer
+            # once per microbatch: its first save_kv_layer comes before the
+            # second microbatch wrote its KV
+            logger.info(
+                "fabric: layer_groups %d: chunks are packed at the end of each step here "
+                "(layer-wise packing needs a CPU KV cache, fabric.kv._copy, pack_threads 1 "
+                "and no microbatching)",
+                groups,
+            )
+            return
+        self.layered = LayeredSaves(self.store, self._named_caches, layout, groups, self.counters)
+
     def own_table_sizes(self) -> dict[str, int]:
         """Entries in the per-request tables of this worker, its load thread
         and its push threads (name -> entries)."""
@@ -303,6 +338,8 @@ class FabricWorker:
             "worker_load_errors": len(self._load_errors),
             "worker_saving": sum(not f.done() for f in list(self._saving)),
         }
+        if self.layered is not None:
+            sizes |= self.layered.table_sizes()
         if self.loader is not None:
             sizes |= self.loader.table_sizes()
         # NOTE: each push thread names its own (``sender_*``, ``shared_sender_*``).
@@ -382,10 +419,16 @@ class FabricWorker:
         """Join the packing of the previous step: vLLM has not touched a block
         of this step yet (see the module docstring for the hook order)."""
         self.flush()
+        self._joined = True
+        self._sends_begun = None
+        if self.layered is not None:
+            self.layered.reset()  # NOTE: the pack thread is idle now
 
     def start_load(self, meta: FabricMetadata) -> None:
-        # NOTE: a no-op after before_step; a backstop for a caller that skipped it.
-        self.flush()
+        # NOTE: a backstop for a caller that skipped before_step; not after it
+        # (this may run after the forward, with its layer groups being packed)
+        if not self._joined:
+            self.flush()
         for rid in meta.releases:
             if self.tier is not None:
                 # NOTE: may run while the lookup it answers still reads from
@@ -540,11 +583,78 @@ class FabricWorker:
     def _save_now(self, meta: FabricMetadata) -> None:
         """Begin the step's pushes and pack its chunks; an exception fails the
         request it served (its push is given up, so the decoder recomputes at
-        once) and the rest of the step is still saved."""
-        for plan in meta.sends:
-            self._guarded(plan.req_id, self._begin, plan)
-        for chunk in meta.saves:
-            self._guarded(chunk.req_id, self._save_chunk, chunk)
+        once) and the rest of the step is still saved. Pushes a layer group
+        began during the forward are not begun again, and chunks it partly
+        packed are finished (:mod:`~fabric.integrations.vllm.layered`)."""
+        begun = self._sends_begun is meta
+        self._sends_begun = None
+        if not begun:
+            for plan in meta.sends:
+                self._guarded(plan.req_id, self._begin, plan)
+        try:
+            for chunk in meta.saves:
+                self._guarded(chunk.req_id, self._save_chunk, chunk)
+        finally:
+            if self.layered is not None:
+                self.layered.end()
+
+    def save_layer(self, layer_name: str, meta: FabricMetadata) -> None:
+        """``save_kv_layer``: once a layer group of the step is saved, hand
+        its packing to the pack thread (see :mod:`~fabric.integrations.vllm.layered`)."""
+        if self.layered is None:
+            return
+        try:
+            upto = self.layered.layer_saved(layer_name, meta)
+            if upto is None:
+                return
+            if self._saver is None:
+                self._pack_layers((meta, upto))
+            else:
+                self._submit(self._pack_layers, (meta, upto))
+        except Exception:
+            # NOTE: never raised into vLLM's forward; what is not packed now
+            # is packed at the step's end
+            self.counters.add(thread_errors=1)
+            logger.exception("fabric: packing layers up to %s failed", layer_name)
+
+    def _pack_layers(self, job: tuple[FabricMetadata, int]) -> None:
+        """The first group of a step begins its pushes (once: ``_save_now``
+        then does not) and takes its slots."""
+        meta, upto = job
+        assert self.layered is not None
+        if self._sends_begun is not meta:
+            for plan in meta.sends:
+                self._guarded(plan.req_id, self._begin, plan)
+            self._sends_begun = meta
+            self.layered.prepare(meta, self._key_to_save)
+        self.layered.pack(meta, upto)
+
+    def abandon(self, meta: FabricMetadata, why: str) -> None:
+        """``wait_for_save`` while the step's forward raised: its chunks hold
+        layers never computed, so nothing of it is packed, kept or pushed;
+        the pushes of its requests fail (their decoders recompute)."""
+        if self._saver is None:
+            self._abandon((meta, why))
+        else:
+            self._submit(self._abandon, (meta, why))
+
+    def _abandon(self, job: tuple[FabricMetadata, str]) -> None:
+        meta, why = job
+        self._sends_begun = None
+        if self.layered is not None:
+            self.layered.end()
+        requests = {plan.req_id for plan in meta.sends} | {c.req_id for c in meta.saves}
+        for rid in requests:
+            self._keys.pop(rid, None)  # NOTE: its later chunks are not saved either
+            self._save_only.discard(rid)
+            self._shared_chunks.pop(rid, None)
+            if self.sender is not None:
+                self.sender.fail(rid, why)
+        logger.error("fabric: %s: the chunks of %d request(s) dropped", why, len(requests))
+
+    def _key_to_save(self, chunk: SaveChunk) -> bytes | None:
+        keys = self._keys.get(chunk.req_id)
+        return keys[chunk.index] if keys is not None and chunk.index < len(keys) else None
 
     def _guarded(self, req_id: str, fn: Callable[[Any], None], arg: Any) -> None:
         try:
@@ -630,18 +740,34 @@ class FabricWorker:
         slots = self.store.acquire([key])  # packed before (same prefix): reuse it
         if not slots:
             try:
-                slot = self.store.allocate(key)
+                self._pack_new(chunk, key)
             except CapacityError as exc:
                 logger.warning(
                     "fabric: no slot to pack %s chunk %d: %s", chunk.req_id, chunk.index, exc
                 )
                 self.counters.add(push_failures=1)
                 return
-            self._pack_into(slot, key, chunk.block_ids)
             slots = self.store.acquire([key])
         if slots:
             self.sender.chunk(chunk.req_id, chunk.index, slots[0])  # NOTE: it owns the ref now
             self._share(chunk.req_id, chunk.index, key)
+
+    def _pack_new(self, chunk: SaveChunk, key: bytes) -> int:
+        """Pack ``chunk`` into a new slot committed as ``key`` (finishing the
+        layer-wise pack begun during the forward, if one was); CapacityError
+        when no slot is free. Returns the chunk's bytes."""
+        begun = self.layered.take(chunk) if self.layered is not None else None
+        if begun is None:
+            return self._pack_into(self.store.allocate(key), key, chunk.block_ids)
+        slot, part = begun
+        try:
+            nbytes, checksum = part.finish()
+        except BaseException:
+            self.store.abort(slot)
+            raise
+        self.store.commit(slot, key, nbytes, checksum)
+        self.counters.add(chunks_packed_layerwise=1)
+        return nbytes
 
     def _pack_into(self, slot: int, key: bytes, block_ids: list[int]) -> int:
         """Pack ``block_ids`` into the allocated ``slot`` and commit it as
@@ -690,11 +816,10 @@ class FabricWorker:
             self._share(chunk.req_id, chunk.index, key)
             return
         try:
-            slot = self.store.allocate(key)
+            nbytes = self._pack_new(chunk, key)
         except CapacityError as exc:
             logger.info("fabric: no slot to save %s chunk %d: %s", chunk.req_id, chunk.index, exc)
             return
-        nbytes = self._pack_into(slot, key, chunk.block_ids)
         self.counters.add(chunks_saved=1, bytes_saved=nbytes)
         self._share(chunk.req_id, chunk.index, key)
 

@@ -1,0 +1,181 @@
+"""Pack a step's chunks while its forward pass still runs, a layer group at a time.
+
+vLLM calls the connector's ``save_kv_layer`` after every attention layer of
+the forward, once that layer wrote its KV for the step
+(``vllm/model_executor/layers/attention/kv_transfer_utils.py:54-57``,
+``maybe_transfer_kv_layer``: ``func`` -- which writes the layer's KV cache,
+or follows ``unified_kv_cache_update`` that did,
+``vllm/model_executor/layers/attention/attention.py:540-575`` -- then
+``connector.save_kv_layer(layer_name, kv_cache, attn_metadata)``; applied
+to ``unified_attention_with_output`` at ``attention.py:766``). A layer's KV
+is not written again in the step: each attention layer writes only its own
+cache. So once every layer of a group has been saved, the group's bytes of
+every chunk the step completes are final and can be packed while the model
+computes the next layers; ``wait_for_save`` then packs only the last group
+and commits (:class:`~fabric.kv.layerwise.LayerwisePack`: the same bytes
+and checksum as packing the chunk whole).
+
+    forward thread (save_kv_layer)          pack thread (fabric-pack)
+    (32 layers, layer_groups 8)
+    layer 0 .. 3 saved   --submit(4)-->     begin the step's pushes (their
+                                            Reserves go out), take a slot
+                                            per chunk, pack layers 0-3
+    layer 4 .. 7 saved   --submit(8)-->     pack layers 4-7
+    ...                                     ...
+    wait_for_save        --submit(save)-->  pack layers 28-31, commit, hand
+                                            the chunks to the push threads
+
+The tokens of a chunk computed in earlier steps were written then (every
+layer), and its blocks are held by the request, so they are final too.
+
+A layer counts once every layer before it was saved in this step (in the
+order of the engine's KV cache dict, which is the chunk's layer order),
+whatever order the hooks come in, so hooks out of order cost overlap, never
+an early read; names not in the dict are ignored. A speculative decoder's
+draft layers come last in the dict (``vllm/v1/core/kv_cache_utils.py``)
+and their hooks run while drafting, before ``wait_for_save`` (deferred
+then): with several draft layers a group may end among them and be packed
+while a later draft pass still writes positions past the prompt in its
+last block (which no token of the chunk reads; a rewrite between a piece's
+copy and its hash fails the chunk at use, recomputed), never loads wrong.
+A chunk that got no slot during the forward, or whose layer-wise pack
+failed, is packed whole at ``wait_for_save`` as without this; a slot
+taken for a chunk that turns out to be present already is given back
+then. A forward that raised is abandoned
+(``FabricConnector.wait_for_save``). CPU caches with the C copy extension
+only (:func:`fabric.kv.layerwise.supported`), no microbatching: on an
+accelerator the forward is only enqueued when the hook runs.
+
+Threads: :meth:`LayeredSaves.layer_saved` runs on the forward thread and
+touches only the hook state (an exception there is caught by the worker,
+never raised into the forward); :meth:`prepare`, :meth:`pack`,
+:meth:`take` and :meth:`end` run on the pack thread (or inline without ``async_save``), one
+job at a time, and :meth:`reset` on the forward thread once the pack thread
+is idle (``before_step``, after the join).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from fabric.errors import CapacityError
+from fabric.kv.layerwise import LayerwisePack, group_ends
+
+if TYPE_CHECKING:
+    import torch
+
+    from fabric.integrations.vllm.counters import FabricCounters
+    from fabric.integrations.vllm.metadata import FabricMetadata, SaveChunk
+    from fabric.kv import KVLayout
+    from fabric.store import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+
+class LayeredSaves:
+    """Layer-wise packing of the chunks each step completes (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        kv_caches: dict[str, torch.Tensor],
+        layout: KVLayout,
+        groups: int,
+        counters: FabricCounters,
+    ) -> None:
+        self.store = store
+        self.kv_caches = list(kv_caches.values())
+        self.layout = layout
+        self.counters = counters
+        self._index = {name: i for i, name in enumerate(kv_caches)}
+        # NOTE: the last group is packed by wait_for_save
+        self.ends = group_ends(layout.num_layers, groups)[:-1]
+        # forward thread: the step whose hooks are being counted
+        self._hook_meta: FabricMetadata | None = None
+        self._saved: set[int] = set()
+        self._upto = 0  # layers 0 .. _upto - 1 saved
+        self._next = 0  # index in ends of the next group to hand over
+        # pack thread: the step whose chunks have slots, and those slots
+        self._meta: FabricMetadata | None = None
+        self._parts: dict[tuple[str, int], tuple[int, LayerwisePack]] = {}
+
+    def layer_saved(self, layer_name: str, meta: FabricMetadata) -> int | None:
+        """``save_kv_layer(layer_name)`` of the step ``meta``: the number of
+        layers to pack now when a group just became complete, else None."""
+        if not self.ends or (not meta.saves and not meta.sends):
+            return None
+        index = self._index.get(layer_name)
+        if index is None:
+            return None
+        if meta is not self._hook_meta:
+            self._hook_meta, self._saved, self._upto, self._next = meta, set(), 0, 0
+        self._saved.add(index)
+        while self._upto in self._saved:
+            self._upto += 1
+        due = None
+        while self._next < len(self.ends) and self.ends[self._next] <= self._upto:
+            due = self.ends[self._next]
+            self._next += 1
+        return due
+
+    def prepare(self, meta: FabricMetadata, key_of: Callable[[SaveChunk], bytes | None]) -> None:
+        """Take a slot for each chunk of ``meta`` that needs packing (``key_of``:
+        its key, None when it is not to be saved); pack thread."""
+        self.end()  # NOTE: a step that never reached wait_for_save gives its slots back
+        self._meta = meta
+        for chunk in meta.saves:
+            key = key_of(chunk)
+            if key is None or (chunk.req_id, chunk.index) in self._parts:
+                continue
+            if self.store.contains(key):
+                continue
+            try:
+                slot = self.store.allocate(key)
+            except CapacityError:
+                continue  # NOTE: packed whole at wait_for_save, which says why it cannot be
+            try:
+                view = self.store.pool.slot_view(slot)
+                part = LayerwisePack(self.kv_caches, self.layout, chunk.block_ids, view)
+            except BaseException:
+                self.store.abort(slot)
+                raise
+            self._parts[(chunk.req_id, chunk.index)] = (slot, part)
+
+    def pack(self, meta: FabricMetadata, upto: int) -> None:
+        """Pack layers up to ``upto`` of every chunk of ``meta`` with a slot; a
+        chunk whose pack fails gives its slot back (packed whole later)."""
+        if meta is not self._meta:
+            return
+        for key, (slot, part) in list(self._parts.items()):
+            try:
+                part.pack_layers(upto)
+            except Exception:
+                self.counters.add(thread_errors=1)
+                logger.exception("fabric: packing layers of %s chunk %d failed", *key)
+                del self._parts[key]
+                self.store.abort(slot)
+
+    def take(self, chunk: SaveChunk) -> tuple[int, LayerwisePack] | None:
+        """The slot and pack begun for ``chunk`` (the caller finishes or aborts it)."""
+        return self._parts.pop((chunk.req_id, chunk.index), None)
+
+    def end(self) -> None:
+        """Give back the slots nobody took (chunks present meanwhile, requests
+        that failed); pack thread, after a step's chunks were saved."""
+        self._meta = None
+        self._abort(self._parts.values())
+        self._parts = {}
+
+    def reset(self) -> None:
+        """Between steps, the pack thread idle: forget the hooks counted, give back slots."""
+        self._hook_meta, self._saved, self._upto, self._next = None, set(), 0, 0
+        self.end()
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"worker_layered_slots": len(self._parts)}
+
+    def _abort(self, parts: Iterable[tuple[int, LayerwisePack]]) -> None:
+        for slot, _ in parts:
+            self.store.abort(slot)
