@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
+import zmq
 
 from fabric.errors import PeerUnreachable, TransferError
 from fabric.launch.process import free_port
@@ -241,6 +242,19 @@ def test_calls_to_a_dead_peer_never_block(fake: FakeReceiver) -> None:
         assert len(failed) == 2000
 
 
+def rebind(transport: str, port: int, timeout: float = 5.0) -> TransferNode:
+    """A serving node on ``port`` just released by a closed one: ZMQ unbinds
+    a closed socket on its I/O thread, a moment after ``close`` returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return make_node(transport, serve=True, port=port)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_a_restarted_receiver_leaves_one_data_plane_peer_and_tables_empty() -> None:
     """A receiver restarted on the same endpoint has a new data-plane agent:
     the link drops the old one. Forgotten requests and a dropped link leave
@@ -253,7 +267,7 @@ def test_a_restarted_receiver_leaves_one_data_plane_peer_and_tables_empty() -> N
         link = sender.client.connect(first.endpoint)
         link.push("r1", keys[:1], slots[:1], timeout=5)
         first.close()
-        second = make_node("tcp", serve=True, port=port)
+        second = rebind("tcp", port)
         with nodes(second):
             link.push("r2", keys[1:], slots[1:], timeout=5)
             assert second.server is not None
