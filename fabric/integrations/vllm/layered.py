@@ -57,7 +57,7 @@ is idle (``before_step``, after the join).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fabric.errors import CapacityError
@@ -129,7 +129,7 @@ class LayeredSaves:
             key = key_of(chunk)
             if key is None or (chunk.req_id, chunk.index) in self._parts:
                 continue
-            if self.store.contains(key):
+            if self.store.contains(key):  # NOTE: nothing to pack
                 continue
             try:
                 slot = self.store.allocate(key)
@@ -165,8 +165,9 @@ class LayeredSaves:
         """Give back the slots nobody took (chunks present meanwhile, requests
         that failed); pack thread, after a step's chunks were saved."""
         self._meta = None
-        self._abort(self._parts.values())
-        self._parts = {}
+        parts, self._parts = self._parts, {}
+        for slot, _ in parts.values():
+            self.store.abort(slot)
 
     def reset(self) -> None:
         """Between steps, the pack thread idle: forget the hooks counted, give back slots."""
@@ -175,7 +176,3 @@ class LayeredSaves:
 
     def table_sizes(self) -> dict[str, int]:
         return {"worker_layered_slots": len(self._parts)}
-
-    def _abort(self, parts: Iterable[tuple[int, LayerwisePack]]) -> None:
-        for slot, _ in parts:
-            self.store.abort(slot)

@@ -645,12 +645,16 @@ class FabricWorker:
             self.layered.end()
         requests = {plan.req_id for plan in meta.sends} | {c.req_id for c in meta.saves}
         for rid in requests:
-            self._keys.pop(rid, None)  # NOTE: its later chunks are not saved either
-            self._save_only.discard(rid)
-            self._shared_chunks.pop(rid, None)
+            self._drop_saving(rid)  # NOTE: its later chunks are not saved either
             if self.sender is not None:
                 self.sender.fail(rid, why)
         logger.error("fabric: %s: the chunks of %d request(s) dropped", why, len(requests))
+
+    def _drop_saving(self, req_id: str) -> None:
+        """Forget ``req_id``'s keys: no later chunk of it is saved."""
+        self._keys.pop(req_id, None)
+        self._save_only.discard(req_id)
+        self._shared_chunks.pop(req_id, None)
 
     def _key_to_save(self, chunk: SaveChunk) -> bytes | None:
         keys = self._keys.get(chunk.req_id)
@@ -662,9 +666,7 @@ class FabricWorker:
         except Exception as exc:
             self.counters.add(thread_errors=1)
             logger.exception("fabric: packing for request %s failed", req_id)
-            self._keys.pop(req_id, None)  # NOTE: its later chunks are skipped
-            self._save_only.discard(req_id)
-            self._shared_chunks.pop(req_id, None)
+            self._drop_saving(req_id)  # NOTE: its later chunks are skipped
             if self.sender is not None:
                 self.sender.fail(req_id, f"packing failed: {type(exc).__name__}: {exc}")
 
@@ -729,9 +731,7 @@ class FabricWorker:
                 self._push_chunk(chunk, keys)
         finally:
             if chunk.index == len(keys) - 1:  # NOTE: its last chunk: nothing more to save
-                self._keys.pop(chunk.req_id, None)
-                self._save_only.discard(chunk.req_id)
-                self._shared_chunks.pop(chunk.req_id, None)
+                self._drop_saving(chunk.req_id)
 
     def _push_chunk(self, chunk: SaveChunk, keys: list[bytes]) -> None:
         """Pack a computed chunk (unless the store has it) and hand it to the push thread."""
@@ -856,6 +856,7 @@ class FabricWorker:
                 self.loader.wait_results(IDLE_STEP_WAIT_S)
             results = self.loader.take_results()
         self.report_tables()
+        self._joined = False  # NOTE: the step ends here; the next one joins again
         return results
 
     def _forget(self, finished_req_ids: set[str]) -> None:
@@ -864,9 +865,7 @@ class FabricWorker:
         if self.shared is not None and finished_req_ids:
             self.shared.finished(finished_req_ids)
         for rid in finished_req_ids:
-            self._keys.pop(rid, None)
-            self._save_only.discard(rid)
-            self._shared_chunks.pop(rid, None)
+            self._drop_saving(rid)
 
     def shutdown(self) -> None:
         self.flush()
