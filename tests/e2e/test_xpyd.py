@@ -61,6 +61,16 @@ class XPyD:
             [(e.base_url, port) for e, port in zip(self.decode, self.kv_ports, strict=True)],
             health_interval_s=1.0,
         )
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        """Until the proxy's ``/health`` is 200: every engine answers and every
+        pair passed its canary, as ``fabric up`` waits before it reports the
+        deployment up (so each P->D link exists before the burst)."""
+        deadline = time.monotonic() + timeout_s
+        while (answer := httpx.get(self.proxy.url("/health"), timeout=30)).status_code != 200:
+            assert time.monotonic() < deadline, f"the proxy never got ready: {answer.text}"
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -42,14 +42,17 @@ that got no answer is cancelled too, since the receiver may have granted it
 late and would hold the slots (and its loader wait) for nothing.
 
 At most ``max_waiting`` pushes per receiver wait for their Reserve; more
-fail at once. Their chunks are kept only while the receiver answers: once
-the endpoint's thread has waited ``stall_s`` in one control call (a silent
-receiver's Hello, a Reserve or heartbeat it does not answer), every chunk of
-a push still waiting for its Reserve is released unwritten (those queued and
-each one that comes) and the push fails. So a stalled receiver holds at
-most the chunks packed in the first ``stall_s``, plus those of the pushes it
-had granted. At most ``MAX_PEERS`` endpoints have a thread at a time; a push
-to another fails at once.
+fail at once. Their chunks are kept while the receiver answers, and while
+the store has room: once the endpoint's thread has waited ``stall_s`` in
+one control call (a silent receiver's Hello, a Reserve or heartbeat it does
+not answer) *and* fewer than ``STALL_PRESSURE`` of the store's slots could
+be allocated now, every chunk of a push still waiting for its Reserve is
+released unwritten (those queued and each one that comes) and the push
+fails. So a stalled receiver never costs the store its last quarter; with
+room to spare, a receiver that is only slow (a busy host answers a Reserve
+in seconds) keeps its pushes, and one that never answers fails them at the
+control call's timeout (``control_timeout_ms``). At most ``MAX_PEERS``
+endpoints have a thread at a time; a push to another fails at once.
 
 Every table is pruned when its request ends however it ends (pushed,
 failed, timed out, finished early); an endpoint's thread ends, and its link
@@ -95,6 +98,8 @@ MAX_WAITING = 64
 MAX_PEERS = 256
 PEER_IDLE_S = 60.0
 STALL_S = 1.0
+STALL_PRESSURE = 0.25
+"""Below this fraction of allocatable store slots, a stalled receiver's waiting chunks go."""
 _TEND_EVERY_S = 0.5
 
 
@@ -365,16 +370,22 @@ class PushSender:
             job.early = []  # NOTE: its thread takes them from here on
         else:
             job.early.append(ref)
-            if job.starved or peer.stalled(time.monotonic(), self.stall_s):
+            if job.starved or (peer.stalled(time.monotonic(), self.stall_s) and self._pressed()):
                 self._starve(job)
         peer.events.put(("chunk", (job, index, ref)))
+
+    def _pressed(self) -> bool:
+        """Whether the store is short of slots (see the module docstring)."""
+        allocatable, total = self.store.allocatable()
+        return allocatable < STALL_PRESSURE * total
 
     def _starve(self, job: PushJob) -> None:
         """Release the chunks ``job`` was handed before its Reserve settled
         (the endpoint's thread fails it, finding them gone)."""
         if not job.starved:
             logger.info(
-                "fabric push %s (request %s): %s stalled before its Reserve; chunks released",
+                "fabric push %s (request %s): %s stalled before its Reserve and the store is short "
+                "of slots; chunks released",
                 job.transfer_id,
                 job.req_id,
                 job.endpoint,
@@ -434,7 +445,7 @@ class PushSender:
         with self._peers_lock:
             peers = list(self._peers.values())
         stalled = {peer.endpoint for peer in peers if peer.stalled(now, self.stall_s)}
-        if stalled:
+        if stalled and self._pressed():
             with self._jobs_lock:
                 jobs = [j for j in self._jobs.values() if j.endpoint in stalled and j.early]
             for job in jobs:
