@@ -226,6 +226,7 @@ class Settings:
     bootstrap_draws: int = 2000
     seed: int = 11
     quick: bool = False
+    fabric_extra: tuple[tuple[str, Any], ...] = ()  # overrides of fabric's extra config
 
 
 # ---------------------------------------------------------------- prompts and bodies
@@ -863,6 +864,7 @@ def fabric_specs(settings: Settings, kv_port: int) -> list[EngineSpec]:
         "chunk_tokens": settings.chunk_tokens,
         "store_mib": settings.store_mib,
         "transport": "nixl",
+        **dict(settings.fabric_extra),
     }
 
     def config(role: str, **more: Any) -> dict[str, Any]:
@@ -1526,6 +1528,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
     p.add_argument("--local-repeats", type=int, help="D local-hit requests per sample (3)")
     p.add_argument("--bootstrap-draws", type=int, help="bootstrap resamples (2000)")
     p.add_argument("--seed", type=int, help="prompts and orders (default 11)")
+    p.add_argument("--fabric-extra", type=json.loads, default=None,
+                   help='JSON object merged into fabric\'s kv_connector_extra_config, e.g. '
+                        '\'{"transfer_nice": null}\'')  # fmt: skip
     p.add_argument("--workdir", type=Path, help="engine logs and caches (default: a temp dir)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = p.parse_args(argv)
@@ -1541,6 +1546,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
         changes["stacks"] = tuple(s for s in STACKS if s in changes["stacks"])
     if ns.tiny:
         changes["kv_heavy"] = False
+    if ns.fabric_extra is not None:
+        if not isinstance(ns.fabric_extra, dict):
+            p.error("--fabric-extra: a JSON object, e.g. '{\"transfer_nice\": null}'")
+        changes["fabric_extra"] = tuple(sorted(ns.fabric_extra.items()))
     if ns.idle_nice is not None:
         changes["idle_nice"] = ns.idle_nice if ns.idle_nice >= 0 else None
     for name in ("requests", "warmup", "max_tokens", "threads", "spin_threshold", "kv_cache_gib",
