@@ -176,7 +176,7 @@ class ChunkStore:
         """(slots an ``allocate`` could take now, all slots): the free ones
         plus the present ones nobody holds (the LRU it would evict)."""
         with self._lock:
-            return len(self._slots.free_slots) + len(self._slots.lru), len(self._slots.slots)
+            return self._slots.available(), len(self._slots.slots)
 
     def reserved_count(self) -> int:
         """Slots currently RESERVED, by local allocations and reservations."""

@@ -61,16 +61,28 @@ class XPyD:
             [(e.base_url, port) for e, port in zip(self.decode, self.kv_ports, strict=True)],
             health_interval_s=1.0,
         )
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.proxy.stop()
+            raise
 
     def wait_ready(self, timeout_s: float = 180) -> None:
         """Until the proxy's ``/health`` is 200: every engine answers and every
         pair passed its canary, as ``fabric up`` waits before it reports the
         deployment up (so each P->D link exists before the burst)."""
-        deadline = time.monotonic() + timeout_s
-        while (answer := httpx.get(self.proxy.url("/health"), timeout=30)).status_code != 200:
-            assert time.monotonic() < deadline, f"the proxy never got ready: {answer.text}"
+        deadline, last = time.monotonic() + timeout_s, ""
+        while time.monotonic() < deadline:
+            try:
+                answer = httpx.get(self.proxy.url("/health"), timeout=30)
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            else:
+                if answer.status_code == 200:
+                    return
+                last = answer.text
             time.sleep(0.5)
+        raise AssertionError(f"the proxy never got ready: {last}")
 
 
 @pytest.fixture(scope="module")

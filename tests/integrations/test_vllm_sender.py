@@ -210,9 +210,12 @@ def test_a_silent_decoder_delays_no_push_to_another(
 
 
 def press(store: ChunkStore) -> list[int]:
-    """Take slots (local allocations) until under a quarter could be allocated."""
+    """Take slots (local allocations) until a few under a quarter could be
+    allocated (so the slot a released push gives back keeps it pressed)."""
+    total = store.allocatable()[1]
+    assert sender_module.STALL_PRESSURE * total > sender_module.MIN_FREE_SLOTS + 4
     taken = []
-    while store.allocatable()[0] >= sender_module.STALL_PRESSURE * store.allocatable()[1]:
+    while store.allocatable()[0] >= sender_module.STALL_PRESSURE * total - 4:
         taken.append(store.allocate(b"press-%08d" % len(taken) + b"\0" * 3))
     return taken
 
@@ -232,6 +235,8 @@ def test_pushes_waiting_on_a_stalled_decoder_keep_their_chunks_until_the_store_i
     taken: list[int] = []
     try:
         slow_control(p)
+        assert p.sender is not None
+        p.sender.max_unsettled_s = 600.0  # NOTE: only the store's pressure releases here
         sent = Tally(p.counters)
         with gated_endpoint(kind) as gate:
             push(p, "s0", gate.endpoint, prompt(0))
@@ -253,6 +258,30 @@ def test_pushes_waiting_on_a_stalled_decoder_keep_their_chunks_until_the_store_i
     finally:
         for slot in taken:
             p.store.abort(slot)
+        p.shutdown()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_push_waiting_too_long_for_its_reserve_gives_its_chunks_back(kind: str) -> None:
+    """With the store at ease, a push whose Reserve has not come within
+    ``max_unsettled_s`` (its decoder stopped waiting by then) releases its
+    chunks anyway; it fails once its thread gets to it."""
+    p = worker(produce=True, seed=1)
+    try:
+        slow_control(p)
+        assert p.sender is not None
+        p.sender.max_unsettled_s = 600.0
+        sent = Tally(p.counters)
+        with gated_endpoint(kind) as gate:
+            push(p, "s0", gate.endpoint, prompt(0))
+            assert not holds_no_slot(p)
+            p.sender.max_unsettled_s = 0.5  # NOTE: the next tend finds it over age
+            wait_for(lambda: holds_no_slot(p), "a push waiting for ever kept its chunk", HANG_S)
+            assert sent["push_failures"] == 0  # the Hello still waits
+            gate.refuse()
+            wait_for(lambda: sent["push_failures"] >= 1, "the push never failed")
+            assert_nothing_held(p)
+    finally:
         p.shutdown()
 
 

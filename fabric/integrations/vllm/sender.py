@@ -42,16 +42,27 @@ that got no answer is cancelled too, since the receiver may have granted it
 late and would hold the slots (and its loader wait) for nothing.
 
 At most ``max_waiting`` pushes per receiver wait for their Reserve; more
-fail at once. Their chunks are kept while the receiver answers, and while
-the store has room: once the endpoint's thread has waited ``stall_s`` in
-one control call (a silent receiver's Hello, a Reserve or heartbeat it does
-not answer) *and* fewer than ``STALL_PRESSURE`` of the store's slots could
-be allocated now, every chunk of a push still waiting for its Reserve is
-released unwritten (those queued and each one that comes) and the push
-fails. So a stalled receiver never costs the store its last quarter; with
-room to spare, a receiver that is only slow (a busy host answers a Reserve
-in seconds) keeps its pushes, and one that never answers fails them at the
-control call's timeout (``control_timeout_ms``). At most ``MAX_PEERS``
+fail at once. Their chunks are released unwritten (those queued and each
+one that comes) and the push fails when either holds:
+
+- the push was admitted ``max_unsettled_s`` ago and its Reserve has not
+  been answered (time queued behind the receiver's other Reserves counts:
+  they go one at a time, so a receiver that answers each just before the
+  control timeout would otherwise keep the last of 64 pushes' chunks for
+  minutes, long after its decoder stopped waiting);
+- the endpoint's thread has waited ``stall_s`` in one control call (a
+  silent receiver's Hello, a Reserve or heartbeat it does not answer) while
+  the store is short of slots: fewer than max(``STALL_PRESSURE`` of them,
+  ``MIN_FREE_SLOTS``) could be allocated now. This is checked as each chunk
+  is handed over, of any push while some receiver was stalled at the last
+  tend (every ``_TEND_EVERY_S``) and of a push to a receiver stalled now,
+  and at each tend; it releases every stalled receiver's waiting pushes.
+
+So a receiver that is only slow (a busy host answers a Reserve in a second
+or three) keeps the pushes it gets to within ``max_unsettled_s`` while the
+store has room; one that never answers holds at most the chunks packed in
+``max_unsettled_s`` (those of the pushes it had granted aside), and none
+once the other pushes need the slots. At most ``MAX_PEERS``
 endpoints have a thread at a time; a push to another fails at once.
 
 Every table is pruned when its request ends however it ends (pushed,
@@ -100,6 +111,12 @@ PEER_IDLE_S = 60.0
 STALL_S = 1.0
 STALL_PRESSURE = 0.25
 """Below this fraction of allocatable store slots, a stalled receiver's waiting chunks go."""
+MIN_FREE_SLOTS = 8
+"""...and below this many allocatable slots, whatever the fraction (small stores)."""
+MAX_UNSETTLED_S = 5.0
+"""The longest a push's chunks wait for its Reserve, from its admission (a decoder
+gives up on a transfer it has not heard of after ``unknown_transfer_grace_s``, 2 s
+by default; one that claimed it waits longer)."""
 _TEND_EVERY_S = 0.5
 
 
@@ -151,6 +168,7 @@ class PushJob:
     dropped: bool = False  # forgotten by its endpoint's thread
     asked: bool = False  # a Reserve went out without a refusal back: cancel it on failure
     settled: bool = False  # its Reserve was answered or given up (endpoint thread)
+    admitted_at: float = 0.0  # when the dispatcher handed it to its endpoint's thread
     # The dispatcher's: chunk refs handed over before it settled, and whether
     # they were released unwritten (the receiver stalled).
     early: list[_SlotRef] = field(default_factory=list)
@@ -256,13 +274,15 @@ class PushSender:
         max_waiting: int = MAX_WAITING,
         peer_idle_s: float = PEER_IDLE_S,
         stall_s: float = STALL_S,
+        max_unsettled_s: float = MAX_UNSETTLED_S,
         name: str = "fabric-push",
     ) -> None:
         self.client, self.store, self.counters = client, store, counters
         self.lease_ms, self.push_timeout_s = lease_ms, push_timeout_s
         self.names, self.prepare, self.backoff_s = names, prepare, backoff_s
         self.max_waiting, self.peer_idle_s, self.name = max_waiting, peer_idle_s, name
-        self.stall_s = stall_s
+        self.stall_s, self.max_unsettled_s = stall_s, max_unsettled_s
+        self._stalled: set[str] = set()  # endpoints stalled at the last tend (dispatcher's)
         self._events: queue.Queue[Event] = queue.Queue()
         self._jobs: dict[str, PushJob] = {}  # req_id -> its live job (for routing)
         self._jobs_lock = threading.Lock()
@@ -364,28 +384,46 @@ class PushSender:
 
     def _route_chunk(self, peer: _Peer, job: PushJob, index: int, slot: int) -> None:
         """Hand chunk ``index`` over; released at once instead if ``job``
-        still waits for its Reserve from a receiver that stalled."""
+        still waits for its Reserve and may keep no chunk (see the module
+        docstring); while a receiver stalls, each chunk checks the store."""
         ref = _SlotRef(slot)
+        now = time.monotonic()
         if job.settled:
             job.early = []  # NOTE: its thread takes them from here on
         else:
             job.early.append(ref)
-            if job.starved or (peer.stalled(time.monotonic(), self.stall_s) and self._pressed()):
+            if job.starved or now - job.admitted_at > self.max_unsettled_s:
                 self._starve(job)
+        if self._stalled or peer.stalled(now, self.stall_s):
+            self._starve_stalled(self._stalled | {peer.endpoint}, now)
         peer.events.put(("chunk", (job, index, ref)))
+
+    def _starve_stalled(self, endpoints: set[str], now: float) -> None:
+        """While the store is short of slots, release the waiting pushes of
+        every receiver in ``endpoints`` that still stalls."""
+        with self._peers_lock:
+            peers = [p for e in endpoints if (p := self._peers.get(e)) is not None]
+        stalled = {p.endpoint for p in peers if p.stalled(now, self.stall_s)}
+        if not stalled or not self._pressed():
+            return
+        with self._jobs_lock:
+            jobs = [j for j in self._jobs.values() if j.endpoint in stalled and j.early]
+        for job in jobs:
+            if not job.settled:
+                self._starve(job)
 
     def _pressed(self) -> bool:
         """Whether the store is short of slots (see the module docstring)."""
         allocatable, total = self.store.allocatable()
-        return allocatable < STALL_PRESSURE * total
+        return allocatable < max(STALL_PRESSURE * total, min(MIN_FREE_SLOTS, total))
 
     def _starve(self, job: PushJob) -> None:
         """Release the chunks ``job`` was handed before its Reserve settled
         (the endpoint's thread fails it, finding them gone)."""
         if not job.starved:
             logger.info(
-                "fabric push %s (request %s): %s stalled before its Reserve and the store is short "
-                "of slots; chunks released",
+                "fabric push %s (request %s): no Reserve from %s yet (it stalls while the store "
+                "is short of slots, or the push waited too long); chunks released",
                 job.transfer_id,
                 job.req_id,
                 job.endpoint,
@@ -416,6 +454,7 @@ class PushSender:
             peer.saturated = True
         else:
             peer.saturated = False
+            job.admitted_at = time.monotonic()
             with self._jobs_lock:
                 self._jobs[job.req_id] = job
             peer.admitted += 1
@@ -444,13 +483,14 @@ class PushSender:
         self._next_tend = now + _TEND_EVERY_S
         with self._peers_lock:
             peers = list(self._peers.values())
-        stalled = {peer.endpoint for peer in peers if peer.stalled(now, self.stall_s)}
-        if stalled and self._pressed():
-            with self._jobs_lock:
-                jobs = [j for j in self._jobs.values() if j.endpoint in stalled and j.early]
-            for job in jobs:
-                if not job.settled:
-                    self._starve(job)
+        self._stalled = {peer.endpoint for peer in peers if peer.stalled(now, self.stall_s)}
+        if self._stalled:
+            self._starve_stalled(self._stalled, now)
+        with self._jobs_lock:
+            old = [j for j in self._jobs.values() if j.early and not j.settled]
+        for job in old:
+            if not job.settled and now - job.admitted_at > self.max_unsettled_s:
+                self._starve(job)
         for peer in peers:
             dead = not peer.thread.is_alive()
             if not dead and not peer.idle(now, self.peer_idle_s):
