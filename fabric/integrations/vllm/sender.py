@@ -62,8 +62,8 @@ So a receiver that is only slow (a busy host answers a Reserve in a second
 or three) keeps the pushes it gets to within ``max_unsettled_s`` while the
 store has room; one that never answers holds at most the chunks packed in
 ``max_unsettled_s`` (those of the pushes it had granted aside), and none
-once the other pushes need the slots. At most ``MAX_PEERS``
-endpoints have a thread at a time; a push to another fails at once.
+once the other pushes need the slots. At most ``MAX_PEERS`` endpoints have
+a thread at a time; a push to another fails at once.
 
 Every table is pruned when its request ends however it ends (pushed,
 failed, timed out, finished early); an endpoint's thread ends, and its link
@@ -392,7 +392,7 @@ class PushSender:
             job.early = []  # NOTE: its thread takes them from here on
         else:
             job.early.append(ref)
-            if job.starved or now - job.admitted_at > self.max_unsettled_s:
+            if job.starved or self._over_age(job, now):
                 self._starve(job)
         if self._stalled or peer.stalled(now, self.stall_s):
             self._starve_stalled(self._stalled | {peer.endpoint}, now)
@@ -411,6 +411,10 @@ class PushSender:
         for job in jobs:
             if not job.settled:
                 self._starve(job)
+
+    def _over_age(self, job: PushJob, now: float) -> bool:
+        """Whether ``job`` has waited ``max_unsettled_s`` for its Reserve."""
+        return now - job.admitted_at > self.max_unsettled_s
 
     def _pressed(self) -> bool:
         """Whether the store is short of slots (see the module docstring)."""
@@ -487,9 +491,9 @@ class PushSender:
         if self._stalled:
             self._starve_stalled(self._stalled, now)
         with self._jobs_lock:
-            old = [j for j in self._jobs.values() if j.early and not j.settled]
-        for job in old:
-            if not job.settled and now - job.admitted_at > self.max_unsettled_s:
+            waiting = [j for j in self._jobs.values() if j.early]
+        for job in waiting:
+            if not job.settled and self._over_age(job, now):
                 self._starve(job)
         for peer in peers:
             dead = not peer.thread.is_alive()
