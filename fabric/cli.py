@@ -161,6 +161,10 @@ def _store_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument("--disk-path", help="disk tier directory (default: none)")
     serve.add_argument("--disk-gib", type=float, default=16.0, help="disk budget (default 16)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument(
+        "--advertise-host",
+        help="address told to engines (default: the bind address; derived for 0.0.0.0)",
+    )
     serve.add_argument("--port", type=int, default=0, help="control port (default 0: free)")
     serve.add_argument("--endpoint-file", help="write the control endpoint here")
     serve.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
@@ -190,6 +194,7 @@ def _store(ns: argparse.Namespace) -> int:
         config = ServiceConfig(
             mem_bytes=int(ns.mem_gib * 2**30),
             host=ns.host,
+            advertise_host=ns.advertise_host,
             port=ns.port,
             transport=ns.transport,
             disk_path=ns.disk_path,

@@ -90,13 +90,16 @@ class ServiceConfig:
     ``mem_bytes``: the memory tier (all of it registered with the data plane
     at start). ``disk_path``/``disk_gib``: the optional disk tier, which
     survives restarts of the store. ``host``/``port``: the control channel
-    (port 0 = a free one; ``endpoint_file`` receives it). ``secret``: signs
+    (port 0 = a free one; ``endpoint_file`` receives it); ``advertise_host``:
+    the address written there and told to peers (unset: ``host``, or one
+    derived for a wildcard: :mod:`fabric.transfer.addresses`). ``secret``: signs
     the control channel like the engines' (they need the same one).
     """
 
     mem_bytes: int
     host: str = "127.0.0.1"
     port: int = 0
+    advertise_host: str | None = None
     transport: Transport = "auto"
     disk_path: str | None = None
     disk_gib: float = 16.0
@@ -118,6 +121,7 @@ class ServiceConfig:
         return TransferConfig(
             transport=self.transport,
             host=self.host,
+            advertise_host=self.advertise_host,
             port=self.port,
             lease_ms=self.lease_ms,
             ucx_net_devices=self.ucx_net_devices or os.environ.get("UCX_NET_DEVICES"),

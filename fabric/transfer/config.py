@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from fabric.errors import ConfigError
+from fabric.transfer.addresses import advertised_host, check_host
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.protocol import MAX_LEASE_MS, Codec
 
@@ -20,8 +21,11 @@ class TransferConfig:
     """Settings shared by the sending and receiving ends.
 
     ``transport``: ``auto`` picks NIXL when it imports, else TCP.
-    ``host``/``port``: where the receiver's control channel binds (port 0 =
-    a free port chosen by the OS). ``poll_interval_ms``: how often the
+    ``host``/``port``: where the receiver's control channel (and the TCP
+    data plane) binds (port 0 = a free port chosen by the OS);
+    ``advertise_host``: the address peers are told to connect to (None: the
+    bind address, or for a wildcard bind one derived as
+    :mod:`fabric.transfer.addresses` says). ``poll_interval_ms``: how often the
     receiver checks for notifications while writes are outstanding and
     something came within the last ``server.QUIET_AFTER_MS`` (a
     notification or a control message); ``quiet_poll_interval_ms`` while
@@ -54,6 +58,7 @@ class TransferConfig:
     transport: Transport = "auto"
     host: str = "127.0.0.1"
     port: int = 0
+    advertise_host: str | None = None
     max_message_bytes: int = 1 << 20
     control_timeout_ms: int = 5000
     lease_ms: int = 10000
@@ -73,6 +78,9 @@ class TransferConfig:
             raise ConfigError(f"transfer.transport: unknown transport {self.transport!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"transfer.port: {self.port} is not a port number")
+        check_host(self.host, "transfer.host")
+        if self.advertise_host is not None:
+            advertised_host(self.host, self.advertise_host)  # refuses a wildcard or IPv6
         for name in ("max_message_bytes", "control_timeout_ms", "lease_ms", "write_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"transfer.{name}: must be positive")
@@ -101,6 +109,10 @@ class TransferConfig:
         """The frame codec of this side: its secret and size limit."""
         return Codec(self.secret, self.max_message_bytes)
 
+    def advertised(self) -> str:
+        """The host this side's peers connect to (``addresses.advertised_host``)."""
+        return advertised_host(self.host, self.advertise_host)
+
     def resolved_transport(self) -> str:
         """The concrete transport ``auto`` stands for on this machine."""
         if self.transport != "auto":
@@ -124,7 +136,9 @@ def open_data_plane(config: TransferConfig, name: str) -> DataPlane:
     if transport == "tcp":
         from fabric.transfer.tcp_plane import TcpDataPlane
 
-        return TcpDataPlane(name, host=config.host, secret=config.secret)
+        return TcpDataPlane(
+            name, host=config.host, secret=config.secret, advertise_host=config.advertised()
+        )
     from fabric.transfer.dataplane import LoopbackDataPlane
 
     return LoopbackDataPlane(name)

@@ -101,6 +101,7 @@ from fabric.errors import (
     SlotStateError,
 )
 from fabric.transfer import protocol as proto
+from fabric.transfer.addresses import bind_host
 from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
 from fabric.transfer.offload import BUSY, CLOSING, Offload
@@ -191,12 +192,14 @@ class TransferServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + proto.SOCKET_SLACK_BYTES)
         self._monitor: zmq.Socket[bytes] = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        bind = bind_host(config.host)
         if config.port:
-            self._sock.bind(f"tcp://{config.host}:{config.port}")
+            self._sock.bind(f"tcp://{bind}:{config.port}")
             port = config.port
         else:
-            port = self._sock.bind_to_random_port(f"tcp://{config.host}")
-        self.endpoint = f"tcp://{config.host}:{port}"
+            port = self._sock.bind_to_random_port(f"tcp://{bind}")
+        # NOTE: what peers connect to (not a wildcard bind: see fabric.transfer.addresses).
+        self.endpoint = f"tcp://{config.advertised()}:{port}"
         self._peers: dict[bytes, str] = {}  # control identity -> data-plane agent
         self._peer_seen: dict[bytes, float] = {}
         self._next_prune = 0.0

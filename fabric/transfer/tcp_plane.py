@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import msgspec
 
 from fabric.errors import TransportFailed
+from fabric.transfer.addresses import advertised_host, bind_host
 from fabric.transfer.dataplane import (
     DataPlane,
     Segment,
@@ -213,16 +214,28 @@ class _PeerSender:
 
 
 class TcpDataPlane(DataPlane):
-    """Data plane over plain TCP sockets bound to ``host``."""
+    """Data plane over plain TCP sockets bound to ``host``.
+
+    Its descriptor names ``advertise_host`` (default: ``host``), where senders
+    connect: a wildcard bind must be given a routable one
+    (:func:`fabric.transfer.addresses.advertised_host`).
+    """
 
     kind = "tcp"
     fences_writes = True
 
-    def __init__(self, name: str, host: str = "127.0.0.1", secret: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        host: str = "127.0.0.1",
+        secret: str | None = None,
+        advertise_host: str | None = None,
+    ) -> None:
         super().__init__(name)
         self._key = secret.encode() if secret else None
-        self._listener = socket.create_server((host, 0))
-        self._host, self._port = host, self._listener.getsockname()[1]
+        self._listener = socket.create_server((bind_host(host), 0))
+        self._port = self._listener.getsockname()[1]
+        self._host = advertise_host or advertised_host(host)
         self._notifs: deque[tuple[str, bytes]] = deque()
         self._senders: dict[str, _PeerSender] = {}
         self._senders_lock = threading.Lock()

@@ -1,6 +1,10 @@
 """A receiver in its own OS process, driven over stdin/stdout by the tests.
 
-    python tests/transfer/peer.py TRANSPORT NUM_SLOTS SLOT_BYTES QUARANTINE_MS
+    python tests/transfer/peer.py TRANSPORT NUM_SLOTS SLOT_BYTES QUARANTINE_MS \\
+        [HOST [UCX_NET_DEVICES]]
+
+(HOST: where it binds, default 127.0.0.1; UCX_NET_DEVICES: default ``lo``,
+``-`` for UCX's own choice)
 
 prints one JSON line {"endpoint": ...}, then answers one JSON line per
 command line:
@@ -55,12 +59,18 @@ def check(node: TransferNode, request_id: str, timeout: float, seed: int) -> dic
 
 def main() -> None:
     transport, num_slots, slot_bytes, quarantine_ms = sys.argv[1:5]
+    host = sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1"
+    devices = sys.argv[6] if len(sys.argv) > 6 else "lo"
     store = ChunkStore(
         StoreConfig(
             slot_bytes=int(slot_bytes), num_slots=int(num_slots), quarantine_ms=int(quarantine_ms)
         )
     )
-    config = TransferConfig(transport=transport, ucx_net_devices="lo")  # type: ignore[arg-type]
+    config = TransferConfig(
+        transport=transport,  # type: ignore[arg-type]
+        host=host,
+        ucx_net_devices=None if devices == "-" else devices,
+    )
     with TransferNode(store, config, FINGERPRINT, name=f"peer-{transport}") as node:
         print(json.dumps({"endpoint": node.endpoint}), flush=True)
         for line in sys.stdin:

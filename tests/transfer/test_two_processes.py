@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -36,21 +36,26 @@ TRANSPORTS = [
 class Peer:
     """The receiver process and its command pipe."""
 
-    def __init__(self, transport: str) -> None:
+    def __init__(
+        self,
+        transport: str,
+        *,
+        wrap: Callable[[list[str]], list[str]] = list,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``extra``: peer.py's optional arguments; ``wrap``: how the argv is
+        run (e.g. inside a network namespace)."""
+        argv = [sys.executable, str(PEER_SCRIPT), transport]
+        argv += [str(PEER_SLOTS), str(SLOT_BYTES), str(QUARANTINE_MS), *extra]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(PEER_SCRIPT),
-                transport,
-                str(PEER_SLOTS),
-                str(SLOT_BYTES),
-                str(QUARANTINE_MS),
-            ],
+            wrap(argv),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
-        self.endpoint = self._read()["endpoint"]
+        self.endpoint = str(self._read()["endpoint"])
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None

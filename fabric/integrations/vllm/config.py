@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fabric.errors import ConfigError
+from fabric.transfer.addresses import advertised_host
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.lookup import resolve_endpoint
 
@@ -31,9 +32,13 @@ class ConnectorConfig:
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
     ``host``: where the fabric server (control channel and TCP data plane)
-    binds. ``model_revision``: names the weights in chunk keys instead of
-    the digest of the model's weight files (for weights the engine does not
-    read as local files; see :mod:`fabric.integrations.vllm.identity`).
+    binds; ``advertise_host``: the address its peers are told to connect to
+    (unset: ``host``, or for a wildcard ``host`` such as ``0.0.0.0``,
+    ``$VLLM_HOST_IP``, else this host's routed or first non-loopback
+    address: :mod:`fabric.transfer.addresses`). ``model_revision``: names
+    the weights in chunk keys instead of the digest of the model's weight
+    files (for weights the engine does not read as local files; see
+    :mod:`fabric.integrations.vllm.identity`).
     ``lookup_timeout_ms``: how long vLLM's scheduler waits, per scheduler
     step and for all the requests it asks in that step together, for its
     workers' reuse tiers (all TP ranks at once) and the shared store, inside
@@ -56,6 +61,7 @@ class ConnectorConfig:
 
     kv_port: int = 0
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
     transport: str = "auto"
     chunk_tokens: int = 256
     store_mib: int = 1024
@@ -112,6 +118,10 @@ class ConnectorConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be > 0")
         self._check_secret()
+        try:
+            advertised_host(self.host, self.advertise_host)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_connector_extra_config.{exc}") from exc
         if self.shared_store is not None:
             if not self.shared_store.strip():
                 raise ConfigError("kv_connector_extra_config.shared_store: must not be empty")
@@ -172,6 +182,7 @@ class ConnectorConfig:
 
 
 _OPTIONAL_STR = (
+    "advertise_host",
     "ucx_net_devices",
     "disk_path",
     "shared_store",

@@ -90,6 +90,7 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.transfer import protocol as proto
+from fabric.transfer.addresses import local_host
 from fabric.transfer.lookup import (
     NoConnection,
     PeerBusy,
@@ -594,7 +595,8 @@ class WorkerTierClient:
     def _endpoints(self) -> list[str] | None:
         c = self.config
         if c.kv_port:
-            return [f"tcp://{c.host}:{c.kv_port + rank}" for rank in range(self.tp_size)]
+            host = local_host(c.host)  # NOTE: this host's own workers
+            return [f"tcp://{host}:{c.kv_port + rank}" for rank in range(self.tp_size)]
         if self.engine_id is None:
             return None
         from fabric.integrations.vllm.worker import endpoint_file

@@ -404,6 +404,7 @@ class FabricWorker:
         return TransferConfig(
             transport=c.transport,  # type: ignore[arg-type]
             host=c.host,
+            advertise_host=c.advertise_host,
             port=port,
             lease_ms=c.lease_ms,
             write_timeout_ms=int(c.push_timeout_s * 1000),

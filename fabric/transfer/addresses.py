@@ -1,0 +1,127 @@
+"""Bind one address, advertise a routable one.
+
+A fabric server binds its control channel and TCP data plane to ``host``
+and tells its peers where to reach them: the control endpoint it reports
+(written to its endpoint file, returned by ``TransferServer.endpoint``) and
+the TCP data plane's descriptor, which a sender receives in the Hello
+answer and connects to. A wildcard bind (``0.0.0.0``) is not an address a
+peer on another host can connect to (connecting to it reaches the peer's
+own host), so the advertised host is, in order:
+
+1. ``advertise_host`` when the operator set it;
+2. the bind address itself when it is not a wildcard;
+3. ``$VLLM_HOST_IP``, vLLM's own setting for "this node's IP", when set;
+4. the source address the kernel picks for a route to a public address
+   (a UDP ``connect``: no packet is sent), when this host has such a route;
+5. the first address of an interface that is up and not loopback;
+6. ``127.0.0.1``, with a warning (nothing else was found: only peers on
+   this host can reach it).
+
+IPv4 only: an IPv6 bind or advertised address is refused with a clear
+error (the control channel's ZMQ sockets and the TCP data plane's
+descriptor do not carry IPv6 yet).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+
+from fabric.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+WILDCARDS = frozenset({"0.0.0.0", "", "*"})
+ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1: any default route reaches it; nothing is sent
+HOST_IP_ENV = "VLLM_HOST_IP"
+LOOPBACK = "127.0.0.1"
+_SIOCGIFADDR = 0x8915
+_SIOCGIFFLAGS = 0x8913
+_IFF_UP = 0x1
+_IFF_LOOPBACK = 0x8
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` listens on every interface (not an address to connect to)."""
+    return host.strip() in WILDCARDS
+
+
+def bind_host(host: str) -> str:
+    """``host`` as sockets and ZMQ bind it: ``0.0.0.0`` for any wildcard spelling."""
+    return "0.0.0.0" if is_wildcard(host) else host.strip()
+
+
+def local_host(bind: str) -> str:
+    """Where a process on this host connects to a server bound to ``bind``."""
+    return LOOPBACK if is_wildcard(bind) else bind.strip()
+
+
+def check_host(host: str, what: str) -> str:
+    """``host`` stripped, or a :class:`ConfigError` naming ``what`` for an IPv6 literal."""
+    value = host.strip()
+    try:
+        version = ipaddress.ip_address(value.strip("[]")).version
+    except ValueError:  # a name, resolved where it is used
+        return value
+    if version == 6:
+        raise ConfigError(f"{what}: {host!r} is an IPv6 address; fabric speaks IPv4 only")
+    return value
+
+
+def advertised_host(bind: str, advertise: str | None = None) -> str:
+    """The host peers should connect to for a server bound to ``bind`` (see the module)."""
+    if advertise is not None and advertise.strip():
+        value = check_host(advertise, "advertise_host")
+        if is_wildcard(value):
+            raise ConfigError(f"advertise_host: {advertise!r} is a wildcard, not an address")
+        return value
+    bind = check_host(bind, "host")
+    if not is_wildcard(bind):
+        return bind
+    from_env = os.environ.get(HOST_IP_ENV, "").strip()
+    if from_env:
+        return check_host(from_env, HOST_IP_ENV)
+    found = routed_address() or interface_address()
+    if found is not None:
+        return found
+    logger.warning(
+        "fabric: bound to %r but found no address but loopback to advertise: peers on "
+        "other hosts cannot reach this one (set advertise_host)",
+        bind,
+    )
+    return LOOPBACK
+
+
+def routed_address() -> str | None:
+    """The source address of this host's route to a public address; None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(ROUTE_PROBE)
+        except OSError:  # no route (a host with no default route, an isolated namespace)
+            return None
+        address = str(probe.getsockname()[0])
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def interface_address() -> str | None:
+    """The IPv4 address of the first interface (by index) that is up and not loopback."""
+    try:
+        interfaces = socket.if_nameindex()
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in sorted(interfaces):
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack_from("H", fcntl.ioctl(sock, _SIOCGIFFLAGS, request), 16)[0]
+                if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
+                    continue
+                answer = fcntl.ioctl(sock, _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address on it
+                continue
+            return socket.inet_ntoa(answer[20:24])
+    return None

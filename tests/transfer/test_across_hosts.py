@@ -1,0 +1,144 @@
+"""Transfers between simulated hosts (network namespaces), and what a server advertises.
+
+A receiver bound to every interface (``host: 0.0.0.0``) must tell its
+senders an address they can reach: its TCP data plane used to advertise the
+bind address, so a sender on another host connected to 0.0.0.0 -- itself --
+and every push failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fabric.errors import ConfigError
+from fabric.transfer import TransferConfig
+from fabric.transfer.addresses import advertised_host, interface_address, is_wildcard
+from fabric.transfer.nixl_plane import nixl_available
+from tests.netns import Hosts, skip_reason
+
+from .test_two_processes import Peer
+
+HERE = Path(__file__).parent
+PUSHER_SCRIPT = HERE / "pusher.py"
+SLOT_BYTES = 1 << 20
+CHUNKS = 6
+PROCESS_TIMEOUT_S = 120
+
+TRANSPORTS = [
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="no nixl")),
+    "tcp",
+]
+# NOTE: across namespaces of one kernel UCX would pick its shared-memory
+# transports; TCP over the veths is what a second host would use.
+UCX_ENV = {"UCX_TLS": "tcp"}
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with Hosts(["hostp", "hostd"]) as made:
+        yield made
+
+
+def _python_in(hosts: Hosts, name: str, code: str, env: dict[str, str] | None = None) -> str:
+    argv = hosts.command(name, [sys.executable, "-c", code])
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
+        env=os.environ | (env or {}),
+        cwd=HERE.parent.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _receiver(hosts: Hosts, name: str, transport: str, bind: str) -> Peer:
+    """tests/transfer/peer.py inside a host's namespace, bound to ``bind``."""
+    devices = "eth0" if transport == "nixl" else "-"
+    return Peer(
+        transport,
+        wrap=lambda argv: hosts.command(name, argv),
+        extra=[bind, devices],
+        env=os.environ | UCX_ENV,
+    )
+
+
+def _push(hosts: Hosts, name: str, transport: str, endpoint: str, request: str, seed: int) -> dict:
+    devices = "eth0" if transport == "nixl" else "-"
+    argv = [sys.executable, str(PUSHER_SCRIPT), transport, endpoint, request, str(seed)]
+    done = subprocess.run(
+        hosts.command(name, [*argv, str(CHUNKS), str(SLOT_BYTES), devices]),
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
+        env=os.environ | UCX_ENV,
+        cwd=HERE.parent.parent,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    out: dict = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receiver_bound_to_every_interface_is_pushed_to_from_another_host(
+    hosts: Hosts, transport: str
+) -> None:
+    receiver = _receiver(hosts, "hostd", transport, "0.0.0.0")
+    try:
+        address = hosts.address("hostd")
+        port = receiver.endpoint.rsplit(":", 1)[1]
+        assert receiver.endpoint == f"tcp://{address}:{port}"
+        # NOTE: the sender names the receiver as a topology does: its host's
+        # address and its port (not the endpoint it reports).
+        pushed = _push(hosts, "hostp", transport, f"tcp://{address}:{port}", "req-x", 7)
+        assert pushed == {"ok": True, "nbytes": CHUNKS * SLOT_BYTES}, pushed
+        seen = receiver.cmd("wait", "req-x", 30, 7)
+        assert seen["complete"] and seen["filled"] == CHUNKS, seen
+        assert seen["bad"] == [] and seen["failed"] == [], seen
+        assert receiver.cmd("stats")["reserved"] == 0
+    finally:
+        receiver.stop()
+
+
+def test_a_wildcard_bind_advertises_the_hosts_address(hosts: Hosts) -> None:
+    code = (
+        "from fabric.transfer.addresses import advertised_host as a;"
+        "print(a('0.0.0.0'), a('*'), a('0.0.0.0', '10.9.8.7'), a('10.77.0.3'))"
+    )
+    # No default route in a namespace: the interface's address.
+    assert _python_in(hosts, "hostd", code).split() == [hosts.address("hostd")] * 2 + [
+        "10.9.8.7",
+        "10.77.0.3",
+    ]
+    # vLLM's node address wins over what the interfaces say.
+    assert _python_in(hosts, "hostp", code, {"VLLM_HOST_IP": "10.1.2.3"}).split()[0] == "10.1.2.3"
+
+
+def test_the_route_probe_sends_nothing_and_an_isolated_host_has_no_route(hosts: Hosts) -> None:
+    code = "from fabric.transfer.addresses import routed_address; print(routed_address())"
+    assert _python_in(hosts, "hostp", code) == "None"
+
+
+def test_advertise_settings_are_checked() -> None:
+    assert TransferConfig(host="0.0.0.0", advertise_host="10.0.0.5").advertised() == "10.0.0.5"
+    assert TransferConfig().advertised() == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"advertise_host.*wildcard"):
+        TransferConfig(host="0.0.0.0", advertise_host="0.0.0.0")
+    with pytest.raises(ConfigError, match="IPv6"):
+        TransferConfig(host="::")
+    with pytest.raises(ConfigError, match="IPv6"):
+        advertised_host("0.0.0.0", "fe80::1")
+    assert is_wildcard(" 0.0.0.0 ") and not is_wildcard("10.0.0.1")
+    found = interface_address()
+    assert found is None or not found.startswith("127.")
