@@ -3,6 +3,7 @@
     with Hosts(["hostp", "hostd"]) as hosts:
         hosts.address("hostd")             # "10.77.0.3"
         hosts.command("hostd", [...])      # argv that runs inside hostd's namespace
+        hosts.cut("hostd")                 # a partition: hostd's packets dropped
 
 Each host is a namespace with ``lo`` up and one veth, ``eth0``, holding
 ``10.77.0.N/24`` (N = 2, 3, ... in the order given). The other end of each
@@ -92,6 +93,12 @@ class Hosts:
     def command(self, name: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside the host's namespace (``ip netns exec`` execs it: same pid)."""
         return ["ip", "netns", "exec", self.namespaces[name], *argv]
+
+    def cut(self, name: str, cut: bool = True) -> None:
+        """Partition the host from the others (its bridge port down: packets to
+        and from it are dropped, nobody is told), or (``cut=False``) heal it."""
+        port = f"p{list(self.namespaces).index(name)}"
+        _ip("-n", self.switch, "link", "set", port, "down" if cut else "up")
 
     def close(self) -> None:
         """Delete every namespace made (their veths and the bridge go with them)."""

@@ -31,7 +31,9 @@ engine, or seen: the engine refused a request with its drain 503)::
   a drain set by whoever runs the engine ends only with ``set_draining``.
 
 Health has two sources: a background probe of every engine's ``/health``
-every ``health_interval_s`` (which also brings engines back), and failures
+every ``health_interval_s`` (which also brings engines back; a probe that
+times out marks the engine down at once when a fresh TCP connection to it
+cannot be made either: :func:`tcp_unreachable`), and failures
 seen while serving requests (a refused connection marks the engine down at
 once, so the next requests skip it instead of waiting on it).
 
@@ -41,6 +43,7 @@ Everything here runs on the proxy's event loop (not thread-safe).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -49,6 +52,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -59,7 +63,8 @@ logger = logging.getLogger(__name__)
 
 
 SLOW_PROBES_DOWN = 3
-"""Timed-out health probes in a row that mark an engine down (refused: one)."""
+"""Timed-out health probes in a row that mark a reachable engine down (refused or
+unreachable: one, :func:`tcp_unreachable`)."""
 
 API_KEY_ENV = "VLLM_API_KEY"
 """vLLM's environment variable for ``--api-key`` (``vllm/envs.py``)."""
@@ -258,7 +263,14 @@ async def probe(
         return False
     except httpx.HTTPError as exc:
         # NOTE: a busy engine on a loaded host can miss one probe's timeout;
-        # only SLOW_PROBES_DOWN in a row take it out of rotation.
+        # only SLOW_PROBES_DOWN in a row take it out of rotation. One that
+        # cannot be reached at all (a partition, a dead host: no TCP
+        # connection, the kernel would accept one for a busy engine) is down
+        # at once.
+        unreachable = await tcp_unreachable(engine.url, timeout_s)
+        if unreachable is not None:
+            engine.mark_down(f"/health: {describe(exc)}; {unreachable}")
+            return False
         engine.slow_probes += 1
         if engine.slow_probes >= SLOW_PROBES_DOWN:
             engine.mark_down(f"/health: {describe(exc)} ({engine.slow_probes} probes in a row)")
@@ -276,6 +288,32 @@ async def probe(
     if engine.role != "prefill" and engine._kv_tokens_epoch != engine.epoch:
         await read_kv_tokens(client, engine, timeout_s)
     return True
+
+
+async def tcp_unreachable(url: str, timeout_s: float) -> str | None:
+    """Why a fresh TCP connection to ``url``'s host and port cannot be made
+    within ``timeout_s`` (None: it can; it is closed at once).
+
+    The kernel completes the handshake for a listening socket whatever the
+    server process is doing, so this tells an engine that is slow to answer
+    (connects) from one that cannot be reached (a partition, a dead host:
+    the connect times out) or is gone (refused). A pooled keep-alive
+    connection cannot tell: a request written on it during a partition only
+    times out, like one to a busy engine.
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except TimeoutError:
+        return f"no TCP connection to {host}:{port} within {timeout_s:g} s (unreachable)"
+    except OSError as exc:
+        return f"TCP connect to {host}:{port} failed: {exc}"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
 
 
 KV_TOKENS = re.compile(r'^vllm:cache_config_info\{[^}]*kv_cache_size_tokens="(\d+)"', re.M)

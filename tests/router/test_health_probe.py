@@ -4,6 +4,7 @@ take SLOW_PROBES_DOWN in a row (a busy engine on a loaded host misses one)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import httpx
 
@@ -22,8 +23,11 @@ def test_timeouts_mark_down_only_after_several_in_a_row() -> None:
     def slow(request: httpx.Request) -> httpx.Response:
         raise httpx.ReadTimeout("slow", request=request)
 
-    engine = Engine("d0", "decode", "http://127.0.0.1:1", None)
-    results = run_probes(slow, engine, SLOW_PROBES_DOWN)
+    # NOTE: a listener that never accepts: the engine is reachable, only slow
+    # (an unreachable one is down at once: test_health_partition.py).
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        engine = Engine("d0", "decode", f"http://127.0.0.1:{busy.getsockname()[1]}", None)
+        results = run_probes(slow, engine, SLOW_PROBES_DOWN)
     assert results == [True] * (SLOW_PROBES_DOWN - 1) + [False]
     assert not engine.healthy
     run_probes(lambda request: httpx.Response(200), engine, 1)

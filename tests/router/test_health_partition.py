@@ -1,0 +1,103 @@
+"""A health probe tells a partitioned engine from a busy one.
+
+Over a pooled keep-alive connection a probe sent during a partition only
+times out, as one to a busy engine does, and a timed-out probe took
+``SLOW_PROBES_DOWN`` in a row (three health intervals) to mark the engine
+down. A fresh TCP connection tells them apart: the kernel completes it for
+a busy engine, a partition drops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fabric.router.engines import tcp_unreachable
+from tests.netns import Hosts, skip_reason
+
+ROOT = Path(__file__).parent.parent.parent
+PORT = 8100
+PROBE_TIMEOUT_S = 1.0
+# Runs in the proxy's host: probe until the engine answers, then once per stdin line.
+PROBER = f"""
+import asyncio, json, sys, httpx
+from fabric.router.engines import Engine, probe
+async def main():
+    engine = Engine("d0", "decode", sys.argv[1], None)
+    async with httpx.AsyncClient() as client:
+        for _ in range(300):
+            if await probe(client, engine, {PROBE_TIMEOUT_S}):
+                break
+            await asyncio.sleep(0.1)
+        print(json.dumps({{"healthy": engine.healthy}}), flush=True)
+        for _ in sys.stdin:
+            healthy = await probe(client, engine, {PROBE_TIMEOUT_S})
+            out = {{"healthy": healthy, "error": engine.last_error, "slow": engine.slow_probes}}
+            print(json.dumps(out), flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with Hosts(["proxy", "engine"]) as made:
+        yield made
+
+
+def test_a_partitioned_engine_is_down_after_one_timed_out_probe(hosts: Hosts) -> None:
+    address = hosts.address("engine")
+    fake = [sys.executable, "-m", "fabric.router.fake_engine", "--host", address]
+    engine = subprocess.Popen(
+        hosts.command("engine", [*fake, "--port", str(PORT)]), cwd=ROOT, env=dict(os.environ)
+    )
+    prober = subprocess.Popen(
+        hosts.command("proxy", [sys.executable, "-c", PROBER, f"http://{address}:{PORT}"]),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert prober.stdin is not None and prober.stdout is not None
+
+    def ask() -> dict:
+        assert prober.stdin is not None and prober.stdout is not None
+        prober.stdin.write("probe\n")
+        prober.stdin.flush()
+        return dict(json.loads(prober.stdout.readline()))
+
+    try:
+        assert json.loads(prober.stdout.readline()) == {"healthy": True}
+        assert ask() == {"healthy": True, "error": None, "slow": 0}
+        hosts.cut("engine")
+        try:
+            down = ask()
+        finally:
+            hosts.cut("engine", cut=False)
+        assert down["healthy"] is False, down
+        assert "unreachable" in down["error"] and down["slow"] == 0, down
+        # Healed: the next probe brings it back.
+        assert ask()["healthy"] is True
+    finally:
+        prober.kill()
+        prober.wait()
+        engine.terminate()
+        engine.wait(timeout=30)
+
+
+def test_tcp_unreachable_says_why() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        assert asyncio.run(tcp_unreachable(f"http://127.0.0.1:{port}/x", 1.0)) is None
+    gone = asyncio.run(tcp_unreachable(f"http://127.0.0.1:{port}", 1.0))
+    assert gone is not None and "failed" in gone
