@@ -13,17 +13,20 @@ route: a host reaches only the others. Every namespace (and with it every
 veth and the bridge) is deleted on exit. Namespace names carry this
 process's pid, so concurrent runs do not collide.
 
-Needs root (``ip netns``); :func:`skip_reason` says why not, for
-``pytest.skip``.
+Needs root (``ip netns``); :func:`skip_reason` says why not, and
+:func:`hosts_or_skip` skips the test with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
+
+import pytest
 
 SUBNET = "10.77.0"
 _counter = itertools.count()
@@ -44,6 +47,16 @@ def skip_reason() -> str | None:
         return f"cannot create network namespaces: {exc.stderr.strip()}"
     _ip("netns", "del", probe)
     return None
+
+
+@contextlib.contextmanager
+def hosts_or_skip(names: Sequence[str]) -> Iterator[Hosts]:
+    """:class:`Hosts` for a fixture, or ``pytest.skip`` saying why they cannot be made."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with Hosts(names) as made:
+        yield made
 
 
 class Hosts:

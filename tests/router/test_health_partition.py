@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fabric.router.engines import tcp_unreachable
-from tests.netns import Hosts, skip_reason
+from tests.netns import Hosts, hosts_or_skip
 
 ROOT = Path(__file__).parent.parent.parent
 PORT = 8100
@@ -48,10 +48,7 @@ asyncio.run(main())
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with Hosts(["proxy", "engine"]) as made:
+    with hosts_or_skip(["proxy", "engine"]) as made:
         yield made
 
 

@@ -21,7 +21,7 @@ from fabric.errors import ConfigError
 from fabric.transfer import TransferConfig
 from fabric.transfer.addresses import advertised_host, interface_address, is_wildcard
 from fabric.transfer.nixl_plane import nixl_available
-from tests.netns import Hosts, skip_reason
+from tests.netns import Hosts, hosts_or_skip
 
 from .test_two_processes import Peer
 
@@ -42,10 +42,7 @@ UCX_ENV = {"UCX_TLS": "tcp"}
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with Hosts(["hostp", "hostd"]) as made:
+    with hosts_or_skip(["hostp", "hostd"]) as made:
         yield made
 
 
