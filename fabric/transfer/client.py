@@ -560,6 +560,13 @@ class PeerLink:
             raise
         return res
 
+    def ping(self) -> bool:
+        """Whether the receiver answers a control call at all (a Stats; no Hello
+        needed). Raises ``PeerUnreachable`` when no answer came within the
+        control timeout."""
+        reply = self._call(proto.Stats(next(self._seq)))
+        return isinstance(reply, proto.StatsReply | proto.Refused)
+
     def cancel(self, request_id: str) -> bool:
         """Give the reservation back; no write for it is posted from here on."""
         self._forget_lease(request_id)

@@ -346,6 +346,35 @@ def test_a_failed_decoder_is_backed_off_then_served_again(
             d.shutdown()
 
 
+def test_a_backed_off_decoder_that_answers_again_gets_the_next_push(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decoder back from an outage (a partition healed, a restart) gets the
+    next push as soon as it answers, not once its backoff ran out."""
+    monkeypatch.setattr(sender_module, "FIRST_BACKOFF_S", 600.0)  # NOTE: outlasts the test
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    p = worker(produce=True, seed=1)
+    d: FabricWorker | None = None
+    try:
+        assert p.sender is not None
+        p.sender.backoff_s = 600.0  # NOTE: and its cap
+        push(p, "a", endpoint, prompt(0))  # nothing listens yet: fails after the Hello timeout
+        wait_for(lambda: p.counters.take().get("push_failures", 0) == 1, "no failure")
+        peer = p.sender._peers[endpoint]
+        assert peer.backoff_s == 600.0
+        assert peer.backed_off(time.monotonic())
+        d = worker(produce=False, seed=2, kv_port=port, unknown_transfer_grace_s=GRACE_S)
+        wait_for(lambda: not peer.backed_off(time.monotonic()), "never found it answering", HANG_S)
+        push(p, "c", endpoint, prompt(2))
+        assert load(d, "c", prompt(2)) == ({"c"}, set())
+        wait_for(lambda: peer.backoff_s == 0, "the backoff never reset")
+    finally:
+        p.shutdown()
+        if d is not None:
+            d.shutdown()
+
+
 def test_backoff_doubles_up_to_its_limit() -> None:
     peer = _Peer("tcp://x:1", lambda _: None, "test")
     delays = []

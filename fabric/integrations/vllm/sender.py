@@ -25,7 +25,11 @@ A receiver that failed (no answer, a failed write or handshake; not a
 refusal, which is a live answer) is backed off: for a while every push to it
 fails at once, counted as a failure, its slots released here as its chunks
 come, and nothing about the request is kept (the decoder falls back to
-computing after its grace). The backoff starts at ``FIRST_BACKOFF_S`` and
+computing after its grace). Meanwhile its thread asks it for its Stats every
+``PROBE_EVERY_S`` (each call bounded by the control timeout); the first
+answer ends the backoff, so a receiver back from a partition or a restart
+gets the next push (not only once a backoff of up to ``backoff_s`` ran
+out). The backoff starts at ``FIRST_BACKOFF_S`` and
 doubles up to ``backoff_s``, once per incident: a call that began before
 the running backoff ended (the other pushes one outage caught) fails its
 push without extending it; a completed push resets it. An error from a
@@ -113,6 +117,8 @@ STALL_PRESSURE = 0.25
 """Below this fraction of allocatable store slots, a stalled receiver's waiting chunks go."""
 MIN_FREE_SLOTS = 8
 """...and below this many allocatable slots, whatever the fraction (small stores)."""
+PROBE_EVERY_S = 1.0
+"""How often a backed-off receiver is asked whether it answers again."""
 MAX_UNSETTLED_S = 5.0
 """The longest a push's chunks wait for its Reserve, from its admission (a decoder
 gives up on a transfer it has not heard of after ``unknown_transfer_grace_s``, 2 s
@@ -210,6 +216,7 @@ class _Peer:
         self.jobs: dict[int, PushJob] = {}  # id(job) -> job
         self.admitted = self.settled = self.dropped = 0
         self.backoff_s, self.backoff_until = 0.0, 0.0
+        self.next_probe = 0.0  # when a backed-off receiver is asked again whether it answers
         self.last_active = time.monotonic()
         self.stopped = self.saturated = False
         self.calling_since = 0.0  # when its current control call began (0: in none)
@@ -540,12 +547,31 @@ class PushSender:
         busy = any(job.inflight for job in peer.jobs.values())
         self._drain(peer, timeout=None if busy else 0.05)
         self._progress(peer)
+        self._probe(peer)
         if peer.cancelling:
             peer.cancelling = {link for link in peer.cancelling if not link.flush()}
         if busy:
             time.sleep(5e-5)
         if peer.jobs:
             peer.last_active = time.monotonic()
+
+    def _probe(self, peer: _Peer) -> None:
+        """While ``peer`` is backed off, ask it every ``PROBE_EVERY_S`` whether it
+        answers; an answer ends the backoff (see the module docstring)."""
+        now = time.monotonic()
+        if not peer.backed_off(now) or now < peer.next_probe:
+            return
+        try:
+            with peer.calling():
+                answered = self.client.connect(peer.endpoint).ping()
+        except FabricError as exc:
+            logger.debug("fabric: %s still does not answer: %s", peer.endpoint, exc)
+            return
+        finally:
+            peer.next_probe = time.monotonic() + PROBE_EVERY_S
+        if answered and peer.backed_off(time.monotonic()):
+            peer.backoff_until = 0.0
+            logger.warning("fabric: %s answers again; pushes to it resume", peer.endpoint)
 
     def _drain(self, peer: _Peer, timeout: float | None) -> None:
         try:
