@@ -129,6 +129,11 @@ class ServiceConfig:
         )
 
 
+MAX_SLOTS = 1 << 16
+"""The most slots a first Attach may carve the memory tier into (each is an object here)."""
+MAX_CHUNK_TOKENS = 1 << 20
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The chunk layout the store serves, fixed by the first Attach."""
@@ -259,8 +264,25 @@ class SharedStore:
         return proto.Attached(msg.seq, pool.slot_bytes, pool.num_slots)
 
     def _bind(self, geometry: Geometry) -> None:
-        if geometry.chunk_tokens < 1 or geometry.chunk_bytes < 1:
-            raise ConfigError(f"chunk_tokens/chunk_bytes: must be >= 1 ({geometry})")
+        """Carve the memory for ``geometry``; a :class:`ConfigError` for one
+        outside sane bounds (the first Attach fixes it for every engine after,
+        and needs no Hello: a chunk of a few bytes would make the store build
+        millions of slots)."""
+        if not 1 <= geometry.chunk_tokens <= MAX_CHUNK_TOKENS:
+            raise ConfigError(
+                f"chunk_tokens: {geometry.chunk_tokens} is outside 1..{MAX_CHUNK_TOKENS}"
+            )
+        if geometry.chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes: must be >= 1, got {geometry.chunk_bytes}")
+        slots = self._region.nbytes // geometry.chunk_bytes
+        if slots > MAX_SLOTS:
+            raise ConfigError(
+                f"chunk_bytes: {geometry.chunk_bytes} would make {slots} slots of the "
+                f"{self._region.nbytes}-byte memory tier (at most {MAX_SLOTS}): too small "
+                "a chunk for this store (a larger chunk_tokens, or a smaller --mem-gib)"
+            )
+        if not geometry.fingerprint:
+            raise ConfigError("fingerprint: must not be empty")
         pool = ChunkPool.carve(self._region, geometry.chunk_bytes)
         store = ChunkStore(StoreConfig(pool.slot_bytes, pool.num_slots), pool)
         tier = TieredStore(
