@@ -165,6 +165,11 @@ def _store_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--advertise-host",
         help="address told to engines (default: the bind address; derived for 0.0.0.0)",
     )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a --host beyond loopback without --secret-env (anyone reaching it can write)",
+    )
     serve.add_argument("--port", type=int, default=0, help="control port (default 0: free)")
     serve.add_argument("--endpoint-file", help="write the control endpoint here")
     serve.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
@@ -195,6 +200,7 @@ def _store(ns: argparse.Namespace) -> int:
             mem_bytes=int(ns.mem_gib * 2**30),
             host=ns.host,
             advertise_host=ns.advertise_host,
+            insecure=ns.insecure,
             port=ns.port,
             transport=ns.transport,
             disk_path=ns.disk_path,

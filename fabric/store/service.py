@@ -71,6 +71,7 @@ from fabric.store.pool import ChunkPool
 from fabric.store.records import StoreConfig
 from fabric.store.tier import TieredStore
 from fabric.transfer import protocol as proto
+from fabric.transfer.addresses import check_exposure
 from fabric.transfer.client import TransferClient
 from fabric.transfer.config import TransferConfig, Transport, open_data_plane
 from fabric.transfer.dataplane import DataPlane
@@ -92,7 +93,8 @@ class ServiceConfig:
     survives restarts of the store. ``host``/``port``: the control channel
     (port 0 = a free one; ``endpoint_file`` receives it); ``advertise_host``:
     the address written there and told to peers (unset: ``host``, or one
-    derived for a wildcard: :mod:`fabric.transfer.addresses`). ``secret``: signs
+    derived for a wildcard: :mod:`fabric.transfer.addresses`); ``insecure``:
+    allow a ``host`` beyond loopback without a ``secret`` (refused otherwise). ``secret``: signs
     the control channel like the engines' (they need the same one).
     """
 
@@ -100,6 +102,7 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str | None = None
+    insecure: bool = False
     transport: Transport = "auto"
     disk_path: str | None = None
     disk_gib: float = 16.0
@@ -116,12 +119,14 @@ class ServiceConfig:
             raise ConfigError(f"disk_gib: must be > 0, got {self.disk_gib}")
         if self.push_timeout_s <= 0:
             raise ConfigError(f"push_timeout_s: must be > 0, got {self.push_timeout_s}")
+        check_exposure(self.host, self.secret, self.insecure, "host")
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
             transport=self.transport,
             host=self.host,
             advertise_host=self.advertise_host,
+            insecure=self.insecure,
             port=self.port,
             lease_ms=self.lease_ms,
             ucx_net_devices=self.ucx_net_devices or os.environ.get("UCX_NET_DEVICES"),

@@ -55,6 +55,44 @@ def bind_host(host: str) -> str:
     return "0.0.0.0" if is_wildcard(host) else host.strip()
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` listens only to this host (``127.x``, ``localhost``)."""
+    value = host.strip()
+    if value == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(value.strip("[]")).is_loopback
+    except ValueError:  # a wildcard or a name: reachable from elsewhere
+        return False
+
+
+def check_exposure(host: str, secret: str | None, insecure: bool, what: str) -> None:
+    """Refuse to bind ``host`` beyond loopback without a secret, unless ``insecure``.
+
+    Without a secret any process that reaches the port can reserve slots,
+    write into them and read what the store holds; on loopback only this
+    host's processes can.
+    """
+    if secret is not None or insecure or is_loopback(host):
+        return
+    raise ConfigError(
+        f"{what}: {host!r} is reachable from other hosts and no secret is set: set a "
+        "secret (every engine, store and proxy of the deployment the same one), or "
+        "insecure: true to accept unauthenticated peers"
+    )
+
+
+def warn_if_insecure(host: str, secret: str | None, what: str) -> None:
+    """Log loudly when ``host`` beyond loopback is served without a secret."""
+    if secret is None and not is_loopback(host):
+        logger.warning(
+            "fabric: %s serves %r WITHOUT a secret (insecure): any host that reaches it can "
+            "reserve, write and read KV",
+            what,
+            host,
+        )
+
+
 def local_host(bind: str) -> str:
     """Where a process on this host connects to a server bound to ``bind``."""
     return LOOPBACK if is_wildcard(bind) else bind.strip()

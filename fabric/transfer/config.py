@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from fabric.errors import ConfigError
-from fabric.transfer.addresses import advertised_host, check_host
+from fabric.transfer.addresses import advertised_host, check_exposure, check_host
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.protocol import MAX_LEASE_MS, Codec
 
@@ -46,6 +46,10 @@ class TransferConfig:
     write timeout of its senders (their defaults agree: 30 s and 35 s); a
     NIXL receiver whose quarantine is shorter than its own setting warns.
 
+    ``insecure``: allow a ``host`` beyond loopback (a wildcard, an
+    interface's address) without a ``secret`` (refused otherwise: anyone who
+    reaches the port could reserve, write and read KV; logged loudly).
+
     ``secret``: a shared secret; when set, every control frame and
     notification is signed (HMAC-SHA256) and unsigned or wrongly signed ones
     are refused (see :mod:`fabric.transfer.protocol`). Every sender,
@@ -59,6 +63,7 @@ class TransferConfig:
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str | None = None
+    insecure: bool = False
     max_message_bytes: int = 1 << 20
     control_timeout_ms: int = 5000
     lease_ms: int = 10000
@@ -102,6 +107,7 @@ class TransferConfig:
             raise ConfigError(f"transfer.lease_ms: {self.lease_ms} is over a day")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ConfigError("transfer.secret: must be a non-empty string (or None)")
+        check_exposure(self.host, self.secret, self.insecure, "transfer.host")
         if not isinstance(self.faults, FaultConfig):
             raise ConfigError("transfer.faults: must be a FaultConfig")
 

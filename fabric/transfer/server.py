@@ -101,7 +101,7 @@ from fabric.errors import (
     SlotStateError,
 )
 from fabric.transfer import protocol as proto
-from fabric.transfer.addresses import bind_host
+from fabric.transfer.addresses import bind_host, warn_if_insecure
 from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
 from fabric.transfer.offload import BUSY, CLOSING, Offload
@@ -200,6 +200,7 @@ class TransferServer:
             port = self._sock.bind_to_random_port(f"tcp://{bind}")
         # NOTE: what peers connect to (not a wildcard bind: see fabric.transfer.addresses).
         self.endpoint = f"tcp://{config.advertised()}:{port}"
+        warn_if_insecure(config.host, config.secret, f"the fabric server at {self.endpoint}")
         self._peers: dict[bytes, str] = {}  # control identity -> data-plane agent
         self._peer_seen: dict[bytes, float] = {}
         self._next_prune = 0.0

@@ -173,10 +173,12 @@ def test_config_from_extra_names_bad_fields() -> None:
     with pytest.raises(ConfigError, match="lookup_deadline_ms: 100 is below lookup_timeout_ms 200"):
         ConnectorConfig.from_extra({"lookup_timeout_ms": 200, "lookup_deadline_ms": 100})
     assert ConnectorConfig.from_extra({"lookup_deadline_ms": "5000"}).lookup_deadline_ms == 5000
-    wild = ConnectorConfig.from_extra({"host": "0.0.0.0", "advertise_host": "10.0.0.9"})
+    wild = ConnectorConfig.from_extra(
+        {"host": "0.0.0.0", "advertise_host": "10.0.0.9", "secret": "s"}
+    )
     assert wild.advertise_host == "10.0.0.9"
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.advertise_host"):
-        ConnectorConfig.from_extra({"host": "0.0.0.0", "advertise_host": "0.0.0.0"})
+        ConnectorConfig.from_extra({"host": "0.0.0.0", "advertise_host": "0.0.0.0", "secret": "s"})
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.host.*IPv6"):
         ConnectorConfig.from_extra({"host": "::"})
 

@@ -69,6 +69,7 @@ def main() -> None:
     config = TransferConfig(
         transport=transport,  # type: ignore[arg-type]
         host=host,
+        insecure=True,  # NOTE: a test peer, reachable inside its namespace only
         ucx_net_devices=None if devices == "-" else devices,
     )
     with TransferNode(store, config, FINGERPRINT, name=f"peer-{transport}") as node:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from fabric.errors import ConfigError
+from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.store.service import ServiceConfig
 from fabric.transfer import TransferConfig
 from fabric.transfer.addresses import advertised_host, interface_address, is_wildcard
 from fabric.transfer.nixl_plane import nixl_available
@@ -128,10 +130,11 @@ def test_the_route_probe_sends_nothing_and_an_isolated_host_has_no_route(hosts: 
 
 
 def test_advertise_settings_are_checked() -> None:
-    assert TransferConfig(host="0.0.0.0", advertise_host="10.0.0.5").advertised() == "10.0.0.5"
+    wild = TransferConfig(host="0.0.0.0", advertise_host="10.0.0.5", secret="s")
+    assert wild.advertised() == "10.0.0.5"
     assert TransferConfig().advertised() == "127.0.0.1"
     with pytest.raises(ConfigError, match=r"advertise_host.*wildcard"):
-        TransferConfig(host="0.0.0.0", advertise_host="0.0.0.0")
+        TransferConfig(host="0.0.0.0", advertise_host="0.0.0.0", secret="s")
     with pytest.raises(ConfigError, match="IPv6"):
         TransferConfig(host="::")
     with pytest.raises(ConfigError, match="IPv6"):
@@ -139,3 +142,28 @@ def test_advertise_settings_are_checked() -> None:
     assert is_wildcard(" 0.0.0.0 ") and not is_wildcard("10.0.0.1")
     found = interface_address()
     assert found is None or not found.startswith("127.")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.77.0.3", "*", "fabric-d.example"])
+def test_serving_beyond_loopback_needs_a_secret_or_insecure(
+    host: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ConfigError, match=r"transfer\.host.*no secret is set"):
+        TransferConfig(host=host)
+    TransferConfig(host=host, secret="s")
+    TransferConfig(host=host, insecure=True)
+    for local in ("127.0.0.1", "127.0.0.2", "localhost"):
+        TransferConfig(host=local)
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.host.*no secret"):
+        ConnectorConfig.from_extra({"host": host})
+    assert ConnectorConfig.from_extra({"host": host, "insecure": "true"}).insecure
+    with pytest.raises(ConfigError, match=r"^host.*no secret"):
+        ServiceConfig(mem_bytes=1 << 20, host=host)
+    ServiceConfig(mem_bytes=1 << 20, host=host, secret="s")
+
+
+def test_fabric_store_serve_refuses_a_wide_bind_without_a_secret() -> None:
+    argv = [sys.executable, "-m", "fabric.cli", "store", "serve", "--host", "0.0.0.0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
+    assert done.returncode == 2, done.stderr
+    assert "no secret is set" in done.stderr

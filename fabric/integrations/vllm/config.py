@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fabric.errors import ConfigError
-from fabric.transfer.addresses import advertised_host
+from fabric.transfer.addresses import advertised_host, check_exposure
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.lookup import resolve_endpoint
 
@@ -51,6 +51,9 @@ class ConnectorConfig:
     per step (an ask that runs past it, e.g. on a busy machine, is counted:
     ``scheduler_wait_overruns``). ``lookup_deadline_ms`` must be >= ``lookup_timeout_ms``.
 
+    ``insecure``: allow a ``host`` beyond loopback without a secret (refused
+    otherwise; logged loudly).
+
     ``secret`` signs the control channel and notifications (HMAC-SHA256);
     ``secret_env`` names an environment variable to read it from instead, so
     it stays off command lines. Every engine (and the proxy) of a deployment
@@ -62,6 +65,7 @@ class ConnectorConfig:
     kv_port: int = 0
     host: str = "127.0.0.1"
     advertise_host: str | None = None
+    insecure: bool = False
     transport: str = "auto"
     chunk_tokens: int = 256
     store_mib: int = 1024
@@ -120,6 +124,7 @@ class ConnectorConfig:
         self._check_secret()
         try:
             advertised_host(self.host, self.advertise_host)
+            check_exposure(self.host, self.resolved_secret(), self.insecure, "host")
         except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config.{exc}") from exc
         if self.shared_store is not None:

@@ -405,6 +405,7 @@ class FabricWorker:
             transport=c.transport,  # type: ignore[arg-type]
             host=c.host,
             advertise_host=c.advertise_host,
+            insecure=c.insecure,
             port=port,
             lease_ms=c.lease_ms,
             write_timeout_ms=int(c.push_timeout_s * 1000),
