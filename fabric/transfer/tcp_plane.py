@@ -6,11 +6,19 @@ into its pool (``recv_into``, no staging) and queues the notification after
 the last byte. One connection per (sender, receiver) pair, written by one
 sender thread, read by one receiver thread. Frame on the wire:
 
-    u32 header_len | header (msgpack TcpWrite) | [tag] | payload of every segment
+    u32 header_len | header (msgpack TcpWrite) | [tag] | payload of every segment | [payload tag]
+
+(the tags only with a secret)
 
 With a shared secret the header is followed by its HMAC-SHA256 tag (32 B),
 checked before the header is decoded, so only a peer holding the secret
-can place bytes in the pool. The receiver checks every segment against its
+can place bytes in the pool, and the payload by a second tag: HMAC-SHA256,
+keyed with the secret, over the header's tag and then every payload byte
+(computed in ``PIECE_BYTES`` pieces as they are sent and received). A
+payload whose tag does not match (bytes changed in transit) drops the
+connection and its notification: the bytes landed in the slots the write
+was admitted to, but nothing vouches for them, so the reservation is never
+filled with them. The receiver checks every segment against its
 pool bounds before reading the payload; a frame that fails a check closes
 the connection. The header carries the write's
 :class:`~fabric.transfer.dataplane.WriteFence`; the receiver's guard admits
@@ -64,6 +72,8 @@ _LEN = struct.Struct("<I")
 _MAX_HEADER = 16 << 20
 _TAG_BYTES = 32
 _DRAIN_BYTES = 1 << 20
+PIECE_BYTES = 1 << 20
+"""Payload pieces hashed and moved together while a secret is set (cache-sized)."""
 
 
 class TcpDescriptor(msgspec.Struct, array_like=True, frozen=True):
@@ -207,10 +217,20 @@ class _PeerSender:
         header = msgspec.msgpack.encode(
             TcpWrite(self.plane.name, [(r, n) for _, r, n in segments], notif, fence)
         )
-        sock.sendall(_LEN.pack(len(header)) + header + self.plane.tag(header))
+        tag = self.plane.tag(header)
+        sock.sendall(_LEN.pack(len(header)) + header + tag)
         pool = self.plane.pool_view()
+        mac = self.plane.payload_mac(tag)
+        if mac is None:
+            for local, _, nbytes in segments:
+                sock.sendall(pool[local : local + nbytes])
+            return
         for local, _, nbytes in segments:
-            sock.sendall(pool[local : local + nbytes])
+            for start in range(local, local + nbytes, PIECE_BYTES):
+                piece = pool[start : min(start + PIECE_BYTES, local + nbytes)]
+                mac.update(piece)
+                sock.sendall(piece)
+        sock.sendall(mac.digest())
 
 
 class TcpDataPlane(DataPlane):
@@ -252,6 +272,10 @@ class TcpDataPlane(DataPlane):
     def tag(self, header: bytes) -> bytes:
         """The header's HMAC tag (empty without a secret)."""
         return b"" if self._key is None else hmac.digest(self._key, header, "sha256")
+
+    def payload_mac(self, header_tag: bytes) -> hmac.HMAC | None:
+        """The running tag of a write's payload (None without a secret)."""
+        return None if self._key is None else hmac.new(self._key, header_tag, "sha256")
 
     def pool_view(self) -> memoryview:
         raw = (ctypes.c_char * self.pool_nbytes).from_address(self.pool_base)
@@ -329,6 +353,7 @@ class TcpDataPlane(DataPlane):
             raise TransportFailed(f"header of {length} bytes")
         header = bytearray(length + (_TAG_BYTES if self._key else 0))
         _recv_exact(conn, memoryview(header))
+        tag = b""
         if self._key is not None:
             body, tag = bytes(header[:length]), bytes(header[length:])
             if not hmac.compare_digest(self.tag(body), tag):
@@ -344,23 +369,40 @@ class TcpDataPlane(DataPlane):
         if ticket is None:
             # NOTE: the notification goes too: it would vouch for bytes that
             # never landed (and fail a live reservation a stray write named).
-            _drain(conn, sum(n for _, n in segments))
+            trailer = _TAG_BYTES if self._key is not None else 0
+            _drain(conn, sum(n for _, n in segments) + trailer)
             conn.settimeout(None)
             return
-        self._receive_payload(conn, segments, ticket)
+        self._receive_payload(conn, segments, ticket, self.payload_mac(tag))
         conn.settimeout(None)  # NOTE: between writes the connection may idle
         if msg.notif:
             self._notifs.append((msg.sender, msg.notif))
 
     def _receive_payload(
-        self, conn: socket.socket, segments: list[tuple[int, int]], ticket: WriteTicket
+        self,
+        conn: socket.socket,
+        segments: list[tuple[int, int]],
+        ticket: WriteTicket,
+        mac: hmac.HMAC | None,
     ) -> None:
         """Copy an admitted write's bytes straight into the pool (each read
-        within IO_TIMEOUT_S, so a sender gone mid-write lets the slot go)."""
+        within IO_TIMEOUT_S, so a sender gone mid-write lets the slot go);
+        with a secret, check the payload's tag (TransportFailed if wrong)."""
         pool = self.pool_view()
         try:
             for remote, nbytes in segments:
-                _recv_exact(conn, pool[remote : remote + nbytes])
+                if mac is None:
+                    _recv_exact(conn, pool[remote : remote + nbytes])
+                    continue
+                for start in range(remote, remote + nbytes, PIECE_BYTES):
+                    piece = pool[start : min(start + PIECE_BYTES, remote + nbytes)]
+                    _recv_exact(conn, piece)
+                    mac.update(piece)
+            if mac is not None:
+                tag = bytearray(_TAG_BYTES)
+                _recv_exact(conn, memoryview(tag))
+                if not hmac.compare_digest(mac.digest(), bytes(tag)):
+                    raise TransportFailed("data-plane payload with a bad signature")
         finally:
             ticket.end()
 

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
-from fabric.transfer.dataplane import WriteFence
+from fabric.transfer.dataplane import WriteFence, XferState
 from fabric.transfer.lookup import StoreClient
 from fabric.transfer.tcp_plane import TcpDataPlane, TcpDescriptor, TcpWrite
 
@@ -340,3 +341,74 @@ def test_topology_passes_secret_env_to_engines_and_proxy(
     assert create_app(topology).state.proxy.store_secret == SECRET
     with pytest.raises(ConfigError, match="secret_env"):
         parse_topology({**data, "connector": {"secret_env": "not a name"}}, source="test")
+
+
+class _Tamperer:
+    """A TCP relay in front of a data plane that flips one payload byte of each
+    frame it forwards (after the header and its tag), or none."""
+
+    def __init__(self, upstream: tuple[str, int], flip: bool) -> None:
+        self.upstream, self.flip = upstream, flip
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self.listener.accept()
+            with conn, socket.create_connection(self.upstream, timeout=5) as out:
+                seen, target, head = 0, -1, bytearray()
+                while chunk := bytearray(conn.recv(1 << 16)):
+                    if target < 0:
+                        head += chunk[: 4 - len(head)]
+                        if len(head) == 4:  # payload byte 10, past the header and its tag
+                            target = 4 + struct.unpack("<I", head)[0] + 32 + 10
+                    if self.flip and seen <= target < seen + len(chunk):
+                        chunk[target - seen] ^= 0xFF
+                    seen += len(chunk)
+                    out.sendall(chunk)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(timeout=10)
+
+
+FRAME_PAYLOAD = 3 * 1024
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_tcp_data_plane_refuses_a_payload_changed_in_transit(flip: bool) -> None:
+    receiver_store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=2))
+    sender_store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=2))
+    receiver = TcpDataPlane(f"tcp-sec-{next(_names)}", secret=SECRET)
+    sender = TcpDataPlane(f"tcp-sec-{next(_names)}", secret=SECRET)
+    tamperer: _Tamperer | None = None
+    try:
+        receiver.register_pool(receiver_store.pool.base_address, receiver_store.pool.nbytes)
+        sender.register_pool(sender_store.pool.base_address, sender_store.pool.nbytes)
+        payload = bytes(range(256)) * (FRAME_PAYLOAD // 256)
+        sender_store.pool.memoryview(0, FRAME_PAYLOAD)[:] = payload
+        info = msgspec.msgpack.decode(receiver.descriptor(), type=TcpDescriptor)
+        tamperer = _Tamperer((info.host, info.port), flip)
+        relayed = TcpDescriptor(info.name, "127.0.0.1", tamperer.port, info.pool_nbytes)
+        peer = sender.add_peer(msgspec.msgpack.encode(relayed))
+        handle = sender.post_write(peer, [(0, 0, FRAME_PAYLOAD)], b"notif")
+        deadline = time.monotonic() + 10
+        while handle.poll() is XferState.PROC:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while not (receiver.bad_frames or receiver._notifs):
+            assert time.monotonic() < deadline, "the write neither landed nor was refused"
+            time.sleep(0.01)
+        if flip:  # NOTE: the bytes landed, but nothing vouches for them
+            assert receiver.take_notifs() == [] and receiver.bad_frames == 1
+        else:
+            assert receiver.take_notifs() == [(sender.name, b"notif")]
+            assert bytes(receiver_store.pool.memoryview(0, FRAME_PAYLOAD)) == payload
+    finally:
+        sender.close()
+        receiver.close()
+        if tamperer is not None:
+            tamperer.close()
