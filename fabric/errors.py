@@ -98,6 +98,11 @@ class SignatureError(ProtocolError):
     unexpected (none is set here): the two sides do not share a secret."""
 
 
+class ReplayError(SignatureError):
+    """A signed frame whose stamp is outside the replay window, or whose nonce
+    was accepted before: a replay (or clocks out of sync)."""
+
+
 class LaunchError(FabricError):
     """A process fabric started did not come up."""
 

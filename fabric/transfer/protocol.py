@@ -2,19 +2,24 @@
 
 Every control message and every data-plane notification travels as one frame:
 
-    +-------+----------------+---------------------------+-------------------+
-    | magic | version        | msgpack payload           | tag (signed only) |
-    | "FB"  | u16 LE         | msgspec tagged union,     | HMAC-SHA256 of    |
-    |       | bits 0-14: 1   | array-like Struct,        | every byte before |
-    |       | bit 15: signed | tag first                 | it                |
-    +-------+----------------+---------------------------+-------------------+
-      2 B     2 B                                          0 or 32 B
-      |<----------------- at most max_message_bytes in all ----------------->|
+    +-------+----------------+---------------+---------------------------+-------------------+
+    | magic | version        | stamp         | msgpack payload           | tag (signed only) |
+    | "FB"  | u16 LE         | (signed only) | msgspec tagged union,     | HMAC-SHA256 of    |
+    |       | bits 0-14: 1   | u64 sent_ms,  | array-like Struct,        | every byte before |
+    |       | bit 15: signed | u64 nonce     | tag first                 | it                |
+    +-------+----------------+---------------+---------------------------+-------------------+
+      2 B     2 B              0 or 16 B                                   0 or 32 B
+      |<------------------------- at most max_message_bytes in all ------------------------>|
 
 An unsigned frame is byte for byte the version-1 frame of earlier releases.
 With a shared secret (``TransferConfig.secret``) every frame carries the
-signed bit and a trailing tag; the receiver checks size, magic, version and
-then the tag (``hmac.compare_digest``) before a byte of msgpack is decoded.
+signed bit, a stamp (the sender's wall clock in ms and a random nonce) and a
+trailing tag; the receiver checks size, magic, version and then the tag
+(``hmac.compare_digest``) before a byte of msgpack is decoded, then the
+stamp: a frame sent more than ``REPLAY_WINDOW_S`` from the receiver's clock
+(hosts need synchronised clocks), or whose nonce this codec accepted within
+the window, is refused (:class:`ReplayError`, a :class:`SignatureError`), so
+a captured frame cannot be replayed.
 A signed frame reaching a side without a secret, an unsigned one reaching a
 side with one, and a wrong tag all raise :class:`SignatureError`, so a
 secret configured on one side only fails at the first message, clearly: a
@@ -25,20 +30,24 @@ server answers a bad frame with ``Refused`` and counts it. Payloads are
 msgspec Structs, never pickle; integer fields are range-checked at decode
 (token ids int32, sizes and indices non-negative, leases at most a day).
 ``seq`` pairs a reply with its request, so a reply that arrives after its
-request timed out is recognised and dropped. Tags authenticate frames, they
-do not stop a replay by someone who can already capture them; keep the
-control port on a trusted network (it binds 127.0.0.1 by default).
+request timed out is recognised and dropped. Without a secret nothing is
+authenticated: keep the control port on loopback (the default; a bind
+beyond it needs a secret or ``insecure``).
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 import struct
+import threading
+import time
+from collections import deque
 from typing import Annotated
 
 import msgspec
 
-from fabric.errors import ProtocolError, SignatureError
+from fabric.errors import ProtocolError, ReplayError, SignatureError
 
 # NOTE: Lookup, Pin and Fetch gained a trailing ``identity`` (default b""):
 # an older peer's frames still decode, as requests of the base identity.
@@ -47,6 +56,12 @@ MAGIC = b"FB"
 FLAG_SIGNED = 0x8000
 TAG_BYTES = 32
 _HEADER = struct.Struct("<2sH")
+_STAMP = struct.Struct("<QQ")  # sent_ms, nonce
+REPLAY_WINDOW_S = 60.0
+"""How far a signed frame's stamp may be from the receiver's clock (its nonce is
+kept twice as long)."""
+MAX_NONCES = 1 << 20
+"""Nonces a codec remembers at most (the oldest go first past it)."""
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 MAX_LEASE_MS = 24 * 3600 * 1000
 # ZMQ's MAXMSGSIZE is the limit plus this: frames a little over the limit
@@ -333,9 +348,10 @@ _decoder = msgspec.msgpack.Decoder(Message)
 class Codec:
     """Frames messages for one end of the channel: size limit and optional secret.
 
-    Thread-safe (it holds no per-message state). ``encode`` refuses to build
-    a frame over ``max_bytes``, so an oversized request fails here, not as a
-    silent drop at the receiver.
+    Thread-safe (the nonces of the signed frames it accepted, its only
+    state, are kept under a lock). ``encode`` refuses to build a frame over
+    ``max_bytes``, so an oversized request fails here, not as a silent drop
+    at the receiver.
     """
 
     def __init__(
@@ -346,6 +362,9 @@ class Codec:
             raise ValueError("an empty secret would sign nothing; use None for no secret")
         self._key = key
         self.max_bytes = max_bytes
+        self._seen: set[int] = set()
+        self._expiries: deque[tuple[float, int]] = deque()  # (monotonic expiry, nonce), in order
+        self._seen_lock = threading.Lock()
 
     @property
     def signed(self) -> bool:
@@ -361,7 +380,8 @@ class Codec:
         if self._key is None:
             frame = _HEADER.pack(MAGIC, PROTOCOL_VERSION) + payload
         else:
-            body = _HEADER.pack(MAGIC, PROTOCOL_VERSION | FLAG_SIGNED) + payload
+            stamp = _STAMP.pack(int(time.time() * 1000), int.from_bytes(os.urandom(8), "little"))
+            body = _HEADER.pack(MAGIC, PROTOCOL_VERSION | FLAG_SIGNED) + stamp + payload
             frame = body + hmac.digest(self._key, body, "sha256")
         if len(frame) > self.max_bytes:
             raise ProtocolError(
@@ -396,12 +416,34 @@ class Codec:
             return view[_HEADER.size :]
         if not signed:
             raise SignatureError("frame is unsigned but this side requires a secret")
-        if len(frame) < _HEADER.size + TAG_BYTES:
-            raise SignatureError("signed frame is shorter than its tag")
+        if len(frame) < _HEADER.size + _STAMP.size + TAG_BYTES:
+            raise SignatureError("signed frame is shorter than its stamp and tag")
         body, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
         if not hmac.compare_digest(hmac.digest(self._key, body, "sha256"), tag):
             raise SignatureError("frame signature does not match this side's secret")
-        return body[_HEADER.size :]
+        sent_ms, nonce = _STAMP.unpack_from(body, _HEADER.size)
+        self._check_stamp(sent_ms, nonce)
+        return body[_HEADER.size + _STAMP.size :]
+
+    def _check_stamp(self, sent_ms: int, nonce: int) -> None:
+        """Refuse a stale frame or a nonce seen within the window; remember this one."""
+        skew = time.time() - sent_ms / 1000
+        if abs(skew) > REPLAY_WINDOW_S:
+            raise ReplayError(
+                f"frame stamped {skew:+.0f} s from this side's clock (window "
+                f"{REPLAY_WINDOW_S:g} s): a replay, or the hosts' clocks are not in sync"
+            )
+        now = time.monotonic()
+        with self._seen_lock:
+            while self._expiries and (
+                self._expiries[0][0] <= now or len(self._expiries) >= MAX_NONCES
+            ):
+                self._seen.discard(self._expiries.popleft()[1])
+            if nonce in self._seen:
+                raise ReplayError("frame replayed: its nonce was accepted before")
+            self._seen.add(nonce)
+            # NOTE: kept twice the window: a frame stays acceptable while |skew| <= window
+            self._expiries.append((now + 2 * REPLAY_WINDOW_S, nonce))
 
 
 _unsigned = Codec(max_bytes=2**63)

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from fabric.config import parse_topology
-from fabric.errors import ConfigError, ProtocolError, SignatureError, TransferError
+from fabric.errors import ConfigError, ProtocolError, ReplayError, SignatureError, TransferError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.store import ChunkStore, StoreConfig
@@ -42,8 +42,50 @@ def test_signed_frame_layout_and_round_trip() -> None:
     frame = codec.encode(msg)
     magic, version = struct.unpack_from("<2sH", frame)
     assert magic == proto.MAGIC and version == proto.PROTOCOL_VERSION | proto.FLAG_SIGNED
-    assert frame[4:-32] == proto.encode(msg)[4:]  # same payload, tag appended
+    # a stamp (wall clock ms, nonce), the same payload, the tag
+    sent_ms, _ = struct.unpack_from("<QQ", frame, 4)
+    assert abs(sent_ms / 1000 - time.time()) < 60
+    assert frame[20:-32] == proto.encode(msg)[4:]
     assert codec.decode(frame) == msg
+
+
+def test_a_replayed_or_stale_signed_frame_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    sender, receiver = proto.Codec(SECRET), proto.Codec(SECRET)
+    frame = sender.encode(proto.Cancel(1, "r"))
+    assert receiver.decode(frame) == proto.Cancel(1, "r")
+    with pytest.raises(ReplayError, match="replayed"):
+        receiver.decode(frame)
+    assert receiver.decode(sender.encode(proto.Cancel(1, "r"))) == proto.Cancel(1, "r")
+    # a frame captured long ago (or a sender whose clock is far off)
+    now = time.time()
+    monkeypatch.setattr(proto.time, "time", lambda: now - 2 * proto.REPLAY_WINDOW_S)
+    old = sender.encode(proto.Cancel(2, "r"))
+    monkeypatch.setattr(proto.time, "time", lambda: now)
+    with pytest.raises(ReplayError, match="not in sync"):
+        receiver.decode(old)
+
+
+def test_a_replayed_control_frame_is_refused_and_counted(
+    nodes: Callable[..., TransferNode],
+) -> None:
+    receiver = nodes(SECRET, serve=True)
+    assert receiver.server is not None
+    frame = proto.Codec(SECRET).encode(proto.Stats(5))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(receiver.endpoint)
+        replies = []
+        for _ in range(2):
+            sock.send(frame)
+            assert sock.poll(5000)
+            replies.append(proto.Codec(SECRET).decode(sock.recv()))
+        assert isinstance(replies[0], proto.StatsReply)
+        assert isinstance(replies[1], proto.Refused) and replies[1].code == "bad_signature"
+        assert "replayed" in replies[1].reason
+        assert receiver.server.stats.bad_signatures == 1
+    finally:
+        sock.close()
 
 
 def test_unsigned_frames_keep_the_version_1_layout() -> None:
@@ -77,7 +119,7 @@ def test_tag_is_checked_before_the_payload_is_decoded() -> None:
     garbage = struct.pack("<2sH", b"FB", 1 | proto.FLAG_SIGNED) + b"\xc1" * 40
     with pytest.raises(SignatureError):
         codec.decode(garbage)
-    with pytest.raises(SignatureError, match="shorter than its tag"):
+    with pytest.raises(SignatureError, match="shorter than its stamp and tag"):
         codec.decode(garbage[:20])
 
 
