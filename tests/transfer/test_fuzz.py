@@ -55,7 +55,10 @@ HUGE = [2**63 - 1, 2**64 - 1, -(2**63), 2**31, -(2**31) - 1, 2**32, -1]
 
 
 def signed(payload: bytes, version: int = proto.PROTOCOL_VERSION) -> bytes:
-    body = struct.pack("<2sH", b"FB", version | proto.FLAG_SIGNED) + payload
+    """``payload`` framed and signed as the codec does: a fresh stamp (so the
+    frame reaches the payload decoder, not the replay check), the tag."""
+    stamp = struct.pack("<QQ", int(time.time() * 1000), random.getrandbits(64))
+    body = struct.pack("<2sH", b"FB", version | proto.FLAG_SIGNED) + stamp + payload
     return body + hmac.digest(SECRET.encode(), body, "sha256")
 
 
@@ -103,7 +106,7 @@ def fuzz_frame(rng: random.Random) -> tuple[str, bytes]:
         return "magic", (magic if magic != b"FB" else b"XX") + good[2:]
     if kind == 3:
         version = rng.choice([0, 2, 3, 0x7FFF, rng.randrange(4, 0x7FFF)])
-        return "version", signed(good[4:-32], version)
+        return "version", signed(good[20:-32], version)  # NOTE: its stamp replaced
     if kind == 4:
         return "shape", signed(proto._encoder.encode(random_value(rng)))
     if kind in (5, 6):
