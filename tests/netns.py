@@ -108,8 +108,9 @@ class Hosts:
         return ["ip", "netns", "exec", self.namespaces[name], *argv]
 
     def cut(self, name: str, cut: bool = True) -> None:
-        """Partition the host from the others (its bridge port down: packets to
-        and from it are dropped, nobody is told), or (``cut=False``) heal it."""
+        """Partition the host from the others (its bridge port down: its eth0
+        loses carrier, packets to and from it are dropped, no RST nor ICMP
+        reaches a peer), or (``cut=False``) heal it."""
         port = f"p{list(self.namespaces).index(name)}"
         _ip("-n", self.switch, "link", "set", port, "down" if cut else "up")
 

@@ -62,6 +62,9 @@ from fabric.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
+UNREACHABLE_CONNECT_S = 3.0
+"""The least time a timed-out probe's fresh TCP connect gets before the engine is
+unreachable (a SYN and its first two retransmissions)."""
 SLOW_PROBES_DOWN = 3
 """Timed-out health probes in a row that mark a reachable engine down (refused or
 unreachable: one, :func:`tcp_unreachable`)."""
@@ -265,12 +268,13 @@ async def probe(
         # NOTE: a busy engine on a loaded host can miss one probe's timeout;
         # only SLOW_PROBES_DOWN in a row take it out of rotation. One that
         # cannot be reached at all (a partition, a dead host: no TCP
-        # connection, the kernel would accept one for a busy engine) is down
-        # at once.
-        unreachable = await tcp_unreachable(engine.url, timeout_s)
-        if unreachable is not None:
-            engine.mark_down(f"/health: {describe(exc)}; {unreachable}")
-            return False
+        # connection within UNREACHABLE_CONNECT_S) is down at once.
+        if isinstance(exc, httpx.TimeoutException):
+            connect_s = max(timeout_s, UNREACHABLE_CONNECT_S)
+            unreachable = await tcp_unreachable(engine.url, connect_s)
+            if unreachable is not None:
+                engine.mark_down(f"/health: {describe(exc)}; {unreachable}")
+                return False
         engine.slow_probes += 1
         if engine.slow_probes >= SLOW_PROBES_DOWN:
             engine.mark_down(f"/health: {describe(exc)} ({engine.slow_probes} probes in a row)")
@@ -294,18 +298,22 @@ async def tcp_unreachable(url: str, timeout_s: float) -> str | None:
     """Why a fresh TCP connection to ``url``'s host and port cannot be made
     within ``timeout_s`` (None: it can; it is closed at once).
 
-    The kernel completes the handshake for a listening socket whatever the
-    server process is doing, so this tells an engine that is slow to answer
-    (connects) from one that cannot be reached (a partition, a dead host:
-    the connect times out) or is gone (refused). A pooled keep-alive
-    connection cannot tell: a request written on it during a partition only
-    times out, like one to a busy engine.
+    The kernel completes the handshake for a listening socket while its
+    accept queue has room, whatever the server process is doing, so this
+    tells an engine that is slow to answer (connects) from one that cannot be
+    reached (a partition, a dead host: the connect times out) or is gone
+    (refused). A pooled keep-alive connection cannot tell: a request written
+    on it during a partition only times out, like one to a busy engine. An
+    engine whose accept queue stays full for the whole ``timeout_s`` (the
+    kernel drops SYNs then) reads as unreachable too: the probe gives it
+    ``UNREACHABLE_CONNECT_S`` at least (two SYN retransmissions).
     """
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        connecting = asyncio.open_connection(host, port, happy_eyeballs_delay=0.25)
+        _, writer = await asyncio.wait_for(connecting, timeout_s)
     except TimeoutError:
         return f"no TCP connection to {host}:{port} within {timeout_s:g} s (unreachable)"
     except OSError as exc:

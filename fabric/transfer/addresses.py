@@ -10,12 +10,17 @@ own host), so the advertised host is, in order:
 
 1. ``advertise_host`` when the operator set it;
 2. the bind address itself when it is not a wildcard;
-3. ``$VLLM_HOST_IP``, vLLM's own setting for "this node's IP", when set;
+3. ``$VLLM_HOST_IP``, vLLM's own setting for "this node's IP", when set
+   to an IPv4 address of this host (otherwise a warning, and the next);
 4. the source address the kernel picks for a route to a public address
    (a UDP ``connect``: no packet is sent), when this host has such a route;
-5. the first address of an interface that is up and not loopback;
+5. the first address of an interface that is up, running and not
+   loopback (link-local aside);
 6. ``127.0.0.1``, with a warning (nothing else was found: only peers on
    this host can reach it).
+
+Steps 3-6 run once per process (the result is kept: every server of the
+process advertises the same address).
 
 IPv4 only: an IPv6 bind or advertised address is refused with a clear
 error (the control channel's ZMQ sockets and the TCP data plane's
@@ -25,6 +30,7 @@ descriptor do not carry IPv6 yet).
 from __future__ import annotations
 
 import fcntl
+import functools
 import ipaddress
 import logging
 import os
@@ -43,6 +49,8 @@ _SIOCGIFADDR = 0x8915
 _SIOCGIFFLAGS = 0x8913
 _IFF_UP = 0x1
 _IFF_LOOPBACK = 0x8
+_IFF_RUNNING = 0x40
+_UP_RUNNING = _IFF_UP | _IFF_RUNNING
 
 
 def is_wildcard(host: str) -> bool:
@@ -112,54 +120,79 @@ def check_host(host: str, what: str) -> str:
 
 def advertised_host(bind: str, advertise: str | None = None) -> str:
     """The host peers should connect to for a server bound to ``bind`` (see the module)."""
+    bind = check_host(bind, "host")
     if advertise is not None and advertise.strip():
         value = check_host(advertise, "advertise_host")
         if is_wildcard(value):
             raise ConfigError(f"advertise_host: {advertise!r} is a wildcard, not an address")
         return value
-    bind = check_host(bind, "host")
     if not is_wildcard(bind):
         return bind
-    from_env = os.environ.get(HOST_IP_ENV, "").strip()
+    return _derived(os.environ.get(HOST_IP_ENV, "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _derived(from_env: str) -> str:
+    """The address a wildcard bind advertises, found once per process (and
+    ``$VLLM_HOST_IP`` value): the same for every server, one warning."""
     if from_env:
-        return check_host(from_env, HOST_IP_ENV)
+        if is_local_ipv4(from_env):
+            return from_env
+        logger.warning(
+            "fabric: %s=%r is not an IPv4 address of this host; ignored", HOST_IP_ENV, from_env
+        )
     found = routed_address() or interface_address()
     if found is not None:
         return found
     logger.warning(
-        "fabric: bound to %r but found no address but loopback to advertise: peers on "
-        "other hosts cannot reach this one (set advertise_host)",
-        bind,
+        "fabric: bound to every interface but found no address but loopback to advertise: "
+        "peers on other hosts cannot reach this one (set advertise_host)"
     )
     return LOOPBACK
 
 
+def is_local_ipv4(address: str) -> bool:
+    """Whether ``address`` is an IPv4 address of an interface of this host."""
+    try:
+        if ipaddress.ip_address(address).version != 4:
+            return False
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))
+    except (ValueError, OSError):
+        return False
+    return True
+
+
 def routed_address() -> str | None:
     """The source address of this host's route to a public address; None without one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(ROUTE_PROBE)
-        except OSError:  # no route (a host with no default route, an isolated namespace)
-            return None
-        address = str(probe.getsockname()[0])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(ROUTE_PROBE)  # NOTE: UDP: picks a route, sends nothing
+            address = str(probe.getsockname()[0])
+    except OSError:  # no route (a host with no default route, an isolated namespace)
+        return None
     return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
 def interface_address() -> str | None:
-    """The IPv4 address of the first interface (by index) that is up and not loopback."""
+    """The IPv4 address of the first interface (by index) that is up, running
+    and not loopback, link-local addresses (169.254/16) aside."""
     try:
         interfaces = socket.if_nameindex()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     except OSError:
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    with sock:
         for _, name in sorted(interfaces):
             request = struct.pack("256s", name.encode()[:15])
             try:
                 flags = struct.unpack_from("H", fcntl.ioctl(sock, _SIOCGIFFLAGS, request), 16)[0]
-                if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
+                if flags & _IFF_LOOPBACK or (flags & _UP_RUNNING) != _UP_RUNNING:
                     continue
                 answer = fcntl.ioctl(sock, _SIOCGIFADDR, request)
             except OSError:  # no IPv4 address on it
                 continue
-            return socket.inet_ntoa(answer[20:24])
+            address = socket.inet_ntoa(answer[20:24])
+            if not address.startswith("169.254."):
+                return address
     return None

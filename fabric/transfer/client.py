@@ -561,9 +561,10 @@ class PeerLink:
         return res
 
     def ping(self) -> bool:
-        """Whether the receiver answers a control call at all (a Stats; no Hello
-        needed). Raises ``PeerUnreachable`` when no answer came within the
-        control timeout."""
+        """Whether the receiver answers a control call on this link at all (a
+        Stats, which the receiver answers before any Hello). Raises
+        ``PeerUnreachable`` when no answer came within the control timeout
+        (or the link is closed)."""
         reply = self._call(proto.Stats(next(self._seq)))
         return isinstance(reply, proto.StatsReply | proto.Refused)
 

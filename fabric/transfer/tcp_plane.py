@@ -253,9 +253,9 @@ class TcpDataPlane(DataPlane):
     ) -> None:
         super().__init__(name)
         self._key = secret.encode() if secret else None
+        self._host = advertise_host or advertised_host(host)
         self._listener = socket.create_server((bind_host(host), 0))
         self._port = self._listener.getsockname()[1]
-        self._host = advertise_host or advertised_host(host)
         self._notifs: deque[tuple[str, bytes]] = deque()
         self._senders: dict[str, _PeerSender] = {}
         self._senders_lock = threading.Lock()

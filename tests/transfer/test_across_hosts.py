@@ -48,6 +48,11 @@ def hosts() -> Iterator[Hosts]:
         yield made
 
 
+def _env() -> dict[str, str]:
+    """This process's environment, less what would pick the advertised address."""
+    return {k: v for k, v in os.environ.items() if k != "VLLM_HOST_IP"}
+
+
 def _python_in(hosts: Hosts, name: str, code: str, env: dict[str, str] | None = None) -> str:
     argv = hosts.command(name, [sys.executable, "-c", code])
     done = subprocess.run(
@@ -55,7 +60,7 @@ def _python_in(hosts: Hosts, name: str, code: str, env: dict[str, str] | None = 
         capture_output=True,
         text=True,
         timeout=PROCESS_TIMEOUT_S,
-        env=os.environ | (env or {}),
+        env=_env() | (env or {}),
         cwd=HERE.parent.parent,
     )
     assert done.returncode == 0, done.stderr
@@ -69,7 +74,7 @@ def _receiver(hosts: Hosts, name: str, transport: str, bind: str) -> Peer:
         transport,
         wrap=lambda argv: hosts.command(name, argv),
         extra=[bind, devices],
-        env=os.environ | UCX_ENV,
+        env=_env() | UCX_ENV,
     )
 
 
@@ -81,7 +86,7 @@ def _push(hosts: Hosts, name: str, transport: str, endpoint: str, request: str, 
         capture_output=True,
         text=True,
         timeout=PROCESS_TIMEOUT_S,
-        env=os.environ | UCX_ENV,
+        env=_env() | UCX_ENV,
         cwd=HERE.parent.parent,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -120,11 +125,20 @@ def test_a_wildcard_bind_advertises_the_hosts_address(hosts: Hosts) -> None:
         "10.9.8.7",
         "10.77.0.3",
     ]
-    # vLLM's node address wins over what the interfaces say.
-    assert _python_in(hosts, "hostp", code, {"VLLM_HOST_IP": "10.1.2.3"}).split()[0] == "10.1.2.3"
+    # vLLM's node address wins over what the interfaces say, if it is one of this host's.
+    subprocess.run(
+        ["ip", "-n", hosts.namespaces["hostp"], "addr", "add", "10.77.0.102/24", "dev", "eth0"],
+        check=True,
+        timeout=30,
+    )
+    first = _python_in(hosts, "hostp", code, {"VLLM_HOST_IP": "10.77.0.102"}).split()[0]
+    assert first == "10.77.0.102"
+    # ... and is ignored (with a warning) when it is not
+    first = _python_in(hosts, "hostp", code, {"VLLM_HOST_IP": "10.1.2.3"}).split()[0]
+    assert first == hosts.address("hostp")
 
 
-def test_the_route_probe_sends_nothing_and_an_isolated_host_has_no_route(hosts: Hosts) -> None:
+def test_an_isolated_host_has_no_route(hosts: Hosts) -> None:
     code = "from fabric.transfer.addresses import routed_address; print(routed_address())"
     assert _python_in(hosts, "hostp", code) == "None"
 

@@ -55,7 +55,12 @@ class Peer:
             text=True,
             env=env,
         )
-        self.endpoint = str(self._read()["endpoint"])
+        try:
+            self.endpoint = str(self._read()["endpoint"])
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None

@@ -26,10 +26,11 @@ refusal, which is a live answer) is backed off: for a while every push to it
 fails at once, counted as a failure, its slots released here as its chunks
 come, and nothing about the request is kept (the decoder falls back to
 computing after its grace). Meanwhile its thread asks it for its Stats every
-``PROBE_EVERY_S`` (each call bounded by the control timeout); the first
-answer ends the backoff, so a receiver back from a partition or a restart
-gets the next push (not only once a backoff of up to ``backoff_s`` ran
-out). The backoff starts at ``FIRST_BACKOFF_S`` and
+``PROBE_EVERY_S`` (one control call, bounded by the control timeout; only
+while no push it granted earlier is still served, and not for the shared
+store); the first answer ends the backoff, once per backoff level, so a
+receiver back from a partition or a restart gets the next push (not only
+once a backoff of up to ``backoff_s`` ran out). The backoff starts at ``FIRST_BACKOFF_S`` and
 doubles up to ``backoff_s``, once per incident: a call that began before
 the running backoff ended (the other pushes one outage caught) fails its
 push without extending it; a completed push resets it. An error from a
@@ -217,6 +218,7 @@ class _Peer:
         self.admitted = self.settled = self.dropped = 0
         self.backoff_s, self.backoff_until = 0.0, 0.0
         self.next_probe = 0.0  # when a backed-off receiver is asked again whether it answers
+        self.probed_s = 0.0  # the backoff level a probe's answer last ended early
         self.last_active = time.monotonic()
         self.stopped = self.saturated = False
         self.calling_since = 0.0  # when its current control call began (0: in none)
@@ -234,6 +236,7 @@ class _Peer:
     def back_off(self, now: float, max_s: float) -> None:
         self.backoff_s = min(max_s, 2 * self.backoff_s or FIRST_BACKOFF_S)
         self.backoff_until = now + self.backoff_s
+        self.next_probe = now + PROBE_EVERY_S  # NOTE: not at once: the failed call's Cancel first
 
     def news(self, started: float) -> bool:
         """Whether a failure of a call begun at ``started`` is a new incident:
@@ -557,20 +560,41 @@ class PushSender:
 
     def _probe(self, peer: _Peer) -> None:
         """While ``peer`` is backed off, ask it every ``PROBE_EVERY_S`` whether it
-        answers; an answer ends the backoff (see the module docstring)."""
+        answers; an answer ends the backoff, once per backoff level (a receiver
+        whose control channel answers but whose pushes keep failing is backed
+        off as before once the level stops rising). Not while pushes granted
+        earlier are still served here (their polls and heartbeats come
+        first), not for the shared store (its Attach comes before a Hello),
+        not once the sender stops. One control call at most: a Stats on the
+        link, or the Hello of a new one."""
         now = time.monotonic()
-        if not peer.backed_off(now) or now < peer.next_probe:
+        if (
+            not peer.backed_off(now)
+            or now < peer.next_probe
+            or peer.jobs
+            or peer.stopped
+            or self._stop.is_set()
+            or self.prepare is not None
+            or peer.probed_s == peer.backoff_s
+        ):
             return
         try:
             with peer.calling():
-                answered = self.client.connect(peer.endpoint).ping()
+                link = self.client.current_link(peer.endpoint)
+                if link is None:
+                    self.client.connect(peer.endpoint)  # NOTE: its Hello is the answer
+                    answered = True
+                else:
+                    answered = link.ping()
         except FabricError as exc:
             logger.debug("fabric: %s still does not answer: %s", peer.endpoint, exc)
             return
         finally:
             peer.next_probe = time.monotonic() + PROBE_EVERY_S
-        if answered and peer.backed_off(time.monotonic()):
-            peer.backoff_until = 0.0
+        now = time.monotonic()
+        if answered and peer.backed_off(now):
+            # NOTE: not 0: calls begun during the outage stay part of it (``news``)
+            peer.backoff_until, peer.probed_s = now, peer.backoff_s
             logger.warning("fabric: %s answers again; pushes to it resume", peer.endpoint)
 
     def _drain(self, peer: _Peer, timeout: float | None) -> None:
