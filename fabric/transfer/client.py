@@ -63,6 +63,7 @@ from fabric.errors import (
     LayoutMismatch,
     PeerUnreachable,
     ProtocolError,
+    ReplayError,
     ReservationExpired,
     ReservationRefused,
     SignatureError,
@@ -700,6 +701,10 @@ def decode_reply(codec: proto.Codec, frame: bytes, endpoint: str) -> proto.Messa
     """A control reply; a signature problem becomes a TransferError naming the cause."""
     try:
         return codec.decode(frame)
+    except ReplayError as exc:
+        raise TransferError(
+            f"{endpoint}: reply rejected ({exc}); check that both hosts' clocks are in sync"
+        ) from exc
     except SignatureError as exc:
         mine = "a secret" if codec.signed else "no secret"
         raise TransferError(
@@ -711,8 +716,10 @@ def decode_reply(codec: proto.Codec, frame: bytes, endpoint: str) -> proto.Messa
 def raise_refused(reply: proto.Refused, endpoint: str) -> None:
     """Raise the error for a ``Refused`` the receiver could not tie to a request."""
     if reply.code == "bad_signature":
-        raise TransferError(
-            f"{endpoint} refused our signature ({reply.reason}): "
-            "both ends need the same transfer secret"
+        cause = (
+            "check that both hosts' clocks are in sync"
+            if "not in sync" in reply.reason
+            else "both ends need the same transfer secret (and release)"
         )
+        raise TransferError(f"{endpoint} refused our signature ({reply.reason}): {cause}")
     raise ProtocolError(f"{endpoint} refused our message: {reply.code}: {reply.reason}")

@@ -6,7 +6,8 @@ Every control message and every data-plane notification travels as one frame:
     | magic | version        | stamp         | msgpack payload           | tag (signed only) |
     | "FB"  | u16 LE         | (signed only) | msgspec tagged union,     | HMAC-SHA256 of    |
     |       | bits 0-14: 1   | u64 sent_ms,  | array-like Struct,        | every byte before |
-    |       | bit 15: signed | u64 nonce     | tag first                 | it                |
+    |       | (signed: 2)    | u64 nonce     | tag first                 | it                |
+    |       | bit 15: signed |               |                           |                   |
     +-------+----------------+---------------+---------------------------+-------------------+
       2 B     2 B              0 or 16 B                                   0 or 32 B
       |<------------------------- at most max_message_bytes in all ------------------------>|
@@ -52,6 +53,8 @@ from fabric.errors import ProtocolError, ReplayError, SignatureError
 # NOTE: Lookup, Pin and Fetch gained a trailing ``identity`` (default b""):
 # an older peer's frames still decode, as requests of the base identity.
 PROTOCOL_VERSION = 1
+SIGNED_VERSION = 2
+"""Signed frames (with their stamp) say version 2; unsigned frames stay version 1."""
 MAGIC = b"FB"
 FLAG_SIGNED = 0x8000
 TAG_BYTES = 32
@@ -363,7 +366,9 @@ class Codec:
         self._key = key
         self.max_bytes = max_bytes
         self._seen: set[int] = set()
-        self._expiries: deque[tuple[float, int]] = deque()  # (monotonic expiry, nonce), in order
+        # (monotonic expiry, sent_ms, nonce), in arrival order
+        self._expiries: deque[tuple[float, int, int]] = deque()
+        self._floor_ms = -1  # frames stamped no later than this are refused (see _check_stamp)
         self._seen_lock = threading.Lock()
 
     @property
@@ -381,7 +386,7 @@ class Codec:
             frame = _HEADER.pack(MAGIC, PROTOCOL_VERSION) + payload
         else:
             stamp = _STAMP.pack(int(time.time() * 1000), int.from_bytes(os.urandom(8), "little"))
-            body = _HEADER.pack(MAGIC, PROTOCOL_VERSION | FLAG_SIGNED) + stamp + payload
+            body = _HEADER.pack(MAGIC, SIGNED_VERSION | FLAG_SIGNED) + stamp + payload
             frame = body + hmac.digest(self._key, body, "sha256")
         if len(frame) > self.max_bytes:
             raise ProtocolError(
@@ -389,15 +394,19 @@ class Codec:
             )
         return frame
 
-    def decode(self, frame: bytes) -> Message:
-        """Check size, magic, version and tag, then decode; ProtocolError on any failure."""
-        payload = self._verify(frame)
+    def decode(self, frame: bytes, *, fresh: bool = True) -> Message:
+        """Check size, magic, version, tag and stamp, then decode; ProtocolError
+        on any failure. ``fresh=False`` skips the stamp's age (its nonce is
+        still checked): for a notification, built when its write was posted
+        and read once the write landed, maybe long after (a replayed one is
+        refused by its write's fence: the slots' generations)."""
+        payload = self._verify(frame, fresh)
         try:
             return _decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"undecodable message: {exc}") from exc
 
-    def _verify(self, frame: bytes) -> memoryview:
+    def _verify(self, frame: bytes, fresh: bool = True) -> memoryview:
         """The payload of ``frame`` once every check before decoding passed."""
         if len(frame) > self.max_bytes:
             raise ProtocolError(f"message of {len(frame)} bytes exceeds limit {self.max_bytes}")
@@ -407,8 +416,14 @@ class Codec:
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {magic!r}")
         signed, version = bool(version & FLAG_SIGNED), version & ~FLAG_SIGNED
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+        if signed and version == PROTOCOL_VERSION and self._key is not None:
+            raise SignatureError(
+                "a signed frame without a replay stamp (an older fabric release): every "
+                "side of a deployment needs the same release"
+            )
+        if version != (SIGNED_VERSION if signed else PROTOCOL_VERSION):
+            speaks = f"{PROTOCOL_VERSION} (signed: {SIGNED_VERSION})"
+            raise ProtocolError(f"protocol version {version}, this side speaks {speaks}")
         view = memoryview(frame)
         if self._key is None:
             if signed:
@@ -422,28 +437,37 @@ class Codec:
         if not hmac.compare_digest(hmac.digest(self._key, body, "sha256"), tag):
             raise SignatureError("frame signature does not match this side's secret")
         sent_ms, nonce = _STAMP.unpack_from(body, _HEADER.size)
-        self._check_stamp(sent_ms, nonce)
+        self._check_stamp(sent_ms, nonce, fresh)
         return body[_HEADER.size + _STAMP.size :]
 
-    def _check_stamp(self, sent_ms: int, nonce: int) -> None:
-        """Refuse a stale frame or a nonce seen within the window; remember this one."""
+    def _check_stamp(self, sent_ms: int, nonce: int, fresh: bool) -> None:
+        """Refuse a stale frame or a nonce seen within the window; remember this one.
+
+        At ``MAX_NONCES`` the oldest nonce goes, and frames stamped no later
+        than it are refused from then on (a full cache narrows the window
+        rather than reopening it).
+        """
         skew = time.time() - sent_ms / 1000
-        if abs(skew) > REPLAY_WINDOW_S:
+        if fresh and abs(skew) > REPLAY_WINDOW_S:
             raise ReplayError(
                 f"frame stamped {skew:+.0f} s from this side's clock (window "
                 f"{REPLAY_WINDOW_S:g} s): a replay, or the hosts' clocks are not in sync"
             )
         now = time.monotonic()
         with self._seen_lock:
-            while self._expiries and (
-                self._expiries[0][0] <= now or len(self._expiries) >= MAX_NONCES
-            ):
-                self._seen.discard(self._expiries.popleft()[1])
+            while self._expiries and self._expiries[0][0] <= now:
+                self._seen.discard(self._expiries.popleft()[2])
+            if sent_ms <= self._floor_ms:
+                raise ReplayError("frame older than the replay cache holds (a replay?)")
             if nonce in self._seen:
                 raise ReplayError("frame replayed: its nonce was accepted before")
+            while len(self._expiries) >= MAX_NONCES:
+                _, old_ms, old = self._expiries.popleft()
+                self._seen.discard(old)
+                self._floor_ms = max(self._floor_ms, old_ms)
             self._seen.add(nonce)
             # NOTE: kept twice the window: a frame stays acceptable while |skew| <= window
-            self._expiries.append((now + 2 * REPLAY_WINDOW_S, nonce))
+            self._expiries.append((now + 2 * REPLAY_WINDOW_S, sent_ms, nonce))
 
 
 _unsigned = Codec(max_bytes=2**63)

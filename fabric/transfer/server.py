@@ -759,7 +759,7 @@ class TransferServer:
 
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:
-            msg = self.codec.decode(frame)
+            msg = self.codec.decode(frame, fresh=False)  # NOTE: stamped when posted
         except SignatureError as exc:
             self.stats.bad_signatures += 1
             self._warn("bad_notif", "dropped notification from %s: %s", peer, exc)

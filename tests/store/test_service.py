@@ -20,7 +20,7 @@ import pytest
 
 from fabric.errors import LayoutMismatch, PeerUnreachable, TransferError
 from fabric.store import ChunkStore, StoreConfig
-from fabric.store.service import ServiceConfig, SharedStore
+from fabric.store.service import MAX_SLOTS, ServiceConfig, SharedStore
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
@@ -226,14 +226,18 @@ def test_an_unbound_store_refuses_hello_and_fetch(make) -> None:
         # a chunk bigger than all the memory: refused, and the store stays unbound
         with pytest.raises(LayoutMismatch, match="larger than the whole region"):
             client.attach(FINGERPRINT, CHUNK_TOKENS, 10**9, a.endpoint)
-        # a chunk of one byte (millions of slots), a chunk of no tokens, no layout
-        with pytest.raises(LayoutMismatch, match=r"chunk_bytes: 1 would make \d+ slots"):
-            client.attach(FINGERPRINT, CHUNK_TOKENS, 1, a.endpoint)
+        # a chunk of no tokens, no layout
         with pytest.raises(LayoutMismatch, match="chunk_tokens: 0 is outside"):
             client.attach(FINGERPRINT, 0, CHUNK_BYTES, a.endpoint)
         with pytest.raises(LayoutMismatch, match="fingerprint: must not be empty"):
             client.attach("", CHUNK_TOKENS, CHUNK_BYTES, a.endpoint)
-        assert client.stats()["service_attach_refused"] == 4
+        assert client.stats()["service_attach_refused"] == 3
+    # a chunk of one byte: millions of slots
+    big = make("service", mem_bytes=(MAX_SLOTS + 1) * 4)
+    with StoreClient(big.endpoint) as client:
+        with pytest.raises(LayoutMismatch, match=r"chunk_bytes: 1 would make \d+ slots"):
+            client.attach(FINGERPRINT, CHUNK_TOKENS, 1, a.endpoint)
+        assert client.stats()["service_attach_refused"] == 1
     attach(service, a)
     assert save(service, a, "a-1", tokens(2, seed=7)) == 2
 

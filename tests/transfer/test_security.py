@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import itertools
 import socket
 import struct
@@ -41,7 +42,7 @@ def test_signed_frame_layout_and_round_trip() -> None:
     msg = proto.Reserve(7, "req", [b"k" * 16], [4096], 1000)
     frame = codec.encode(msg)
     magic, version = struct.unpack_from("<2sH", frame)
-    assert magic == proto.MAGIC and version == proto.PROTOCOL_VERSION | proto.FLAG_SIGNED
+    assert magic == proto.MAGIC and version == proto.SIGNED_VERSION | proto.FLAG_SIGNED
     # a stamp (wall clock ms, nonce), the same payload, the tag
     sent_ms, _ = struct.unpack_from("<QQ", frame, 4)
     assert abs(sent_ms / 1000 - time.time()) < 60
@@ -63,6 +64,42 @@ def test_a_replayed_or_stale_signed_frame_is_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(proto.time, "time", lambda: now)
     with pytest.raises(ReplayError, match="not in sync"):
         receiver.decode(old)
+
+
+def test_an_older_releases_signed_frame_is_refused_naming_the_release() -> None:
+    body = (
+        struct.pack("<2sH", b"FB", 1 | proto.FLAG_SIGNED) + proto.encode(proto.Cancel(1, "r"))[4:]
+    )
+    frame = body + hmac.digest(SECRET.encode(), body, "sha256")
+    with pytest.raises(SignatureError, match="same release"):
+        proto.Codec(SECRET).decode(frame)
+
+
+def test_a_notification_is_not_too_old_but_still_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: a notification is stamped when its write is posted and read when it landed
+    sender, receiver = proto.Codec(SECRET), proto.Codec(SECRET)
+    now = time.time()
+    monkeypatch.setattr(proto.time, "time", lambda: now - 2 * proto.REPLAY_WINDOW_S)
+    late = sender.encode(proto.Cancel(3, "r"))
+    monkeypatch.setattr(proto.time, "time", lambda: now)
+    assert receiver.decode(late, fresh=False) == proto.Cancel(3, "r")
+    with pytest.raises(ReplayError, match="replayed"):
+        receiver.decode(late, fresh=False)
+
+
+def test_a_full_nonce_cache_narrows_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proto, "MAX_NONCES", 3)
+    sender, receiver = proto.Codec(SECRET), proto.Codec(SECRET)
+    frames = []
+    for i in range(5):
+        monkeypatch.setattr(proto.time, "time", lambda i=i: 1_000_000.0 + i)
+        frames.append(sender.encode(proto.Cancel(i, "r")))
+    monkeypatch.setattr(proto.time, "time", lambda: 1_000_005.0)
+    for frame in frames[:4]:  # the fourth evicts the first nonce
+        receiver.decode(frame)
+    with pytest.raises(ReplayError, match="older than the replay cache"):
+        receiver.decode(frames[0])  # its nonce is gone, its stamp is not newer than the floor
+    assert receiver.decode(frames[4]) == proto.Cancel(4, "r")
 
 
 def test_a_replayed_control_frame_is_refused_and_counted(
@@ -116,7 +153,7 @@ def test_tag_is_checked_before_the_payload_is_decoded() -> None:
     frame[5] ^= 0x01  # a payload byte: the payload may now be garbage
     with pytest.raises(SignatureError):
         codec.decode(bytes(frame))
-    garbage = struct.pack("<2sH", b"FB", 1 | proto.FLAG_SIGNED) + b"\xc1" * 40
+    garbage = struct.pack("<2sH", b"FB", proto.SIGNED_VERSION | proto.FLAG_SIGNED) + b"\xc1" * 40
     with pytest.raises(SignatureError):
         codec.decode(garbage)
     with pytest.raises(SignatureError, match="shorter than its stamp and tag"):
