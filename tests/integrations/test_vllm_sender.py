@@ -317,6 +317,13 @@ def test_a_thousand_pushes_to_a_dead_decoder_hold_nothing(
     assert d.counters.take()["loads_ok"] == 11
 
 
+def fail_a_push(p: FabricWorker, endpoint: str) -> None:
+    """Push request "a" to ``endpoint``, where nothing listens yet: it fails
+    after the Hello timeout and backs the endpoint off."""
+    push(p, "a", endpoint, prompt(0))
+    wait_for(lambda: p.counters.take().get("push_failures", 0) == 1, "no failure")
+
+
 def test_a_failed_decoder_is_backed_off_then_served_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -328,8 +335,7 @@ def test_a_failed_decoder_is_backed_off_then_served_again(
     d: FabricWorker | None = None
     try:
         assert p.sender is not None
-        push(p, "a", endpoint, prompt(0))  # nothing listens yet: fails after the Hello timeout
-        wait_for(lambda: p.counters.take().get("push_failures", 0) == 1, "no failure")
+        fail_a_push(p, endpoint)
         caplog.set_level(logging.DEBUG, logger="fabric.integrations.vllm.sender")
         push(p, "b", endpoint, prompt(1))
         wait_for(lambda: "failed recently" in caplog.text, "not skipped while backed off")
@@ -359,8 +365,7 @@ def test_a_backed_off_decoder_that_answers_again_gets_the_next_push(
     try:
         assert p.sender is not None
         p.sender.backoff_s = 600.0  # NOTE: and its cap
-        push(p, "a", endpoint, prompt(0))  # nothing listens yet: fails after the Hello timeout
-        wait_for(lambda: p.counters.take().get("push_failures", 0) == 1, "no failure")
+        fail_a_push(p, endpoint)
         peer = p.sender._peers[endpoint]
         assert peer.backoff_s == 600.0
         assert peer.backed_off(time.monotonic())
