@@ -179,6 +179,12 @@ class ProxyConfig(_Frozen):
     estimated prompt tokens one decoder may hold early from this proxy at
     once (0: a quarter of the decoder's KV cache, as its ``/metrics`` reports it;
     no bound until read); past it a request takes the sequential flow.
+
+    ``admin_token_env``: the name of an environment variable holding the
+    bearer token that ``POST /fabric/lookup|clear|pin`` require
+    (``Authorization: Bearer <token>``); unset: the connector's secret, if
+    any (:mod:`fabric.router.admin`). A proxy bound beyond loopback with
+    neither refuses to start unless ``connector.insecure``.
     """
 
     host: str = LOCAL_HOST
@@ -203,6 +209,7 @@ class ProxyConfig(_Frozen):
     cache_aware_max_imbalance: Annotated[int, Field(strict=True, ge=0)] = 4
     handoff: Literal["early", "sequential"] = "early"
     early_max_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
+    admin_token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ConnectorConfig(_Frozen):
@@ -227,6 +234,9 @@ class ConnectorConfig(_Frozen):
     proxy read it; the secret itself never appears in the YAML or on a
     command line). Unset: no signing.
 
+    ``insecure``: let engines, the shared store and the proxy bind beyond
+    loopback without a secret (each logs it loudly); without it they refuse.
+
     ``shared_store``: a shared store already running on this host
     (``host:port`` or its endpoint file), passed to every engine that keeps
     a reuse tier; a top-level ``store:`` section starts one and fills it in.
@@ -243,6 +253,7 @@ class ConnectorConfig(_Frozen):
     eviction: Literal["lru"] = "lru"
     secret_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     shared_store: str | None = Field(default=None, min_length=1)
+    insecure: bool = False
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -283,6 +294,8 @@ class ConnectorConfig(_Frozen):
             "secret_env": self.secret_env,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
+        if self.insecure:
+            out["insecure"] = True
         if reuse and self.disk_path is not None:
             out["disk_path"] = str(Path(self.disk_path, name).resolve())
         if reuse and self.shared_store is not None:

@@ -7,7 +7,7 @@ a log file. ``stop()`` signals the command, then kills the group, never a name;
 EngineCore outlives an API server killed alone: it has no parent-death
 check). The helpers build
 what a real vLLM CPU engine needs on a machine with no GPU and no internet
-(see ``notes/vllm-cpu.md``): a free loopback port, an offline environment
+: a free loopback port, an offline environment
 whose files stay in one work dir, and the ``serve`` command line.
 
     ManagedProcess(argv, log_path=..., env=..., cwd=...)

@@ -344,6 +344,8 @@ def store_command(store: SharedStoreConfig, topology: TopologyConfig) -> list[st
         command += ["--disk-path", str(disk), "--disk-gib", str(store.disk_gib)]
     if topology.connector.secret_env is not None:
         command += ["--secret-env", topology.connector.secret_env]
+    if topology.connector.insecure:
+        command.append("--insecure")
     return command
 
 
@@ -505,9 +507,11 @@ def main(config_path: str, announce: Announce = say, options: UpOptions | None =
 
 
 def _proxy_socket(topology: TopologyConfig) -> socket.socket:
+    from fabric.router.admin import check_admin_exposure
     from fabric.router.serve import bind_socket
 
     host, port = topology.proxy.host, topology.proxy.port
+    check_admin_exposure(topology, host)
     try:
         return bind_socket(host, port)
     except OSError as exc:

@@ -8,7 +8,8 @@ decoder), ``GET /health`` (readiness: 200 once every engine answers its
 ``GET /metrics`` (Prometheus text: counters, readiness, engine state and
 load, per-request table sizes) and ``GET /fabric/status`` (the same as
 JSON, for ``fabric status``), and ``POST /fabric/lookup|clear|pin`` (the
-engines' reuse tiers, see :mod:`fabric.router.controller`).
+engines' reuse tiers, see :mod:`fabric.router.controller`; they need the
+admin token, see :mod:`fabric.router.admin`).
 
 The app's lifespan opens the clients, runs the early handoffs' word to
 the decoders (:mod:`fabric.router.handoff`) and, with ``health_interval_s`` > 0,
@@ -18,9 +19,9 @@ proxy's :class:`~fabric.router.state.ProxyState` (``app.state.proxy``)
 is the control API for whoever runs the engines (drain, mark down, wait
 until ready).
 
-NOTE: per-request overhead is what limits a Python proxy (see
-``notes/peers.md``): the two generation routes are plain ASGI calls that
-:class:`ProxyApp` dispatches before FastAPI's machinery (see
+NOTE: per-request overhead is what limits a Python proxy: the two
+generation routes are plain ASGI calls that :class:`ProxyApp` dispatches
+before FastAPI's machinery (see
 :mod:`fabric.router.asgi`); the other routes are plain Starlette routes (no
 body models, no dependency injection); there is no middleware, one engine
 connection pool is shared, and the server runs without an access log.
@@ -43,9 +44,17 @@ from starlette.types import Receive, Scope, Send
 from fabric.config import TopologyConfig
 from fabric.errors import FabricError
 from fabric.router import controller, pd
+from fabric.router.admin import admin_token, authorized
 from fabric.router.asgi import error_answer
 from fabric.router.engines import Engine, EnginePool, EngineState, describe
-from fabric.router.errors import INTERNAL, INVALID_REQUEST, UNAVAILABLE, ProxyError, error_response
+from fabric.router.errors import (
+    INTERNAL,
+    INVALID_REQUEST,
+    UNAUTHORIZED,
+    UNAVAILABLE,
+    ProxyError,
+    error_response,
+)
 from fabric.router.policy import Routing
 from fabric.router.prefix import call_store
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
@@ -92,6 +101,7 @@ def create_app(topology: TopologyConfig) -> FastAPI:
         Routing.from_config(topology.proxy),
         store_secret=topology.connector.secret(),
         shared_store=topology.connector.shared_store,
+        admin_token=admin_token(topology),
     )
     app = ProxyApp(
         state,
@@ -166,7 +176,22 @@ def _generation(state: ProxyState, endpoint: Endpoint) -> Generation:
 def _admin(
     state: ProxyState, handler: Callable[[ProxyState, Request], Awaitable[Response]]
 ) -> Handler:
-    return _guarded(lambda request: handler(state, request))
+    """``handler`` behind the admin token (:mod:`fabric.router.admin`): a
+    missing or wrong one is a 401 JSON error, counted, and never reads the body."""
+
+    async def route(request: Request) -> Response:
+        if not authorized(request.headers.get("authorization"), state.admin_token):
+            state.counters.admin_refused += 1
+            client = request.client.host if request.client is not None else "?"
+            logger.warning("proxy: refused %s from %s: bad admin token", request.url.path, client)
+            answer = error_response(
+                401, "admin routes need Authorization: Bearer <admin token>", UNAUTHORIZED
+            )
+            answer.headers["www-authenticate"] = "Bearer"
+            return answer
+        return await handler(state, request)
+
+    return _guarded(route)
 
 
 def _guarded(handler: Handler) -> Handler:

@@ -21,6 +21,7 @@ UPSTREAM_ERROR = "upstream_error"
 UPSTREAM_TIMEOUT = "upstream_timeout"
 UNAVAILABLE = "service_unavailable"
 INTERNAL = "internal_error"
+UNAUTHORIZED = "authentication_error"
 
 
 class ProxyError(Exception):

@@ -3,7 +3,7 @@
 Used by ``fabric proxy`` and ``fabric up``. The listening socket is bound
 before anything else starts (a taken port fails fast, port 0 picks a free
 one), and uvicorn runs without an access log (~14% of the per-request cost
-at one client, ``notes/peers.md``), on uvloop and httptools when installed
+at one client), on uvloop and httptools when installed
 (uvicorn's ``auto`` choices).
 
 Signals: uvicorn traps SIGINT/SIGTERM while it serves, shuts down, then
@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from fabric.config import TopologyConfig
+from fabric.router.admin import check_admin_exposure
 from fabric.router.app import create_app
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,9 @@ def run_proxy(
 ) -> None:
     """Serve the proxy of ``topology`` until SIGINT/SIGTERM (``fabric proxy``)."""
     say = announce or (lambda message: print(message, flush=True))
+    bind = host or topology.proxy.host
+    check_admin_exposure(topology, bind)
     app = create_app(topology)
-    sock = bind_socket(
-        host or topology.proxy.host, port if port is not None else topology.proxy.port
-    )
+    sock = bind_socket(bind, port if port is not None else topology.proxy.port)
     with sock, shutdown_on_signals(), contextlib.suppress(Shutdown):
         run_loop(serve_app(app, sock, lambda url: say(f"fabric proxy: serving on {url}")))

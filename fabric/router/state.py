@@ -71,7 +71,8 @@ class Counters:
     a decode goes to another decoder). ``early_handoffs``: requests whose
     decoder got them at dispatch (:mod:`fabric.router.handoff`);
     ``early_refused``: ones that took the sequential flow because the
-    decoder held ``early_max_tokens`` already.
+    decoder held ``early_max_tokens`` already. ``admin_refused``: admin
+    calls refused for a missing or wrong bearer token (:mod:`fabric.router.admin`).
     """
 
     requests: int = 0
@@ -91,6 +92,7 @@ class Counters:
     drain_refusals: int = 0
     early_handoffs: int = 0
     early_refused: int = 0
+    admin_refused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""
@@ -119,12 +121,14 @@ class ProxyState:
         *,
         store_secret: str | None = None,
         shared_store: str | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.policy = policy
         self.counters = Counters()
         self.store_secret = store_secret  # signs the store clients' frames (connector.secret_env)
+        self.admin_token = admin_token  # the admin routes' bearer token (None: open)
         self.shared_store = shared_store  # the host's shared store (connector.shared_store)
         self.shared_endpoint: str | None = None  # where it was last found
         endpoints = sum(e.kv_endpoint is not None for e in pool.engines) + bool(shared_store)

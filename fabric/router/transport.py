@@ -14,8 +14,8 @@ The proxy's two engine calls per request (P, then D) go through
   response object tree per call.
 - ``httpx``: :class:`HttpxEngines`, httpx's own transport. httpcore's pool
   walks and polls every connection on each pool event, so its CPU cost per
-  request grows with concurrency (``notes/peers.md``: 18-21% of a Python PD
-  proxy's time).
+  request grows with concurrency (profiles of Python PD proxies put it at
+  18-21% of their time).
 
 Measured here (``benchmarks/proxy.py``'s fake engines, 32 clients, the load
 generator on the same 2 cores; proxy CPU per proxied request): httpcore's

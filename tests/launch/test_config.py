@@ -232,6 +232,22 @@ def test_store_section_validates_and_reaches_every_reuse_engine(tmp_path: Path) 
     assert "shared_store" not in no_reuse.connector.extra_config(8101, role="prefill")
 
 
+def test_connector_insecure_reaches_the_engines_and_the_store(tmp_path: Path) -> None:
+    from fabric.launch.up import store_command
+
+    store = "store: {port: 0, mem_gib: 0.5}\n"
+    plain = load_topology(write(tmp_path, GOOD + store))
+    assert plain.store is not None
+    assert "insecure" not in plain.connector.extra_config(8101)
+    assert "--insecure" not in store_command(plain.store, plain)
+    topology = load_topology(write(tmp_path, GOOD + store + "connector: {insecure: true}\n"))
+    assert topology.store is not None
+    assert topology.connector.extra_config(8101)["insecure"] is True
+    assert "--insecure" in store_command(topology.store, topology)
+    with pytest.raises(ConfigError, match=r"connector\.insecure: Input should be a valid boolean"):
+        load_topology(write(tmp_path, GOOD + "connector: {insecure: perhaps}\n"))
+
+
 @pytest.mark.parametrize(
     ("store", "message"),
     [

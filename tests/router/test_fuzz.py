@@ -32,6 +32,7 @@ from .test_pd_flow import expected_text
 
 SECRET_ENV = "FABRIC_FUZZ_SECRET"
 SECRET = "router-fuzz-secret"
+AUTH = {"authorization": f"Bearer {SECRET}"}  # the admin token: the connector secret
 CT = 4
 PROMPT_IDS = list(range(100, 100 + 3 * CT))
 NUM_RANDOM = 3000
@@ -242,7 +243,9 @@ def check_serving(client: httpx.Client, rig: Rig) -> None:
         assert response.status_code == 200, response.text
         if path == "/v1/completions":
             assert response.json()["choices"][0]["text"] == expected_text(body)
-    lookup = client.post(rig.proxy.url + "/fabric/lookup", json={"prompt": PROMPT_IDS})
+    lookup = client.post(
+        rig.proxy.url + "/fabric/lookup", json={"prompt": PROMPT_IDS}, headers=AUTH
+    )
     assert lookup.status_code == 200, lookup.text
     hits = {e["name"]: e for e in lookup.json()["engines"]}
     assert hits["p0"]["error"] is None and hits["p0"]["hit_tokens"] == 2 * CT, hits
@@ -269,13 +272,15 @@ def test_every_listed_bad_value_is_refused(rig: Rig, client: httpx.Client) -> No
                 check_error(response, f"{path} without {field}")
     for path in ADMIN:
         for raw in RAW_BAD:
-            check_error(client.post(rig.proxy.url + path, content=raw), f"{path} {raw[:40]!r}")
+            response = client.post(rig.proxy.url + path, content=raw, headers=AUTH)
+            check_error(response, f"{path} {raw[:40]!r}")
         for body in ADMIN_BAD:
             if path == "/fabric/clear" and ("prompt" in body or "messages" in body):
                 body = {k: v for k, v in body.items() if k not in ("prompt", "messages", "pin")}
                 body = body or {"tier": 7}
-            response = client.post(rig.proxy.url + path, json=body)
+            response = client.post(rig.proxy.url + path, json=body, headers=AUTH)
             check_error(response, f"{path} {body}")
+            assert response.status_code != 401, f"{path} {body}: the token was refused"
     check_serving(client, rig)
     assert rig.decode.seen and all(s["body"]["model"] == "fake" for s in rig.decode.seen)
 
@@ -292,6 +297,8 @@ def test_random_bad_requests_never_5xx_and_never_hang(rig: Rig, client: httpx.Cl
         path = rng.choice(paths)
         raw = bad_generation(rng, path) if path in GOOD else bad_admin(rng)
         headers = {"content-type": rng.choice(["application/json", "text/plain", "x/y"])}
+        if path in ADMIN:
+            headers |= AUTH
         check_error(
             client.post(rig.proxy.url + path, content=raw, headers=headers), f"{path} {raw[:80]!r}"
         )
