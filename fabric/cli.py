@@ -99,6 +99,11 @@ proxy stops routing to it at once, its requests in flight finish (same
 bound), it exits and is not restarted; SIGUSR1 to fabric up restarts the
 engines stopped that way.
 
+Across hosts (a topology with hosts:), run fabric up --host NAME on each
+machine: it starts that host's engines (and shared store), and the proxy
+where proxy.host names it; the proxy reaches the other hosts' engines by
+their addresses. Every host needs the same secret (connector.secret_env).
+
 Under systemd, use KillMode=mixed (SIGTERM to fabric up alone, which stops
 the engines in order) and TimeoutStopSec of at least twice --drain-timeout-s
 plus 2 minutes; the default KillMode sends SIGTERM to every process at once,
@@ -114,6 +119,11 @@ def _up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("config", help="topology YAML, e.g. configs/1p1d.yaml")
+    up.add_argument(
+        "--host",
+        help="in a topology across hosts: this machine's name under hosts: (start only "
+        "its engines, its shared store, and the proxy if it runs here)",
+    )
     up.add_argument(
         "--drain-timeout-s",
         type=_seconds("--drain-timeout-s", zero_ok=True),
@@ -244,7 +254,8 @@ def _serve(ns: argparse.Namespace) -> int:
             from fabric.launch.up import main as up_main
 
             restart = RestartPolicy(ns.restart_backoff_s, ns.restart_backoff_max_s)
-            return up_main(ns.config, options=UpOptions(ns.drain_timeout_s, restart))
+            options = UpOptions(ns.drain_timeout_s, restart, host=ns.host)
+            return up_main(ns.config, options=options)
         from fabric.config import load_topology
         from fabric.router.serve import run_proxy
 

@@ -13,6 +13,20 @@ connector settings every engine shares::
     connector: {chunk_tokens: 256, store_mib: 512}
     store: {mem_gib: 2}         # optional: a shared store every engine attaches to
 
+Across hosts, ``hosts:`` names the machines and each engine (and the proxy)
+says where it runs; ``fabric up --host NAME`` on each machine starts what
+belongs there (see :class:`HostConfig`)::
+
+    hosts:
+      gpu-a: {address: 10.0.0.2}
+      gpu-b: {address: 10.0.0.3, bind: 0.0.0.0, ucx_tls: "rc,tcp"}
+    prefill:
+      - {name: prefill-0, host: gpu-a, port: 8100, kv_port: 8101}
+    decode:
+      - {name: decode-0, host: gpu-b, port: 8200, kv_port: 8201}
+    proxy: {host: gpu-a, port: 8000}
+    connector: {secret_env: FABRIC_SECRET}
+
 An engine either runs already (``url``, and for a decoder the ``kv_port`` of
 its connector) or is started by ``fabric up`` (``model``, or a ``command``
 template for engines that are not vLLM). Unset ports are chosen free at
@@ -49,6 +63,49 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class HostConfig(_Frozen):
+    """A machine of a topology that spans hosts (an entry of ``hosts:``).
+
+    ``address``: where the other hosts reach it (an IPv4 address or a DNS
+    name): its engines' URLs and kv endpoints, the proxy's URL, and what its
+    engines advertise to their peers (``VLLM_HOST_IP``, the connector's
+    ``advertise_host``). ``bind``: what its servers listen on (default:
+    ``address``; ``0.0.0.0`` listens on every interface while peers are
+    still told ``address``). ``ucx_net_devices`` / ``ucx_tls``: its
+    engines' ``UCX_NET_DEVICES`` and ``UCX_TLS`` (default: unset, UCX's own
+    choice among every device and transport; ``lo`` only for a loopback
+    address). ``env``: added to the environment of every engine it runs.
+    """
+
+    address: str = Field(min_length=1)
+    bind: str | None = Field(default=None, min_length=1)
+    ucx_net_devices: str | None = Field(default=None, min_length=1)
+    ucx_tls: str | None = Field(default=None, min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("address", "bind")
+    @classmethod
+    def _ipv4_or_name(cls, value: str | None) -> str | None:
+        return None if value is None else _host_value(value)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_as_strings(cls, value: Any) -> Any:
+        return _env_strings(value)
+
+    @property
+    def bind_host(self) -> str:
+        """What its servers bind."""
+        return self.bind or self.address
+
+    @property
+    def loopback(self) -> bool:
+        """Whether only this machine's processes can reach it."""
+        from fabric.transfer.addresses import is_loopback
+
+        return is_loopback(self.address) and is_loopback(self.bind_host)
+
+
 class EngineConfig(_Frozen):
     """One engine of the topology.
 
@@ -56,9 +113,12 @@ class EngineConfig(_Frozen):
     Otherwise ``fabric up`` starts it: vLLM serving ``model``, or ``command``
     when given, a template whose ``{port}``, ``{kv_port}``, ``{name}``,
     ``{role}``, ``{model}``, ``{workdir}``, ``{python}`` and
-    ``{kv_transfer_config}`` (JSON) are filled in. ``port``/``kv_port`` left
+    ``{kv_transfer_config}`` (JSON), ``{host}`` (what it binds) and
+    ``{address}`` (what it advertises) are filled in. ``port``/``kv_port`` left
     unset are chosen free at launch. ``env`` is added to the engine's
-    environment; ``args`` to vLLM's command line.
+    environment; ``args`` to vLLM's command line. ``host``: in a topology
+    with ``hosts:``, the machine it runs on (a name there, or its address);
+    ``host_address`` is derived from it (not a setting).
     """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -73,14 +133,18 @@ class EngineConfig(_Frozen):
     cuda_visible_devices: str | None = None
     cpu_cores: str | None = None
     kv_cache_gib: PositiveInt = 1
+    host: str | None = Field(default=None, min_length=1)
+    host_address: str | None = None
 
     @field_validator("env", mode="before")
     @classmethod
     def _env_as_strings(cls, value: Any) -> Any:
-        # NOTE: YAML reads `FOO: 1` as an int; environment values are strings.
-        if isinstance(value, dict):
-            return {k: _scalar_str(v) for k, v in value.items()}
-        return value
+        return _env_strings(value)
+
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str | None) -> str | None:
+        return None if value is None else _host_value(value)
 
     @field_validator("url")
     @classmethod
@@ -100,6 +164,8 @@ class EngineConfig(_Frozen):
             raise ValueError("give url (a running engine) or model (to start one)")
         if self.url is not None and self.port is not None:
             raise ValueError("port: a running engine's port is the one in its url")
+        if self.url is not None and self.host is not None:
+            raise ValueError("host: a running engine's host is the one in its url")
         return self
 
     @property
@@ -108,27 +174,28 @@ class EngineConfig(_Frozen):
         return self.url is None
 
     @property
-    def host(self) -> str:
-        """Host the engine answers on: the url's host, else loopback."""
+    def address(self) -> str:
+        """Where others reach the engine: the url's host, else its host's
+        address, else loopback."""
         if self.url is not None:
             return urlsplit(self.url).hostname or LOCAL_HOST
-        return LOCAL_HOST
+        return self.host_address or LOCAL_HOST
 
     @property
     def base_url(self) -> str:
-        """``http://host:port`` of the engine's OpenAI server."""
+        """``http://address:port`` of the engine's OpenAI server."""
         if self.url is not None:
             return self.url
         if self.port is None:
             raise ConfigError(f"{self.name}: port is not set (resolved at launch)")
-        return f"http://{LOCAL_HOST}:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     @property
     def kv_endpoint(self) -> str | None:
-        """``tcp://host:kv_port`` of the engine's fabric control channel, if known."""
+        """``tcp://address:kv_port`` of the engine's fabric control channel, if known."""
         if self.kv_port is None:
             return None
-        return f"tcp://{self.host}:{self.kv_port}"
+        return f"tcp://{self.address}:{self.kv_port}"
 
     @property
     def kv_role(self) -> str:
@@ -139,6 +206,8 @@ class EngineConfig(_Frozen):
 class ProxyConfig(_Frozen):
     """The PD proxy: where it listens, its timeouts and its policy.
 
+    ``host``: the address it listens on; in a topology with ``hosts:``, the
+    name of the host that runs it (it listens on that host's ``bind``).
     ``port`` None picks a free port. Timeouts bound every wait: connecting to
     an engine, the prefill answer, each read from the decoder (for a stream:
     the gap between two chunks), and health probes; ``request_deadline_s``
@@ -328,11 +397,20 @@ class TopologyConfig(_Frozen):
     ``name`` (``prefill-0``, ``decode-1``...) and ``model`` (``model`` here).
     ``startup_timeout_s`` bounds ``fabric up``'s wait for healthy engines.
     ``store``: a shared store ``fabric up`` starts first (see
-    :class:`SharedStoreConfig`).
+    :class:`SharedStoreConfig`; across hosts, one on each host that runs
+    an engine with a reuse tier).
+
+    ``hosts``: the machines of a topology that spans hosts, by name (see
+    :class:`HostConfig`). With it, the proxy's ``host`` names the one that
+    runs the proxy, an engine that runs on another host than the proxy needs
+    its ``port`` and ``kv_port`` (a free port picked there cannot be told to
+    the proxy), and beyond loopback the connector needs ``secret_env`` (the
+    same secret on every host) or ``insecure``.
     """
 
     model: str | None = None
     workdir: str = "work"
+    hosts: dict[str, HostConfig] = Field(default_factory=dict)
     prefill: list[EngineConfig]
     decode: list[EngineConfig]
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
@@ -346,11 +424,14 @@ class TopologyConfig(_Frozen):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        hosts = data.get("hosts")
+        addresses = _raw_addresses(hosts) if isinstance(hosts, dict) else {}
         for role in ("prefill", "decode"):
             entries = data.get(role)
             if isinstance(entries, list):
                 data[role] = [
-                    _engine_defaults(e, role, i, data.get("model")) for i, e in enumerate(entries)
+                    _engine_defaults(e, role, i, data.get("model"), addresses)
+                    for i, e in enumerate(entries)
                 ]
         return data
 
@@ -367,7 +448,43 @@ class TopologyConfig(_Frozen):
         _check_unique_names(self)
         _check_unique_ports(self)
         _check_store(self)
+        _check_hosts(self)
         return self
+
+    def host_name(self, host: str | None) -> str | None:
+        """The ``hosts:`` name that ``host`` (a name or an address) stands for;
+        None when none does."""
+        if host is None:
+            return None
+        if host in self.hosts:
+            return host
+        return next((name for name, e in self.hosts.items() if e.address == host), None)
+
+    def engines_on(self, host: str) -> list[EngineConfig]:
+        """The engines ``fabric up --host HOST`` starts (``HOST`` a ``hosts:`` name)."""
+        return [e for e in self.engines if e.launched and self.host_name(e.host) == host]
+
+    @property
+    def proxy_host(self) -> str | None:
+        """The ``hosts:`` name of the host that runs the proxy (None: no ``hosts:``)."""
+        return self.host_name(self.proxy.host)
+
+    @property
+    def proxy_address(self) -> str:
+        """Where others reach the proxy: its host's address, else ``proxy.host``."""
+        name = self.proxy_host
+        return self.hosts[name].address if name is not None else self.proxy.host
+
+    @property
+    def proxy_bind(self) -> str:
+        """The address the proxy listens on."""
+        name = self.proxy_host
+        return self.hosts[name].bind_host if name is not None else self.proxy.host
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether ``hosts:`` places anything beyond loopback."""
+        return any(not entry.loopback for entry in self.hosts.values())
 
     @property
     def engines(self) -> list[EngineConfig]:
@@ -427,13 +544,86 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _engine_defaults(entry: Any, role: str, index: int, model: Any) -> Any:
+def _engine_defaults(
+    entry: Any, role: str, index: int, model: Any, addresses: dict[str, str]
+) -> Any:
     if not isinstance(entry, dict):
         return entry
+    if "host_address" in entry:
+        raise ValueError(f"{role}[{index}].host_address: derived from host, not a setting")
     entry = {"name": f"{role}-{index}", "role": role, **entry}
     if model is not None and not {"url", "model"} & entry.keys():
         entry["model"] = model
+    host = entry.get("host")
+    if isinstance(host, str):
+        entry["host_address"] = addresses.get(host, host)
     return entry
+
+
+def _raw_addresses(hosts: dict[Any, Any]) -> dict[str, str]:
+    """``name -> address`` of the (not yet validated) ``hosts:`` entries that have one."""
+    return {
+        name: entry["address"]
+        for name, entry in hosts.items()
+        if isinstance(entry, dict) and isinstance(entry.get("address"), str)
+    }
+
+
+def _check_hosts(topology: TopologyConfig) -> None:
+    """A topology with ``hosts:``: the proxy's host is one of them, engines away
+    from the proxy have fixed ports, and beyond loopback there is a secret."""
+    if not topology.hosts:
+        for path, engine in topology.engines_with_paths():
+            if engine.host is not None:
+                raise ValueError(f"{path}.host: {engine.host!r}, but the topology has no hosts:")
+        return
+    names = ", ".join(topology.hosts)
+    proxy_host = topology.proxy_host
+    if proxy_host is None:
+        raise ValueError(
+            f"proxy.host: {topology.proxy.host!r} is none of hosts: ({names}); name the "
+            "host that runs the proxy"
+        )
+    for path, engine in topology.engines_with_paths():
+        if not engine.launched:
+            continue
+        if engine.host is None:
+            raise ValueError(f"{path}.host: missing; name the host that runs it ({names})")
+        host = topology.host_name(engine.host)
+        if host is None:
+            raise ValueError(f"{path}.host: {engine.host!r} is none of hosts: ({names})")
+        if host != proxy_host:
+            for field in ("port", "kv_port"):
+                if getattr(engine, field) is None:
+                    raise ValueError(
+                        f"{path}.{field}: {engine.name} runs on {host} and the proxy "
+                        f"on {proxy_host}: give its {field} (one picked free on "
+                        f"{host} cannot be told to the proxy)"
+                    )
+    connector = topology.connector
+    if topology.spans_hosts and connector.secret_env is None and not connector.insecure:
+        raise ValueError(
+            "connector.secret_env: a topology across hosts needs a shared secret (the "
+            "same one in this environment variable on every host; make one with: python "
+            "-c 'import secrets; print(secrets.token_hex(32))'), or connector.insecure: true"
+        )
+
+
+def _host_value(value: str) -> str:
+    """An address or a name for a host field; IPv6 is refused (fabric speaks IPv4)."""
+    from fabric.transfer.addresses import check_host
+
+    try:
+        return check_host(value, "host")
+    except ConfigError as exc:
+        raise ValueError(str(exc).removeprefix("host: ")) from exc
+
+
+def _env_strings(value: Any) -> Any:
+    # NOTE: YAML reads `FOO: 1` as an int; environment values are strings.
+    if isinstance(value, dict):
+        return {k: _scalar_str(v) for k, v in value.items()}
+    return value
 
 
 def _check_unique_names(topology: TopologyConfig) -> None:
@@ -449,12 +639,12 @@ def _check_unique_names(topology: TopologyConfig) -> None:
 def _check_unique_ports(topology: TopologyConfig) -> None:
     seen: dict[tuple[str, int], str] = {}
     used: list[tuple[str, str, int | None]] = [
-        ("proxy.port", topology.proxy.host, topology.proxy.port)
+        ("proxy.port", topology.proxy_address, topology.proxy.port)
     ]
     for path, engine in topology.engines_with_paths():
         used += [
-            (f"{path}.port", engine.host, engine.port),
-            (f"{path}.kv_port", engine.host, engine.kv_port),
+            (f"{path}.port", engine.address, engine.port),
+            (f"{path}.kv_port", engine.address, engine.kv_port),
         ]
     if topology.store is not None and topology.store.port:
         used.append(("store.port", LOCAL_HOST, topology.store.port))

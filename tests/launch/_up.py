@@ -63,6 +63,7 @@ class UpRun:
         *,
         proxy: dict[str, Any] | None = None,
         args: list[str] | None = None,
+        wrap: Callable[[list[str]], list[str]] = lambda argv: argv,
         **top: Any,
     ) -> None:
         self.workdir = tmp_path / "work"
@@ -77,7 +78,7 @@ class UpRun:
         path = tmp_path / "topology.yaml"
         path.write_text(yaml.safe_dump(config))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "fabric.cli", "up", str(path), *(args or [])],
+            wrap([sys.executable, "-m", "fabric.cli", "up", str(path), *(args or [])]),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
