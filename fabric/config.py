@@ -390,6 +390,99 @@ class SharedStoreConfig(_Frozen):
     startup_timeout_s: Seconds = 60.0
 
 
+DnsLabel = Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+# NOTE: a Kubernetes resource quantity ("4", "500m", "16Gi", "1.5").
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?$"
+
+
+class K8sPodConfig(_Frozen):
+    """Size and placement of one kind of pod (``k8s.engine``, ``k8s.engines.NAME``,
+    ``k8s.proxy``).
+
+    ``cpu`` / ``memory``: requests, as Kubernetes quantities (``"4"``,
+    ``"500m"``, ``"16Gi"``); ``memory`` is the limit too. ``gpus``: devices
+    of ``k8s.gpu_resource`` (None: an engine takes the count of its
+    ``cuda_visible_devices``, else none). ``rdma``: devices of
+    ``k8s.rdma_resource`` (the container also gets ``IPC_LOCK`` to pin
+    memory). ``node_selector`` / ``tolerations``: as in a pod spec.
+    """
+
+    cpu: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    gpus: NonNegativeInt | None = None
+    rdma: NonNegativeInt = 0
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _quantity_as_string(cls, value: Any) -> Any:
+        # NOTE: YAML reads `cpu: 2` as an int; quantities are strings.
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        return value
+
+
+class K8sEngineConfig(K8sPodConfig):
+    """An engine's pods. ``pods_per_engine`` > 1: the engine spans that many
+    pods (a LeaderWorkerSet: the leader serves, the workers join it)."""
+
+    pods_per_engine: PositiveInt = 1
+
+
+class K8sProxyConfig(K8sPodConfig):
+    """The proxy's pods: ``replicas`` of them behind a Service of ``service_type``."""
+
+    replicas: PositiveInt = 1
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+
+
+class K8sConfig(_Frozen):
+    """What ``fabric k8s`` renders for a cluster (the ``k8s:`` section).
+
+    ``image``: an image with fabric and vLLM that the operator builds
+    (``fabric:latest`` is only a placeholder); ``python`` its interpreter.
+    ``name`` prefixes every object's name (``fabric-decode-0``); objects go
+    to ``namespace`` (unset: the one ``kubectl`` uses). ``workdir``: an
+    emptyDir in each engine pod (built tiny models, drain files, relative
+    disk tiers). ``secret_name`` / ``secret_key``: the Secret holding the
+    connector's secret (``admin_token_key``: the proxy's admin token there,
+    when ``proxy.admin_token_env`` is set). ``engine``: every engine's pods;
+    ``engines``: per engine name, the keys that differ from ``engine``.
+    ``overrides``: ``Kind/name`` -> a mapping deep-merged into that rendered
+    object (``null`` deletes a key; lists of named items merge by name).
+    """
+
+    image: str = Field(default="fabric:latest", min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    namespace: DnsLabel | None = None
+    name: Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)] = "fabric"
+    service_account: str | None = Field(default=None, min_length=1)
+    python: str = Field(default="python3", min_length=1)
+    workdir: str = Field(default="/fabric", pattern=r"^/")
+    secret_name: str = Field(default="fabric-secret", pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
+    secret_key: str = Field(default="secret", pattern=r"^[-._a-zA-Z0-9]+$")
+    admin_token_key: str = Field(default="admin-token", pattern=r"^[-._a-zA-Z0-9]+$")
+    gpu_resource: str = Field(default="nvidia.com/gpu", min_length=1)
+    rdma_resource: str = Field(default="rdma/ib", min_length=1)
+    prometheus: bool = True
+    engine: K8sEngineConfig = Field(default_factory=K8sEngineConfig)
+    engines: dict[str, K8sEngineConfig] = Field(default_factory=dict)
+    proxy: K8sProxyConfig = Field(default_factory=K8sProxyConfig)
+    overrides: dict[Annotated[str, Field(pattern=r"^[A-Za-z]+/[-.a-z0-9]+$")], dict[str, Any]] = (
+        Field(default_factory=dict)
+    )
+
+    def engine_pods(self, name: str) -> K8sEngineConfig:
+        """Engine ``name``'s pods: ``engine`` with what ``engines.NAME`` sets."""
+        override = self.engines.get(name)
+        if override is None:
+            return self.engine
+        update = {key: getattr(override, key) for key in override.model_fields_set}
+        return self.engine.model_copy(update=update)
+
+
 class TopologyConfig(_Frozen):
     """A whole PD deployment: engines, proxy, connector and a work directory.
 
@@ -417,6 +510,7 @@ class TopologyConfig(_Frozen):
     connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
     store: SharedStoreConfig | None = None
     startup_timeout_s: Seconds = 600.0
+    k8s: K8sConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
