@@ -1,6 +1,6 @@
 """``fabric`` command line: ``fabric bench transfer|serve ...``, ``fabric model tiny DIR``,
 ``fabric model lora DIR --model MODEL_DIR``, ``fabric up CONFIG``, ``fabric proxy CONFIG``,
-``fabric status``, ``fabric store serve``, ``version``."""
+``fabric status``, ``fabric store serve``, ``fabric k8s CONFIG``, ``version``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy.add_argument("--host", help="listen address (default: proxy.host)")
     proxy.add_argument("--port", type=int, help="listen port (default: proxy.port)")
     _store_parser(sub)
+    _k8s_parser(sub)
     status = sub.add_parser("status", help="a running proxy's engines and counters")
     status.add_argument("--url", help="proxy URL (default: WORKDIR/run/up.json, else :8000)")
     status.add_argument("--workdir", default="work", help="fabric up's workdir (default: work)")
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(ns)
     elif ns.command == "store":
         return _store(ns)
+    elif ns.command == "k8s":
+        return _k8s(ns)
     return 0
 
 
@@ -222,6 +225,41 @@ def _store(ns: argparse.Namespace) -> int:
         return serve(config, lambda line: print(line, flush=True))
     except ConfigError as exc:
         print(f"fabric store: {exc}", file=sys.stderr)
+        return 2
+
+
+def _k8s_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    k8s = sub.add_parser(
+        "k8s",
+        help="print a topology's Kubernetes manifests (fabric k8s CONFIG | kubectl apply -f -)",
+    )
+    k8s.add_argument("config", help="topology YAML, e.g. configs/1p1d.yaml")
+    k8s.add_argument("-o", "--output", help="write the manifests here (default: stdout)")
+    k8s.add_argument("--namespace", help="namespace of every object (default: k8s.namespace)")
+    k8s.add_argument("--image", help="image with fabric and vLLM (default: k8s.image)")
+    k8s.add_argument(
+        "--secret-from-env",
+        metavar="VAR",
+        help="also render the Secret, with the value of environment variable VAR "
+        "(default: the Secret k8s.secret_name must exist)",
+    )
+
+
+def _k8s(ns: argparse.Namespace) -> int:
+    """``fabric k8s``: a config error is one message, exit status 2."""
+    from fabric.errors import ConfigError
+    from fabric.launch.k8s import main as k8s_main
+
+    try:
+        return k8s_main(
+            ns.config,
+            output=ns.output,
+            namespace=ns.namespace,
+            image=ns.image,
+            secret_from_env=ns.secret_from_env,
+        )
+    except ConfigError as exc:
+        print(f"fabric k8s: {exc}", file=sys.stderr)
         return 2
 
 
