@@ -138,8 +138,11 @@ async def _serve(
         async def started(url: str) -> None:
             running.proxy_url = url
             running.write_state()
-            announce(f"fabric up: proxy ready at {url} (Ctrl-C stops everything)")
-            await _wait_ready(proxy, announce)
+            announce(
+                f"fabric up: proxy serving at {url} (Ctrl-C stops everything); ready once "
+                "every P->D pair passed a canary transfer"
+            )
+            await _wait_ready(proxy, url, announce)
 
         def draining(in_flight: int) -> None:
             running.draining = True
@@ -227,7 +230,7 @@ def _readiness(client: httpx.AsyncClient, self_probe: bool) -> Callable[[Child],
     return ready
 
 
-async def _wait_ready(proxy: ProxyState, announce: Announce) -> None:
+async def _wait_ready(proxy: ProxyState, url: str, announce: Announce) -> None:
     """Report the proxy's readiness check (a canary transfer per P->D pair, see
     :mod:`fabric.router.ready`); the proxy serves meanwhile."""
     try:
@@ -241,7 +244,7 @@ async def _wait_ready(proxy: ProxyState, announce: Announce) -> None:
             f"served meanwhile): {'; '.join(map(str, missing))}"
         )
     else:
-        announce("fabric up: ready: every P->D pair passed its canary transfer")
+        announce(f"fabric up: proxy ready at {url}: every P->D pair passed its canary transfer")
 
 
 def _find_engine(proxy: ProxyState, name: str) -> Any:

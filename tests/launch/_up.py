@@ -115,7 +115,7 @@ class UpRun:
 
     def wait_serving(self) -> str:
         """The proxy's URL, once it serves."""
-        self.url = self.wait_line(r"proxy ready at (http://\S+)").group(1)
+        self.url = self.wait_line(r"proxy serving at (http://\S+)").group(1)
         return self.url
 
     def state(self) -> dict[str, Any]:

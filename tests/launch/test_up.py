@@ -192,7 +192,7 @@ def test_up_serves_through_the_proxy_and_stops_everything_on_sigterm(
     run = UpRun(tmp_path, FAKE, FAKE)
     runs.append(run)
 
-    url = run.wait_line(r"proxy ready at (http://\S+)").group(1)
+    url = run.wait_line(r"proxy serving at (http://\S+)").group(1)
     state = json.loads((run.workdir / "run" / "up.json").read_text())
     response = httpx.post(
         f"{url}/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 3}, timeout=10
@@ -260,7 +260,7 @@ def test_up_starts_the_shared_store_first_and_stops_it_last(
     runs.append(run)
 
     endpoint = run.wait_line(r"shared store serving on (tcp://\S+)").group(1)
-    run.wait_line(r"proxy ready at")
+    run.wait_line(r"proxy serving at")
     state = run.state()
     from fabric.transfer.lookup import StoreClient
 
@@ -423,7 +423,7 @@ def test_an_engine_stopping_gets_the_drain_timeout_and_then_some(
     body = {"model": "fake", "prompt": "drain me", "max_tokens": 20, "stream": True}  # 2 s
 
     def announce(line: str) -> None:
-        if "proxy ready at" in line:
+        if "proxy serving at" in line:
             ready.set()
 
     def client() -> list[str]:
