@@ -210,7 +210,7 @@ class Chaos:
 
     state_path: Path
     every_s: float
-    seed: int = 5
+    seed: int | None = None  # None: a fresh one (kept here once drawn)
     store_at: int = 2
     kills: list[Kill] = field(default_factory=list)
     log: Callable[[str], None] = print
@@ -218,6 +218,9 @@ class Chaos:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``; then waits for every victim to come back (bounded)."""
+        if self.seed is None:
+            self.seed = random.SystemRandom().randrange(2**32)
+        self.log(f"  chaos: victims' order seed {self.seed}")
         rng = random.Random(self.seed)
         watches: list[asyncio.Task[None]] = []
         try:
@@ -248,7 +251,7 @@ class Chaos:
             engines = [e for e in state["engines"] if e.get("pid") and e.get("state", "up") == "up"]
             if not engines:
                 return None, None
-            victim = rng.choice(engines)
+            victim = self._next_victim(engines, rng)
             name, pid = victim["name"], int(victim["pid"])
         try:
             argv, env = _proc_argv_env(pid) if self.scratch is not None else ([], {})
@@ -278,6 +281,13 @@ class Chaos:
             except (OSError, ValueError) as exc:
                 kill.bare_error = f"could not start: {exc}"
         return kill, bare
+
+    def _next_victim(self, engines: list[dict[str, Any]], rng: random.Random) -> dict[str, Any]:
+        """The serving engine killed the fewest times so far (ties: at random),
+        so every engine is killed once before any is killed twice."""
+        counts = {e["name"]: sum(k.victim == e["name"] for k in self.kills) for e in engines}
+        fewest = min(counts.values())
+        return rng.choice([e for e in engines if counts[e["name"]] == fewest])
 
     async def _time_bare(self, kill: Kill, bare: Bare, timeout_s: float = 900) -> None:
         """How long the bare copy started at the kill takes to serve; then stop it."""
@@ -411,14 +421,19 @@ class Scraper:
 
 
 def rss_growth(
-    samples: list[dict[str, Any]], *, settle_s: float, min_life_s: float
+    samples: list[dict[str, Any]],
+    *,
+    settle_s: float,
+    min_life_s: float,
+    settled: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[dict[str, float], list[str]]:
     """RSS growth of every long-lived process incarnation.
 
     ``samples``: {"t", "rss": {"name/pid": bytes}}. An incarnation's baseline
-    is its first sample at least ``settle_s`` after it first appeared (after
-    warm-up: the caller passes only samples from then on); it counts when it
-    was sampled at least ``min_life_s`` after its baseline. Returns
+    is its first sample, for those in ``settled`` (alive at warm-up: the
+    caller passes only samples from then on), else its first sample at least
+    ``settle_s`` after it first appeared; it counts when it was sampled at
+    least ``min_life_s`` after its baseline. Returns
     ({incarnation: max/baseline - 1}, the incarnations too short-lived to judge).
     """
     first: dict[str, float] = {}
@@ -432,7 +447,7 @@ def rss_growth(
             first.setdefault(key, sample["t"])
             last[key] = sample["t"]
             if key not in base:
-                if sample["t"] - first[key] >= settle_s:
+                if key in settled or sample["t"] - first[key] >= settle_s:
                     base[key] = (sample["t"], rss)
                     peak[key] = rss
                 continue

@@ -30,14 +30,17 @@ the end of warm-up.
     python benchmarks/soak.py --chaos                                      # with kills
 
 ``--chaos`` adds a shared store to the topology and, while the requests run,
-SIGKILLs a random serving engine every ``--chaos-every-s`` (120 s, a fixed
-cadence whether or not the last victim is back; the shared store once, at
-the second kill): ``fabric up`` must restart it (see
+SIGKILLs a serving engine every ``--chaos-every-s`` (120 s, a fixed
+cadence whether or not the last victim is back; the engines in a random
+order, each once before any twice, from ``--chaos-seed``; the shared store
+once, at the second kill): ``fabric up`` must restart it (see
 ``benchmarks/chaos.py``). A request may then fail, but only with an error
 (an HTTP error status or an error event in its stream) within
 ``--request-timeout-s``; one without an answer or an error is *unanswered*.
 Load failures are expected (the kills cause them); corrupt or refused KV is
-not. Restarted engines are judged for RSS from their own settled value, and
+not. Every process alive at warm-up is judged for RSS from its value then
+(the shared store's included), a restarted one from its own value 60 s
+after it served again, and
 each killed process must answer again within its own start time under the
 same load plus ``--restart-slack-s`` (10 s): the start of a bare copy of it
 (vLLM without fabric; the store on a port of its own) begun at the kill and
@@ -150,6 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fabric up must restart it",
     )
     parser.add_argument("--chaos-every-s", type=float, default=120.0)
+    parser.add_argument(
+        "--chaos-seed",
+        type=int,
+        default=None,
+        help="seed of the victims' order (default: a fresh one, recorded)",
+    )
     parser.add_argument(
         "--request-timeout-s",
         type=float,
@@ -525,7 +534,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     scraper = Scraper()
     bare_dir = workdir / "bare"
     bare_dir.mkdir(exist_ok=True)
-    chaos = Chaos(state_path, args.chaos_every_s, scratch=bare_dir) if args.chaos else None
+    chaos = (
+        Chaos(state_path, args.chaos_every_s, seed=args.chaos_seed, scratch=bare_dir)
+        if args.chaos
+        else None
+    )
     try:
         deadline = time.monotonic() + 1200
         while not state_path.exists():
@@ -549,7 +562,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
         def sample(phase: str) -> None:
             rss = {f"proxy/{up.pid}": own_rss(up.pid)}
-            for e in engines_now():
+            try:
+                store = store_entry(read_state(state_path))
+            except (OSError, ValueError):
+                store = None
+            for e in [*engines_now(), *([{"name": "store", **store}] if store else [])]:
                 # NOTE: a restarted engine is judged once it serves (its start-up grows)
                 if e.get("pid") and e.get("state", "up") == "up":
                     rss[f"{e['name']}/{e['pid']}"] = tree_rss(int(e["pid"]))
@@ -601,6 +618,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "elapsed": elapsed,
         "start_s": start_s,
         "kills": [k.to_dict() for k in chaos.kills] if chaos else [],
+        "chaos_seed": chaos.seed if chaos else None,
         "errors_outside_kills": outside_kills(
             error_times, chaos.kills if chaos else [], args.kill_window_s
         ),
@@ -672,9 +690,11 @@ def summarize(
     unanswered = run_info["unanswered"]
     warm = next((s for s in samples if s["phase"] == "warmup"), samples[0])
     after = [s for s in samples if s["t"] >= warm["t"]]
-    # NOTE: a restarted engine is a new process: judged from its own settled value
-    settle = 60.0 if args.chaos else 0.0
-    growth, short_lived = rss_growth(after, settle_s=settle, min_life_s=3 * args.sample_s)
+    # NOTE: every process alive at warm-up is judged from its value then; a
+    # restarted one (a new process) from its own value 60 s after it served
+    growth, short_lived = rss_growth(
+        after, settle_s=60.0, min_life_s=3 * args.sample_s, settled=set(warm["rss"])
+    )
     proxy_counters = {
         line.split()[0]: float(line.split()[1])
         for line in metrics.splitlines()
@@ -748,6 +768,7 @@ def summarize(
         },
         "start_s": run_info["start_s"],
         "kills": kills,
+        "chaos_seed": run_info["chaos_seed"],
         "late_restarts": late,
         "scheduler_hold_buckets": {str(k): v for k, v in sorted(run_info["hold_buckets"].items())},
         # NOTE: the hold's part spent waiting for lookup answers; the rest is

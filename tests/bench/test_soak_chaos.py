@@ -73,6 +73,31 @@ def test_rss_growth_is_per_incarnation_from_its_settled_value(chaos: ModuleType)
     assert short == ["p/2"]  # killed before it could be judged
 
 
+def test_rss_growth_of_a_process_alive_at_warm_up_counts_from_then(chaos: ModuleType) -> None:
+    samples = [
+        {"t": 0, "rss": {"p/2": 1000}},  # warm-up
+        {"t": 30, "rss": {"p/2": 1100}},
+        {"t": 120, "rss": {"p/2": 1150}},
+    ]
+    assert chaos.rss_growth(samples, settle_s=60, min_life_s=100)[0] == {}
+    growth, _ = chaos.rss_growth(samples, settle_s=60, min_life_s=100, settled={"p/2"})
+    assert growth == {"p/2": pytest.approx(0.15)}  # not judged from t=60 on
+
+
+def test_every_engine_is_killed_once_before_any_is_killed_twice(chaos: ModuleType) -> None:
+    import random
+
+    engines = [{"name": n, "pid": 1} for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")]
+    for seed in range(20):
+        c = chaos.Chaos(Path("up.json"), every_s=1, seed=seed)
+        rng = random.Random(seed)
+        for _ in range(8):
+            victim = c._next_victim(engines, rng)
+            c.kills.append(chaos.Kill(victim["name"], 1, 0.0))
+        names = [k.victim for k in c.kills]
+        assert sorted(names[:4]) == sorted(names[4:]) == sorted(e["name"] for e in engines)
+
+
 def test_a_killed_process_is_timed_until_its_restart_answers(
     chaos: ModuleType, tmp_path: Path
 ) -> None:
