@@ -104,6 +104,7 @@ from chaos import (  # noqa: E402
     parse_tables,
     read_state,
     rss_growth,
+    store_entry,
 )
 
 MODEL = "tiny"
