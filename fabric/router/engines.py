@@ -311,8 +311,15 @@ async def tcp_unreachable(url: str, timeout_s: float) -> str | None:
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (443 if parts.scheme == "https" else 80)
+    # NOTE: uvloop's loop (uvicorn's, so the proxy's) has no happy eyeballs:
+    # the option is a TypeError there, and each address is tried in turn.
+    uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
     try:
-        connecting = asyncio.open_connection(host, port, happy_eyeballs_delay=0.25)
+        connecting = (
+            asyncio.open_connection(host, port)
+            if uvloop
+            else asyncio.open_connection(host, port, happy_eyeballs_delay=0.25)
+        )
         _, writer = await asyncio.wait_for(connecting, timeout_s)
     except TimeoutError:
         return f"no TCP connection to {host}:{port} within {timeout_s:g} s (unreachable)"

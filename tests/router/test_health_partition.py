@@ -96,9 +96,14 @@ def test_a_partitioned_engine_is_down_after_one_timed_out_probe(hosts: Hosts) ->
             engine.wait()
 
 
-def test_tcp_unreachable_says_why() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as listening:
-        port = listening.getsockname()[1]
-        assert asyncio.run(tcp_unreachable(f"http://127.0.0.1:{port}/x", 1.0)) is None
-    gone = asyncio.run(tcp_unreachable(f"http://127.0.0.1:{port}", 1.0))
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_tcp_unreachable_says_why(loop: str) -> None:
+    """On uvloop too: uvicorn runs the proxy on it (its create_connection has no
+    happy eyeballs option: every probe that timed out failed on it)."""
+    factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            port = listening.getsockname()[1]
+            assert runner.run(tcp_unreachable(f"http://127.0.0.1:{port}/x", 1.0)) is None
+        gone = runner.run(tcp_unreachable(f"http://127.0.0.1:{port}", 1.0))
     assert gone is not None and "failed" in gone
