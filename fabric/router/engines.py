@@ -37,6 +37,15 @@ cannot be made either: :func:`tcp_unreachable`), and failures
 seen while serving requests (a refused connection marks the engine down at
 once, so the next requests skip it instead of waiting on it).
 
+An engine found unreachable (:meth:`Engine.mark_unreachable`: that probe,
+or a request's connect that timed out when a fresh connect fails too,
+:meth:`fabric.router.state.ProxyState.connect_failed`) also has every call
+in flight to it cut (:mod:`fabric.router.calls`): a partition sends no FIN
+nor RST, and their reads would wait for their timeouts. A refused
+connection cuts nothing: the host answered, and a process that stopped
+listening may still finish its streams (a graceful shutdown); one that died
+reset them.
+
 Everything here runs on the proxy's event loop (not thread-safe).
 """
 
@@ -58,6 +67,7 @@ import httpx
 
 from fabric.config import EngineConfig, TopologyConfig
 from fabric.errors import ConfigError
+from fabric.router.calls import EngineCalls
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +124,7 @@ class Engine:
         self.kv_tokens: int | None = None  # a decoder: its KV cache in tokens (vLLM's /metrics)
         self.early_requests = 0  # a decoder: early handoffs it holds for this proxy
         self._kv_tokens_epoch = -1  # the epoch kv_tokens was read in
+        self.calls = EngineCalls()  # calls in flight to it (prefills, decodes, streams)
 
     def __repr__(self) -> str:
         return f"Engine({self.name!r}, {self.role!r}, {self.url!r}, {self.state.value})"
@@ -171,6 +182,14 @@ class Engine:
         self.last_error = reason
         for leg in list(self.legs):
             leg.cancel()
+
+    def mark_unreachable(self, reason: str) -> None:
+        """:meth:`mark_down`, and end every call in flight to it now (with
+        :class:`~fabric.router.calls.EngineUnreachable`)."""
+        self.mark_down(reason)
+        cut = self.calls.cut(reason)
+        if cut:
+            logger.warning("engine %s (%s): %d call(s) in flight cut", self.name, self.url, cut)
 
     def mark_up(self) -> None:
         """Record a successful probe; logged once per transition. Ends a drain
@@ -273,7 +292,7 @@ async def probe(
             connect_s = max(timeout_s, UNREACHABLE_CONNECT_S)
             unreachable = await tcp_unreachable(engine.url, connect_s)
             if unreachable is not None:
-                engine.mark_down(f"/health: {describe(exc)}; {unreachable}")
+                engine.mark_unreachable(f"/health: {describe(exc)}; {unreachable}")
                 return False
         engine.slow_probes += 1
         if engine.slow_probes >= SLOW_PROBES_DOWN:

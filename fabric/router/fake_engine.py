@@ -20,9 +20,10 @@ readiness canaries (:mod:`fabric.router.ready`) can pass or fail.
 It records the requests it saw (``GET /fake/requests``, ``DELETE`` clears),
 so tests can check what P and D were sent; canaries (header
 ``x-fabric-canary``) are recorded apart, in ``FakeEngineState.canaries``.
-Knobs inject failures: a delay before answering, a fixed error status, a
-prefiller without params, failed pushes or loads, an answer padded to a
-size, no fabric metrics.
+Knobs inject failures: a delay before answering, slow tokens, a slow
+``/health`` (a busy engine), a fixed error status, a prefiller without
+params, failed pushes or loads, an answer padded to a size, no fabric
+metrics.
 
 Run it: ``python -m fabric.router.fake_engine --port N --role prefill|decode``.
 """
@@ -56,7 +57,8 @@ class FakeEngineConfig:
     """How a fake engine behaves.
 
     ``delay_s``: wait before answering a generation request (timeouts).
-    ``token_delay_s``: wait between streamed tokens. ``fail_status``: answer
+    ``token_delay_s``: wait between streamed tokens. ``health_delay_s``: wait
+    before answering ``/health`` (a busy engine). ``fail_status``: answer
     every generation request with this HTTP status. ``kv_params``: False makes
     a prefiller that returns no ``kv_transfer_params`` (no connector).
     ``push_fails``: a prefiller whose params say its push failed (its
@@ -84,6 +86,7 @@ class FakeEngineConfig:
     kv_endpoint: str | None = None
     delay_s: float = 0.0
     token_delay_s: float = 0.0
+    health_delay_s: float = 0.0
     fail_status: int | None = None
     kv_params: bool = True
     push_fails: bool = False
@@ -194,6 +197,8 @@ def create_fake_engine(config: FakeEngineConfig) -> FastAPI:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
+        if config.health_delay_s:
+            await asyncio.sleep(config.health_delay_s)
         return Response(status_code=200)
 
     async def metrics(request: Request) -> Response:
@@ -421,6 +426,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-port", type=int, help="names tcp://HOST:KV_PORT as this engine's endpoint")
     p.add_argument("--delay-s", type=float, default=0.0)
     p.add_argument("--token-delay-s", type=float, default=0.0)
+    p.add_argument("--health-delay-s", type=float, default=0.0, help="a busy engine's /health")
     p.add_argument("--fail-status", type=int)
     p.add_argument("--no-kv-params", action="store_true", help="a prefiller without the connector")
     p.add_argument("--push-fails", action="store_true", help="a prefiller whose pushes fail")
@@ -438,6 +444,7 @@ def config_from_args(ns: argparse.Namespace) -> FakeEngineConfig:
         kv_endpoint=kv_endpoint,
         delay_s=ns.delay_s,
         token_delay_s=ns.token_delay_s,
+        health_delay_s=ns.health_delay_s,
         fail_status=ns.fail_status,
         kv_params=not ns.no_kv_params,
         push_fails=ns.push_fails,

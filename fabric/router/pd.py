@@ -483,14 +483,15 @@ async def _call_prefill(
     prefill.outstanding += 1
     try:
         url = prefill.url + endpoint.path
-        response, payload = await state.engines.post_read(
-            url, content, headers, state.prefill_timeouts, state.max_answer_bytes
-        )
+        with prefill.calls.reading():
+            response, payload = await state.engines.post_read(
+                url, content, headers, state.prefill_timeouts, state.max_answer_bytes
+            )
     except httpx.HTTPError as exc:
         state.counters.prefill_errors += 1
         count_transport_error(state, exc)
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-            prefill.mark_down(describe(exc))
+            state.connect_failed(prefill, exc)
         return None, describe(exc)
     finally:
         prefill.outstanding -= 1
@@ -528,9 +529,10 @@ async def _decode(
     """POST to D and return its answer as is (status, body, content type)."""
     ok = False
     try:
-        response, payload = await state.engines.post_read(
-            url, content, headers, timeouts, state.max_answer_bytes
-        )
+        with decode.calls.reading():
+            response, payload = await state.engines.post_read(
+                url, content, headers, timeouts, state.max_answer_bytes
+            )
         ok = response.is_success
     except httpx.HTTPError as exc:
         raise decode_failure(state, decode, exc) from exc

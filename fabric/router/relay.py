@@ -5,15 +5,17 @@ bookkeeping (D's outstanding count, the policy's ``on_finish``, closing D's
 response) runs exactly once, however the stream ends: D finished, D failed
 (the client gets an error event), the client left (the disconnect watch
 cancels the request's task; closing D's response drops the connection and
-vLLM aborts the request), or the stream never started. Open relays are
-the ``streams`` table of :meth:`fabric.router.state.ProxyState.tables`.
+vLLM aborts the request), D became unreachable (its reads are cut, see
+:mod:`fabric.router.calls`: an error event), or the stream never started.
+Open relays are the ``streams`` table of
+:meth:`fabric.router.state.ProxyState.tables`.
 
 Decoder errors reach the client as OpenAI-style JSON: 502 (unreachable,
-failed, or an answer past ``max_answer_bytes``), 503 (no free pooled
-connection to it in time, or it is draining) or 504 (timed out). Those
-where nothing reached D (unreachable, no free connection, its drain gate's
-refusal) are ``retryable``: :mod:`fabric.router.pd` sends the request to
-another decoder first.
+became unreachable, failed, or an answer past ``max_answer_bytes``), 503
+(no free pooled connection to it in time, or it is draining) or 504
+(timed out). Those where nothing reached D (unreachable, no free
+connection, its drain gate's refusal) are ``retryable``:
+:mod:`fabric.router.pd` sends the request to another decoder first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from fabric.router.asgi import Answer
+from fabric.router.calls import Call, EngineUnreachable
 from fabric.router.engines import Engine, describe, is_drain_refusal
 from fabric.router.errors import (
     UNAVAILABLE,
@@ -63,10 +66,12 @@ def decode_failure(state: ProxyState, decode: Engine, exc: httpx.HTTPError) -> P
             UPSTREAM_ERROR,
         )
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        decode.mark_down(describe(exc))
+        state.connect_failed(decode, exc)
         error = ProxyError(502, f"{what} is unreachable: {describe(exc)}", UPSTREAM_ERROR)
         error.retryable = True
         return error
+    if isinstance(exc, EngineUnreachable):
+        return ProxyError(502, f"{what} became unreachable: {exc}", UPSTREAM_ERROR)
     if isinstance(exc, httpx.TimeoutException):
         timeout = state.config.decode_timeout_s
         return ProxyError(504, f"{what} timed out after {timeout} s", UPSTREAM_TIMEOUT)
@@ -111,23 +116,27 @@ async def relay_stream(
 
     D's outstanding count, taken when D was picked, is released here or by
     the relay's :meth:`Relay.close`. The stream ends with an error event
-    once ``deadline`` (loop time) passes.
+    once ``deadline`` (loop time) passes, or once D becomes unreachable.
     """
+    call = decode.calls.open()
     try:
-        response = await state.engines.post(
-            url, content, headers, timeouts or state.decode_timeouts
-        )
+        with call:
+            response = await state.engines.post(
+                url, content, headers, timeouts or state.decode_timeouts
+            )
     except BaseException as exc:
+        call.close()
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)
         if isinstance(exc, httpx.HTTPError):
             raise decode_failure(state, decode, exc) from exc
         raise
-    relay = Relay(state, prefill, decode, response, deadline)
+    relay = Relay(state, prefill, decode, response, deadline, call)
     if response.is_success:
         return relay
     try:
-        body = await response.read(state.max_answer_bytes)
+        with call:
+            body = await response.read(state.max_answer_bytes)
     except httpx.HTTPError as exc:
         raise decode_failure(state, decode, exc) from exc
     finally:
@@ -146,12 +155,14 @@ class Relay:
         decode: Engine,
         response: EngineResponse,
         deadline: float,
+        call: Call,
     ) -> None:
         self.state = state
         self.prefill = prefill
         self.decode = decode
         self.response = response
         self.deadline = deadline
+        self.call = call  # D's reads, cut if D becomes unreachable
         self.status = response.status
         content_type = response.content_type
         self.content_type = content_type.encode("latin-1") if content_type else EVENT_STREAM
@@ -160,16 +171,21 @@ class Relay:
         state.streams += 1
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """D's bytes as they arrive; an error event if D fails mid-stream or
-        the deadline passes (a stalled D is bounded by the per-read timeout)."""
+        """D's bytes as they arrive; an error event if D fails mid-stream, the
+        deadline passes or D becomes unreachable (a stalled D is bounded by
+        the per-read timeout)."""
         loop = asyncio.get_running_loop()
+        call = self.call
         try:
-            async for chunk in self.response.chunks():
-                if loop.time() > self.deadline:
-                    error = deadline_exceeded(self.state)
-                    yield sse_error(error.status, error.message, error.type)
-                    return
-                yield chunk
+            with call:
+                async for chunk in self.response.chunks():
+                    call.reading = False  # NOTE: the send to the client is never cut
+                    if loop.time() > self.deadline:
+                        error = deadline_exceeded(self.state)
+                        yield sse_error(error.status, error.message, error.type)
+                        return
+                    yield chunk
+                    call.resume()
             self.ok = True
         except httpx.HTTPError as exc:
             error = decode_failure(self.state, self.decode, exc)
@@ -185,6 +201,7 @@ class Relay:
         if self._closed:
             return
         self._closed = True
+        self.call.close()
         self.state.streams -= 1
         self.decode.outstanding -= 1
         self.state.policy.on_finish(self.prefill, self.decode, self.ok)

@@ -24,8 +24,9 @@ exported as ``fabric_proxy_table_entries{table=...}`` and in
 admitted at dispatch waits on, :mod:`fabric.router.handoff`), ``canaries`` (readiness transfers in
 flight), ``store_calls`` / ``store_waiters`` (store calls in a thread /
 waiting for a client, :mod:`fabric.router.stores`), ``pool_waiters`` /
-``pool_busy`` (engine connections waited for / in use, httptools pool), and
-each engine's ``outstanding``.
+``pool_busy`` (engine connections waited for / in use, httptools pool),
+``engine_calls`` (calls in flight to engines, :mod:`fabric.router.calls`),
+and each engine's ``outstanding``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ from dataclasses import dataclass, fields
 import httpx
 
 from fabric.config import ProxyConfig
-from fabric.router.engines import Engine, EnginePool, probe_all, read_kv_tokens
+from fabric.router.engines import (
+    UNREACHABLE_CONNECT_S,
+    Engine,
+    EnginePool,
+    describe,
+    probe_all,
+    read_kv_tokens,
+    tcp_unreachable,
+)
 from fabric.router.handoff import WORD_TIMEOUT_MS, Handoff
 from fabric.router.policy import Routing
 from fabric.router.prefix import fabric_threads_down
@@ -73,6 +82,9 @@ class Counters:
     ``early_refused``: ones that took the sequential flow because the
     decoder held ``early_max_tokens`` already. ``admin_refused``: admin
     calls refused for a missing or wrong bearer token (:mod:`fabric.router.admin`).
+    Not here, counted by each engine: ``calls_cut``, engine calls (streams,
+    decodes, prefills) ended because their engine became unreachable
+    (:mod:`fabric.router.calls`).
     """
 
     requests: int = 0
@@ -162,6 +174,7 @@ class ProxyState:
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, while it runs
         self._client: httpx.AsyncClient | None = None
         self._engines: EngineHTTP | None = None
+        self._reach_checks: dict[Engine, asyncio.Task[None]] = {}  # see connect_failed
 
     @property
     def in_flight(self) -> int:
@@ -210,6 +223,10 @@ class ProxyState:
         await self.handoff.close()
         await self.words.close()
         await self.stores.close()
+        checks = list(self._reach_checks.values())
+        for check in checks:
+            check.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
         if self._engines is not None:
             await self._engines.aclose()
             self._engines = None
@@ -233,6 +250,31 @@ class ProxyState:
         check = functools.partial(fabric_threads_down, self)
         await probe_all(self.client, self.pool, self.config.health_timeout_s, check)
 
+    def connect_failed(
+        self, engine: Engine, exc: httpx.ConnectError | httpx.ConnectTimeout
+    ) -> None:
+        """A request could not connect to ``engine``: it is down now. A connect
+        that timed out is tried again in the background on a fresh TCP
+        connection, as the health probe does: if that fails too the engine is
+        unreachable and its calls in flight are cut.
+
+        NOTE: not at once: aiohttp's connect timeout counts the wait for a free
+        pooled connection too (a busy engine).
+        """
+        engine.mark_down(describe(exc))
+        if isinstance(exc, httpx.ConnectTimeout) and engine not in self._reach_checks:
+            check = asyncio.create_task(self._check_reach(engine, describe(exc)))
+            self._reach_checks[engine] = check
+
+    async def _check_reach(self, engine: Engine, why: str) -> None:
+        try:
+            connect_s = max(self.config.health_timeout_s, UNREACHABLE_CONNECT_S)
+            unreachable = await tcp_unreachable(engine.url, connect_s)
+            if unreachable is not None:
+                engine.mark_unreachable(f"{why}; {unreachable}")
+        finally:
+            del self._reach_checks[engine]
+
     def tables(self) -> dict[str, int]:
         """Entries of each per-request table (0 for all once nothing is in flight)."""
         tables = {
@@ -242,6 +284,7 @@ class ProxyState:
             "store_calls": self.stores.in_flight + self.words.in_flight,
             "store_waiters": self.stores.waiting + self.words.waiting,
             "early_transfers": self.handoff.waiting,
+            "engine_calls": sum(len(e.calls) for e in self.pool.engines),
         }
         if self._engines is not None:
             tables |= self._engines.tables()
@@ -253,6 +296,7 @@ class ProxyState:
             "store_timeouts": self.stores.timeouts,
             "store_skipped": self.stores.skipped,
             "prefill_words_failed": self.handoff.failed_words,
+            "calls_cut": sum(e.calls.cut_total for e in self.pool.engines),
         }
 
     # --- control API (see the module docstring) -----------------------------

@@ -1,0 +1,296 @@
+"""Calls in flight to an engine found unreachable end at once, with an error.
+
+First the mechanism alone (a read that never returns stands for a silent
+engine), then through a proxy on each engine pool, the engine marked
+unreachable on the proxy's loop as the health probe would (the real
+partition across namespaces: ``test_partition.py``), and engines that are
+only busy or draining, which keep their streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from fabric.router.calls import EngineCalls, EngineUnreachable
+from fabric.router.state import ProxyState
+
+from .conftest import StartEngine, StartProxy
+from .servers import Proxy
+from .test_early_handoff import decoder, early_proxy
+from .test_pd_flow import COMPLETION, assert_answered
+
+POOLS = ["httptools", "aiohttp", "httpx"]
+LONG_STREAM = {**COMPLETION, "max_tokens": 100_000, "stream": True}  # 0.05 s a token: hours
+
+
+async def silent_read() -> None:
+    """A read from an engine that sends nothing, ever."""
+    await asyncio.get_running_loop().create_future()
+
+
+async def start_reading(calls: EngineCalls) -> asyncio.Task[None]:
+    """A task in a read window of a call, reading from a silent engine."""
+
+    async def call() -> None:
+        with calls.reading():
+            await silent_read()
+
+    task = asyncio.create_task(call())
+    await asyncio.sleep(0)
+    return task
+
+
+def test_a_cut_ends_a_pending_read_at_once() -> None:
+    async def main() -> None:
+        calls = EngineCalls()
+        task = await start_reading(calls)
+        assert len(calls) == 1
+        assert calls.cut("no TCP connection within 3 s") == 1
+        with pytest.raises(EngineUnreachable, match="no TCP connection within 3 s"):
+            await asyncio.wait_for(task, 5)
+        assert (len(calls), calls.cut_total) == (0, 1)
+        assert calls.cut("again") == 0  # nothing in flight
+
+    asyncio.run(main())
+
+
+def test_a_cut_while_sending_is_raised_by_the_next_read() -> None:
+    """A stream's task sending a chunk to the client is not interrupted."""
+
+    async def main() -> None:
+        calls = EngineCalls()
+        sending, sent = asyncio.Event(), asyncio.Event()
+        done: list[str] = []
+
+        async def stream() -> None:
+            call = calls.open()
+            try:
+                with call:
+                    await asyncio.sleep(0)  # a read
+                    call.reading = False
+                    sending.set()
+                    await sent.wait()  # the send to the client
+                    done.append("sent")
+                    call.resume()
+                    await silent_read()
+            finally:
+                call.close()
+
+        task = asyncio.create_task(stream())
+        await sending.wait()
+        assert calls.cut("gone") == 1
+        await asyncio.sleep(0.01)
+        assert not task.done()
+        sent.set()
+        with pytest.raises(EngineUnreachable):
+            await asyncio.wait_for(task, 5)
+        assert done == ["sent"] and len(calls) == 0
+
+    asyncio.run(main())
+
+
+def test_another_cancel_at_the_same_time_stays_a_cancel() -> None:
+    """The client left (or the deadline passed) as the engine was cut."""
+
+    async def main() -> None:
+        calls = EngineCalls()
+        task = await start_reading(calls)
+        task.cancel()
+        calls.cut("gone")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        async def deadline() -> str:
+            try:
+                async with asyncio.timeout(0.01) as timeout:
+                    with calls.reading():
+                        when = timeout.when()
+                        assert when is not None
+                        # NOTE: due together: both fire before the task resumes
+                        asyncio.get_running_loop().call_at(when, calls.cut, "gone")
+                        await silent_read()
+            except TimeoutError:
+                return "timed out"
+            return "not reached"
+
+        assert await asyncio.wait_for(deadline(), 5) == "timed out"
+        assert len(calls) == 0
+
+    asyncio.run(main())
+
+
+# --- through a proxy ---------------------------------------------------------
+
+
+def on_loop(proxy: Proxy, read: Callable[[ProxyState], Any]) -> Any:
+    """``read(state)`` on the proxy's event loop."""
+
+    async def call(state: ProxyState) -> Any:
+        return read(state)
+
+    return proxy.run(call)
+
+
+def cut_when_calling(proxy: Proxy, name: str) -> None:
+    """Once ``name`` has a call in flight, mark it unreachable as the probe does."""
+    deadline = time.monotonic() + 20
+    while not on_loop(proxy, lambda state: len(state.engine(name).calls)):
+        assert time.monotonic() < deadline, f"no call to {name}"
+        time.sleep(0.01)
+    on_loop(proxy, lambda state: state.engine(name).mark_unreachable("test: partitioned"))
+
+
+def assert_cut_clean(proxy: Proxy) -> None:
+    """Once the request ended: one call cut, every table empty, nothing outstanding."""
+    deadline = time.monotonic() + 20
+    while any(tables := on_loop(proxy, lambda state: state.tables()).values()):
+        # NOTE: an early handoff's last word may still be on its way
+        assert time.monotonic() < deadline, f"tables not emptied: {tables}"
+        time.sleep(0.01)
+    state = proxy.state
+    assert state.counter_values()["calls_cut"] == 1
+    assert [e.outstanding for e in state.pool.engines] == [0] * len(state.pool.engines)
+
+
+def post_in_thread(url: str, body: dict[str, Any]) -> Callable[[], httpx.Response]:
+    """POST ``body`` from a thread; the returned function waits for the answer."""
+    answers: list[httpx.Response | httpx.HTTPError] = []
+
+    def post() -> None:
+        with httpx.Client(timeout=20, trust_env=False) as client:
+            try:
+                answers.append(client.post(url, json=body))
+            except httpx.HTTPError as exc:
+                answers.append(exc)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+
+    def answer() -> httpx.Response:
+        thread.join(30)
+        [response] = answers
+        assert isinstance(response, httpx.Response), f"no answer: {response!r}"
+        return response
+
+    return answer
+
+
+def assert_became_unreachable(error: dict[str, Any], name: str) -> None:
+    assert error["type"] == "upstream_error", error
+    assert f"{name} (" in error["message"], error
+    assert "became unreachable: test: partitioned" in error["message"], error
+
+
+@pytest.mark.parametrize("http_pool", POOLS)
+def test_a_stream_from_an_unreachable_decoder_ends_with_an_error_event(
+    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str
+) -> None:
+    p, d = start_engine("prefill"), start_engine("decode", token_delay_s=0.05)
+    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+
+    with (
+        httpx.Client(timeout=20, trust_env=False) as client,
+        client.stream("POST", f"{proxy.url}/v1/completions", json=LONG_STREAM) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        cut_when_calling(proxy, "decode-0")
+        events = []
+        deadline = time.monotonic() + 20  # NOTE: uncut, the stream goes on for hours
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+            if time.monotonic() > deadline:
+                break
+
+    assert_became_unreachable(json.loads(events[-1])["error"], "decode-0")
+    assert response.status_code == 200
+    assert_cut_clean(proxy)
+    assert proxy.state.counters.decode_errors == 1
+
+
+@pytest.mark.parametrize(
+    ("http_pool", "early", "stream"),
+    [
+        *((pool, False, False) for pool in POOLS),
+        ("httptools", True, False),
+        ("httptools", True, True),
+    ],
+)
+def test_a_decode_waiting_on_an_unreachable_decoder_is_a_502(
+    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str, early: bool, stream: bool
+) -> None:
+    """D computes (slowly); or, admitted at dispatch (early handoff), D waits
+    for P's word while P computes (slowly). Either way no byte came yet."""
+    if early:
+        p = start_engine("prefill", delay_s=60)
+        d, kv_port = decoder(start_engine)
+        proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)], http_pool=http_pool)
+    else:
+        p, d = start_engine("prefill"), start_engine("decode", delay_s=60)
+        proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+
+    answer = post_in_thread(f"{proxy.url}/v1/completions", {**COMPLETION, "stream": stream})
+    cut_when_calling(proxy, "decode-0")
+    response = answer()
+
+    assert response.status_code == 502
+    assert_became_unreachable(response.json()["error"], "decode-0")
+    assert_cut_clean(proxy)
+    assert proxy.state.counters.early_handoffs == int(early)
+
+
+@pytest.mark.parametrize("http_pool", POOLS)
+def test_a_prefill_on_an_unreachable_prefiller_falls_back(
+    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str
+) -> None:
+    p, d = start_engine("prefill", delay_s=60), start_engine("decode")
+    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+
+    answer = post_in_thread(f"{proxy.url}/v1/completions", COMPLETION)
+    cut_when_calling(proxy, "prefill-0")
+    response = answer()
+
+    assert_answered(response, COMPLETION)
+    assert "kv_transfer_params" not in d.seen[0]["body"]
+    assert proxy.state.counters.fallbacks == 1
+    assert_cut_clean(proxy)
+
+
+@pytest.mark.parametrize("trouble", ["busy", "draining"])
+def test_a_busy_or_draining_decoder_keeps_its_stream(
+    start_engine: StartEngine, start_proxy: StartProxy, trouble: str
+) -> None:
+    """Busy: its probes time out, a fresh connection is made (3 in a row mark it
+    down); draining: its probes answer 503. Neither is unreachable."""
+    busy = trouble == "busy"
+    p = start_engine("prefill")
+    d = start_engine("decode", gated=True, token_delay_s=0.05, health_delay_s=5.0 if busy else 0.0)
+    proxy = start_proxy(
+        [p.url], [d.url], health_interval_s=0.1, health_timeout_s=0.2, decode_timeout_s=10
+    )
+    body = {**LONG_STREAM, "max_tokens": 60}  # 3 s
+
+    events = []
+    with (
+        httpx.Client(timeout=20, trust_env=False) as client,
+        client.stream("POST", f"{proxy.url}/v1/completions", json=body) as response,
+    ):
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                d.gate.draining = not busy
+        engine = proxy.state.engine("decode-0")
+        down = (engine.healthy, engine.draining)
+
+    assert events[-1] == "[DONE]" and len(events) == 61, events[-1]
+    assert down == ((False, False) if busy else (False, True)), proxy.state.engine("decode-0")
+    assert proxy.state.counter_values()["calls_cut"] == 0
