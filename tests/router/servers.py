@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import uvicorn
@@ -19,8 +24,10 @@ from fabric.router import create_app
 from fabric.router.fake_engine import FakeEngineConfig, FakeEngineState, create_fake_engine
 from fabric.router.serve import bind_socket, socket_url
 from fabric.router.state import ProxyState
+from tests.netns import Hosts
 
 T = TypeVar("T")
+ROOT = Path(__file__).parent.parent.parent
 
 
 class ServerThread:
@@ -135,3 +142,29 @@ def topology(
         "proxy": proxy_config,
     }
     return parse_topology(data, source="test"), kv_ports
+
+
+@contextlib.contextmanager
+def child(argv: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """``argv`` as a child process in the repository root (``popen``: its pipes,
+    text), stopped by pid on exit: SIGTERM, SIGKILL after 30 s."""
+    process = subprocess.Popen(argv, cwd=ROOT, text=True, **popen)
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def fake_engine_on(hosts: Hosts, host: str, port: int, *options: str) -> Iterator[str]:
+    """A fake engine (``python -m fabric.router.fake_engine``, ``options``) in
+    ``host``'s namespace (:mod:`tests.netns`), stopped on exit; its URL."""
+    address = hosts.address(host)
+    argv = [sys.executable, "-m", "fabric.router.fake_engine", "--host", address]
+    with child(hosts.command(host, [*argv, "--port", str(port), *options]), env=dict(os.environ)):
+        yield f"http://{address}:{port}"

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from fabric.router.engines import tcp_unreachable
 from tests.netns import Hosts, hosts_or_skip
 
-ROOT = Path(__file__).parent.parent.parent
+from .servers import child, fake_engine_on
+
 PORT = 8100
 PROBE_TIMEOUT_S = 1.0
 # Runs in the proxy's host: probe until the engine answers, then once per stdin line.
@@ -53,27 +52,22 @@ def hosts() -> Iterator[Hosts]:
 
 
 def test_a_partitioned_engine_is_down_after_one_timed_out_probe(hosts: Hosts) -> None:
-    address = hosts.address("engine")
-    fake = [sys.executable, "-m", "fabric.router.fake_engine", "--host", address]
-    engine = subprocess.Popen(
-        hosts.command("engine", [*fake, "--port", str(PORT)]), cwd=ROOT, env=dict(os.environ)
-    )
-    prober = subprocess.Popen(
-        hosts.command("proxy", [sys.executable, "-c", PROBER, f"http://{address}:{PORT}"]),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert prober.stdin is not None and prober.stdout is not None
-
-    def ask() -> dict:
+    with (
+        fake_engine_on(hosts, "engine", PORT) as url,
+        child(
+            hosts.command("proxy", [sys.executable, "-c", PROBER, url]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        ) as prober,
+    ):
         assert prober.stdin is not None and prober.stdout is not None
-        prober.stdin.write("probe\n")
-        prober.stdin.flush()
-        return dict(json.loads(prober.stdout.readline()))
 
-    try:
+        def ask() -> dict:
+            assert prober.stdin is not None and prober.stdout is not None
+            prober.stdin.write("probe\n")
+            prober.stdin.flush()
+            return dict(json.loads(prober.stdout.readline()))
+
         assert json.loads(prober.stdout.readline()) == {"healthy": True}
         assert ask() == {"healthy": True, "error": None, "slow": 0}
         hosts.cut("engine")
@@ -85,15 +79,6 @@ def test_a_partitioned_engine_is_down_after_one_timed_out_probe(hosts: Hosts) ->
         assert "unreachable" in down["error"] and down["slow"] == 0, down
         # Healed: the next probe brings it back.
         assert ask()["healthy"] is True
-    finally:
-        prober.kill()
-        prober.wait()
-        engine.terminate()
-        try:
-            engine.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
-            engine.wait()
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
