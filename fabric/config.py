@@ -673,6 +673,11 @@ def _check_hosts(topology: TopologyConfig) -> None:
         return
     names = ", ".join(topology.hosts)
     proxy_host = topology.proxy_host
+    if topology.proxy.port is None:
+        raise ValueError(
+            "proxy.port: a topology across hosts needs a fixed proxy port (the other "
+            "hosts tell fabric status where the proxy is)"
+        )
     if proxy_host is None:
         raise ValueError(
             f"proxy.host: {topology.proxy.host!r} is none of hosts: ({names}); name the "

@@ -16,9 +16,10 @@ each of them and starts only what belongs there::
 An engine started on a host listens on the host's ``bind`` (its address
 by default) and advertises the host's ``address``: vLLM's ``--host`` and
 ``VLLM_HOST_IP``, the connector's ``host`` and ``advertise_host``. Its UCX
-settings are the host's (``ucx_net_devices``, ``ucx_tls``); none is set by
-default, so UCX chooses among every device of the machine, unlike the
-single-host default (``lo``: fabric's own processes talk over loopback).
+settings are the host's (``ucx_net_devices``, ``ucx_tls``), else those of
+the environment ``fabric up`` runs in; with neither, none is set, so UCX
+chooses among every device of the machine, unlike the single-host default
+(``lo``: fabric's own processes talk over loopback).
 Nothing is shared through a filesystem across hosts: each host's engines
 find their host's shared store by its endpoint file in that host's
 workdir, and the proxy reaches engines by URL.
@@ -27,13 +28,12 @@ workdir, and the proxy reaches engines by URL.
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from dataclasses import dataclass
 
 from fabric.config import LOCAL_HOST, EngineConfig, HostConfig, TopologyConfig
 from fabric.errors import ConfigError, LaunchError
-
-UCX_ENV = ("UCX_NET_DEVICES", "UCX_TLS")
 
 
 @dataclass(frozen=True)
@@ -107,16 +107,21 @@ def engine_bind(topology: TopologyConfig, engine: EngineConfig) -> str:
 
 
 def host_environment(entry: HostConfig | None, base: dict[str, str]) -> dict[str, str]:
-    """``base`` (an engine's environment) with what its host sets: the
-    advertised ``VLLM_HOST_IP``, the UCX devices and transports, ``env``."""
+    """``base`` (an engine's environment, whose ``UCX_NET_DEVICES`` the
+    single-host default pins to ``lo``) with what its host sets: the
+    advertised ``VLLM_HOST_IP``, the UCX devices and transports (the host's,
+    else the operator's own from this environment, else unset), ``env``."""
     if entry is None or entry.loopback:
         return base
-    env = {k: v for k, v in base.items() if k not in UCX_ENV}
+    env = dict(base)
     env["VLLM_HOST_IP"] = host_ip(entry.address)
-    if entry.ucx_net_devices is not None:
-        env["UCX_NET_DEVICES"] = entry.ucx_net_devices
-    if entry.ucx_tls is not None:
-        env["UCX_TLS"] = entry.ucx_tls
+    chosen = {"UCX_NET_DEVICES": entry.ucx_net_devices, "UCX_TLS": entry.ucx_tls}
+    for name, value in chosen.items():
+        value = value if value is not None else os.environ.get(name)
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env | entry.env
 
 

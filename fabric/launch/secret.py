@@ -47,10 +47,7 @@ def with_secret(topology: TopologyConfig, announce: Callable[[str], None]) -> To
     else:
         os.environ[SECRET_ENV] = secrets.token_hex(32)
         path = secret_path(topology)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(os.environ[SECRET_ENV] + "\n")
+        write_private(path, os.environ[SECRET_ENV] + "\n")
         announce(
             f"fabric up: the proxy listens beyond loopback: generated a secret for this run "
             f"in {path} (it signs the engines' control channels and is the admin routes' "
@@ -58,3 +55,19 @@ def with_secret(topology: TopologyConfig, announce: Callable[[str], None]) -> To
         )
     connector = topology.connector.model_copy(update={"secret_env": SECRET_ENV})
     return topology.model_copy(update={"connector": connector})
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only: a new file (mode
+    0600, never through a symlink) in a directory made 0700, renamed over any
+    file already there (whose mode and owner would otherwise stay)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

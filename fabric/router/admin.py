@@ -29,11 +29,16 @@ def admin_token(topology: TopologyConfig) -> str | None:
     environment variable is not set."""
     name = topology.proxy.admin_token_env
     if name is not None:
-        value = os.environ.get(name)
+        value = os.environ.get(name, "").strip()  # NOTE: a file's trailing newline
         if not value:
             raise ConfigError(f"proxy.admin_token_env: environment variable {name!r} is not set")
+        if any(c.isspace() for c in value):
+            raise ConfigError(
+                f"proxy.admin_token_env: ${name} holds whitespace, which no HTTP header can carry"
+            )
         return value
-    return topology.connector.secret()
+    secret = topology.connector.secret()
+    return None if secret is None else secret.strip()
 
 
 def check_admin_exposure(topology: TopologyConfig, host: str) -> None:

@@ -77,7 +77,8 @@ def test_engines_are_reached_at_their_hosts_address() -> None:
         ({"prefill": [{"port": 1, "kv_port": 2}]}, r"prefill\[0\]\.host: missing"),
         ({"prefill": [{"host": "hostp", "kv_port": 2}]}, r"prefill\[0\]\.port: prefill-0 runs"),
         ({"decode": [{"host": "hostd", "port": 2}]}, r"decode\[0\]\.kv_port: decode-0 runs"),
-        ({"proxy": {"host": "0.0.0.0"}}, r"proxy\.host: '0\.0\.0\.0' is none of hosts"),
+        ({"proxy": {"host": "0.0.0.0", "port": 8000}}, r"proxy\.host: '0\.0\.0\.0' is none of"),
+        ({"proxy": {"host": "hostx", "port": None}}, r"proxy\.port: a topology across hosts"),
         ({"connector": {}}, r"connector\.secret_env: a topology across hosts needs"),
         (
             {"prefill": [{"host": "hostp", "port": 1, "kv_port": 2, "host_address": "1.2.3.4"}]},
@@ -161,7 +162,11 @@ def test_an_engine_binds_its_hosts_bind_and_advertises_its_address(tmp_path: Pat
     assert extra["kv_connector_extra_config"]["advertise_host"] == "10.77.0.3"
 
 
-def test_an_engine_takes_its_hosts_address_and_ucx_settings(tmp_path: Path) -> None:
+def test_an_engine_takes_its_hosts_address_and_ucx_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
     data = topology(workdir=str(tmp_path))
     data["prefill"][0]["env"] = {"X": "engine"}
     data["prefill"].append({"host": "hostx", "name": "x"})
@@ -175,6 +180,14 @@ def test_an_engine_takes_its_hosts_address_and_ucx_settings(tmp_path: Path) -> N
     assert (env["VLLM_HOST_IP"], env["UCX_TLS"]) == ("10.77.0.3", "tcp")
     env = up.engine_environment(parsed.prefill[1], parsed)
     assert (env["UCX_NET_DEVICES"], env["X"]) == ("eth0", "1")
+    # The operator's own UCX settings reach the engines a host does not configure.
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
+    monkeypatch.setenv("UCX_TLS", "rc,tcp")
+    env = up.engine_environment(p, parsed)
+    assert (env["UCX_NET_DEVICES"], env["UCX_TLS"]) == ("mlx5_0:1", "rc,tcp")
+    assert up.engine_environment(d, parsed)["UCX_TLS"] == "tcp"
+    monkeypatch.delenv("UCX_NET_DEVICES")
+    monkeypatch.delenv("UCX_TLS")
     # A single-host topology keeps the loopback defaults.
     single = parse_topology(
         {"workdir": str(tmp_path), "prefill": [{"model": "m"}], "decode": [{"model": "m"}]}
@@ -188,8 +201,15 @@ def test_an_engine_takes_its_hosts_address_and_ucx_settings(tmp_path: Path) -> N
 def test_a_wildcard_proxy_on_one_host_gets_a_generated_secret(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(SECRET_ENV, raising=False)
+    # NOTE: set, then removed: monkeypatch restores "absent" at teardown, so a
+    # secret with_secret generates does not leak into the other tests.
+    monkeypatch.setenv(SECRET_ENV, "placeholder")
+    monkeypatch.delenv(SECRET_ENV)
     base = {"workdir": str(tmp_path), "prefill": [{"model": "m"}], "decode": [{"model": "m"}]}
+    stale = tmp_path / "run" / "secret"
+    stale.parent.mkdir()
+    stale.write_text("an old world-readable file\n")
+    stale.chmod(0o644)
     loopback = parse_topology(base)
     assert not needs_secret(loopback) and with_secret(loopback, print) is loopback
     told: list[str] = []
@@ -199,6 +219,7 @@ def test_a_wildcard_proxy_on_one_host_gets_a_generated_secret(
     assert len(secret) == 64 and secured.connector.secret() == secret
     path = tmp_path / "run" / "secret"
     assert path.read_text().strip() == secret and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["secret"]  # no temporary file left
     assert str(path) in told[0]
     extra = up.kv_transfer_config(up.resolve_ports(secured).prefill[0], secured.connector)[
         "kv_connector_extra_config"

@@ -20,7 +20,7 @@ import yaml
 from fabric.config import parse_topology
 from fabric.errors import ConfigError
 from fabric.launch.process import free_port
-from fabric.router.admin import authorized, check_admin_exposure
+from fabric.router.admin import admin_token, authorized, check_admin_exposure
 
 from .conftest import StartEngine
 from .servers import Proxy, ServerThread
@@ -128,6 +128,11 @@ def test_an_open_admin_api_beyond_loopback_is_refused_unless_insecure(
     monkeypatch.delenv(TOKEN_ENV)
     with pytest.raises(ConfigError, match=f"proxy.admin_token_env: .*{TOKEN_ENV}"):
         check_admin_exposure(with_token, "0.0.0.0")
+    monkeypatch.setenv(TOKEN_ENV, f"{TOKEN}\n")  # a Secret made from a file
+    assert admin_token(with_token) == TOKEN
+    monkeypatch.setenv(TOKEN_ENV, "two words")
+    with pytest.raises(ConfigError, match="holds whitespace"):
+        admin_token(with_token)
 
 
 def test_fabric_proxy_refuses_an_open_admin_api_on_a_wildcard(tmp_path: Path) -> None:
