@@ -18,6 +18,7 @@ boundary with ``raise X(...) from exc``.
      |    +-- ReservationRefused the receiver said no (pool full, bad request)
      |    +-- ReservationExpired a lease ran out before the write completed
      |    +-- TransportFailed   the data plane reported an error
+     |         +-- PeerDisconnected  it lost (or never loaded) the peer: load it again
      +-- ProtocolError          a wire message that cannot be accepted
      |    |                     (wrong version, garbage, too large)
      |    +-- SignatureError    its HMAC tag is wrong, missing or unexpected
@@ -87,6 +88,12 @@ class ReservationExpired(TransferError):
 
 class TransportFailed(TransferError):
     """The data plane (NIXL/UCX or TCP) reported a failure."""
+
+
+class PeerDisconnected(TransportFailed):
+    """The data plane has no usable route to the peer (NIXL marks a remote
+    agent disconnected once UCX dropped its connection, and refuses writes
+    to it until its metadata is loaded again); nothing of the write was sent."""
 
 
 class ProtocolError(FabricError):

@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,6 +63,7 @@ import zmq
 from fabric.errors import (
     FabricError,
     LayoutMismatch,
+    PeerDisconnected,
     PeerUnreachable,
     ProtocolError,
     ReplayError,
@@ -79,6 +82,12 @@ if TYPE_CHECKING:
     from fabric.store import ChunkStore
     from fabric.transfer.config import TransferConfig
     from fabric.transfer.dataplane import DataPlane
+
+logger = logging.getLogger(__name__)
+
+# NOTE: below Linux's TCP keepalive as UCX sets it (10 s idle, then probes):
+# a route unused this long is loaded again before the next write.
+ROUTE_IDLE_RELOAD_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,11 @@ class PendingPush:
         self.nbytes = nbytes
         self._on_finish = on_finish
         self.expires_at = expires_at
+
+    @property
+    def running(self) -> bool:
+        """Whether the write may still move bytes (neither done, failed nor aborted)."""
+        return self._handle is not None
 
     def done(self) -> bool:
         """True once every byte landed; TransportFailed on error, TransferTimeout
@@ -207,6 +221,9 @@ class PeerLink:
         # request_id -> until when a Cancel for it is still worth sending.
         self._cancels: dict[str, float] = {}
         self._leases_lock = threading.Lock()  # guards _leases and _cancels
+        self._route_suspect = False  # reload the data-plane route before the next write
+        self._route_used_at = time.monotonic()  # the last write posted, or the last (re)load
+        self._writes: weakref.WeakSet[PendingPush] = weakref.WeakSet()  # posted over the route
         try:
             ack = self._handshake()
             self.peer_agent = client.plane.add_peer(ack.data_descriptor)
@@ -292,6 +309,7 @@ class PeerLink:
             except PeerUnreachable:
                 self._sock.close(linger=0)
                 self._sock = self._open_socket()
+                self._route_suspect = True  # NOTE: whatever cut this may have cut the data plane
                 raise
             self._send_cancels()  # NOTE: after the call: its socket is up now
             return reply
@@ -449,8 +467,48 @@ class PeerLink:
             return self._write_with_faults(faults, res, segments, written, checksums, fence)
         notif = self._notif(res, written, checksums)
         self._post_check(res.request_id)
-        handle = self.client.plane.post_write(self.peer_agent, segments, notif, fence)
+        handle = self._posted(
+            lambda: self.client.plane.post_write(self.peer_agent, segments, notif, fence)
+        )
         return self._pending(handle, segments)
+
+    def _posted(self, post: Callable[[], WriteHandle]) -> WriteHandle:
+        """``post()`` over a route to the receiver that can be trusted.
+
+        The receiver's data-plane agent is loaded again first when the route
+        may have died since it was last used: a control call to the receiver
+        failed meanwhile, or nothing was written to it for
+        ``ROUTE_IDLE_RELOAD_S`` -- and no write of this link still runs. (An
+        outage that long can have let TCP keepalive end UCX's connection, or
+        left it in retransmission backoff, and NIXL then reports writes done
+        whose bytes never land, or refuses them for good.) A post refused because the route is gone
+        (PeerDisconnected: nothing was sent) reloads it and is retried once.
+        """
+        idle = time.monotonic() - self._route_used_at > ROUTE_IDLE_RELOAD_S
+        if (self._route_suspect or idle) and not any(w.running for w in list(self._writes)):
+            self._reload_agent("after a failed call" if self._route_suspect else "idle")
+        try:
+            handle = post()
+        except PeerDisconnected as exc:
+            self._reload_agent(str(exc))
+            handle = post()
+        self._route_used_at = time.monotonic()
+        return handle
+
+    def _reload_agent(self, why: str) -> None:
+        """Load the receiver's data-plane agent anew (a Hello for its
+        descriptor): NIXL opens a new connection to it."""
+        logger.info("fabric: %s: loading its data-plane route again (%s)", self.endpoint, why)
+        self._route_suspect = True  # NOTE: until the reload is through
+        self.client.plane.remove_peer(self.peer_agent)
+        ack = self._handshake()
+        try:
+            self.peer_agent = self.client.plane.add_peer(ack.data_descriptor)
+        except TransportFailed as exc:
+            raise PeerDisconnected(
+                f"{self.endpoint}: its data plane cannot be loaded: {exc}"
+            ) from exc
+        self._route_suspect, self._route_used_at = False, time.monotonic()
 
     def _pending(
         self,
@@ -460,7 +518,9 @@ class PeerLink:
     ) -> PendingPush:
         lifetime = self.client.config.write_timeout_ms / 1000
         nbytes = sum(n for _, _, n in segments)
-        return PendingPush(handle, nbytes, on_finish, expires_at=time.monotonic() + lifetime)
+        pending = PendingPush(handle, nbytes, on_finish, expires_at=time.monotonic() + lifetime)
+        self._writes.add(pending)
+        return pending
 
     def _track_lease(self, request_id: str, expires_at: float, *, extend: bool = False) -> None:
         with self._leases_lock:
@@ -532,10 +592,12 @@ class PeerLink:
             self._post_check(res.request_id)  # NOTE: after the delay, as a stalled sender
             mode = faults.write_mode()
             if mode == "drop_write":
-                handle = plane.notify(self.peer_agent, notif)
+                handle = self._posted(lambda: plane.notify(self.peer_agent, notif))
             else:
                 notif = b"" if mode == "drop_notify" else notif
-                handle = plane.post_write(self.peer_agent, segments, notif, fence)
+                handle = self._posted(
+                    lambda: plane.post_write(self.peer_agent, segments, notif, fence)
+                )
         except BaseException:
             faults.release(store, scratch)
             raise

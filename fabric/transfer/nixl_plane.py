@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fabric.errors import TransportFailed
+from fabric.errors import PeerDisconnected, TransportFailed
 from fabric.transfer.dataplane import DataPlane, Segment, WriteFence, WriteHandle, XferState
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class NixlDataPlane(DataPlane):
     def _peer(self, peer: str) -> NixlDescriptor:
         info = self._peers.get(peer)
         if info is None:
-            raise TransportFailed(f"unknown NIXL peer {peer!r}")
+            raise PeerDisconnected(f"unknown NIXL peer {peer!r}")
         return info
 
     def _post(self, peer: str, info: NixlDescriptor, seg: np.ndarray, notif: bytes) -> WriteHandle:
@@ -202,12 +202,17 @@ class NixlDataPlane(DataPlane):
         remote[:, 2] = info.device_id
         with self.lock:
             self._release_orphans()
+            handle = None
             try:
                 local_descs = self.agent.get_xfer_descs(local, self._mem_type)
                 remote_descs = self.agent.get_xfer_descs(remote, info.mem_type)
                 handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notif)
                 state = self.agent.transfer(handle)
             except Exception as exc:
+                if handle is not None:  # NOTE: created, not posted: nothing runs on it
+                    self.release_handle(handle)
+                if _disconnected(exc):
+                    raise PeerDisconnected(f"NIXL peer {peer!r} is disconnected: {exc}") from exc
                 raise TransportFailed(f"NIXL write to {peer!r} failed: {exc}") from exc
         return _NixlWrite(self, handle, state)
 
@@ -245,3 +250,9 @@ class NixlDataPlane(DataPlane):
             if self._reg is not None:
                 self.agent.deregister_memory(self._reg)
                 self._reg = None
+
+
+def _disconnected(exc: Exception) -> bool:
+    """Whether NIXL refused a write because its remote agent is disconnected
+    (``nixlRemoteDisconnectError``, ``NIXL_ERR_REMOTE_DISCONNECT``)."""
+    return type(exc).__name__ == "nixlRemoteDisconnectError" or "REMOTE_DISCONNECT" in str(exc)
