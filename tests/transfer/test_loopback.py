@@ -185,3 +185,54 @@ def test_a_quiet_poll_faster_than_the_busy_one_is_refused_naming_the_field() -> 
     with pytest.raises(ConfigError, match="quiet_poll_interval_ms"):
         TransferConfig(transport="loopback", poll_interval_ms=2.0)
     assert TransferConfig(poll_interval_ms=2.0, quiet_poll_interval_ms=2.0).poll_interval_ms == 2.0
+
+
+def test_a_route_left_idle_is_loaded_again_before_the_next_write(
+    pair: tuple[TransferNode, TransferNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A route nothing was written to for ROUTE_IDLE_RELOAD_S (UCX may have
+    lost its connection meanwhile) gets a fresh Hello and agent first."""
+    from fabric.transfer import client as client_module
+
+    sender, receiver = pair
+    assert receiver.server is not None
+    link = sender.client.connect(receiver.endpoint)
+    keys, slots = fill(sender, 11, 2)
+    link.push("r11", keys, slots, timeout=5)
+    hellos = receiver.server.stats.hellos
+    link.push("r12", *fill(sender, 12, 2), timeout=5)
+    assert receiver.server.stats.hellos == hellos  # used a moment ago: kept
+    monkeypatch.setattr(client_module, "ROUTE_IDLE_RELOAD_S", 0.0)
+    link.push("r13", *fill(sender, 13, 2), timeout=5)
+    assert receiver.server.stats.hellos == hellos + 1
+    prog = receiver.server.wait("r13", 5)
+    assert prog is not None and prog.complete
+
+
+def test_a_write_refused_because_the_peer_is_gone_reloads_it_and_lands(
+    pair: tuple[TransferNode, TransferNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL refuses every write to a remote agent it marked disconnected
+    (NIXL_ERR_REMOTE_DISCONNECT): the link loads the agent again and
+    retries the write once; nothing of the refused one was sent."""
+    from fabric.errors import PeerDisconnected
+
+    sender, receiver = pair
+    assert receiver.server is not None
+    link = sender.client.connect(receiver.endpoint)
+    plane = sender.client.plane
+    real_post, refusals = plane.post_write, [1]
+
+    def post_write(*args: object, **kw: object) -> object:
+        if refusals:
+            refusals.pop()
+            raise PeerDisconnected("remote agent was disconnected")
+        return real_post(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plane, "post_write", post_write)
+    hellos = receiver.server.stats.hellos
+    keys, slots = fill(sender, 14, 2)
+    link.push("r14", keys, slots, timeout=5)
+    assert receiver.server.stats.hellos == hellos + 1 and not refusals
+    prog = receiver.server.wait("r14", 5)
+    assert prog is not None and prog.complete and receiver.store.lookup(keys) == 2
