@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (the PD flow
 of :mod:`fabric.router.pd`), ``GET /v1/models`` (from the first healthy
 decoder), ``GET /health`` (readiness: 200 once every engine answers its
 ``/health`` and every P->D pair passed its canary, else 503 whose
-``missing`` says what is not there yet; see :mod:`fabric.router.ready`),
+``missing`` says what is not there yet; see :mod:`fabric.router.ready`;
+``GET /health?serving=1``: 200 while this proxy can serve requests, see
+:func:`can_serve`, for a cluster's readiness probe),
 ``GET /metrics`` (Prometheus text: counters, readiness, engine state and
 load, per-request table sizes) and ``GET /fabric/status`` (the same as
 JSON, for ``fabric status``), and ``POST /fabric/lookup|clear|pin`` (the
@@ -112,7 +114,7 @@ def create_app(topology: TopologyConfig) -> FastAPI:
         openapi_url=None,
     )
     app.add_route("/v1/models", _guarded(lambda request: _models(state, request)), methods=["GET"])
-    app.add_route("/health", _guarded(lambda request: _health(state)), methods=["GET"])
+    app.add_route("/health", _guarded(lambda request: _health(state, request)), methods=["GET"])
     app.add_route("/metrics", _guarded(lambda request: _metrics(state)), methods=["GET"])
     app.add_route("/fabric/status", _guarded(lambda request: _status(state)), methods=["GET"])
     for name, handler in (
@@ -232,14 +234,17 @@ async def _models(state: ProxyState, request: Request) -> Response:
     )
 
 
-async def _health(state: ProxyState) -> Response:
+async def _health(state: ProxyState, request: Request) -> Response:
     """Readiness: probe every engine now, start the due canaries (in the
-    background), then 200 if nothing is missing, else 503 saying what is."""
+    background), then 200 if nothing is missing, else 503 saying what is.
+
+    With ``?serving=1`` (or ``true``): 200 when :func:`can_serve`, else 503;
+    the same body, with ``serving``."""
     await state.probe_engines()
     readiness = state.readiness
     readiness.kick()
     missing = readiness.missing()
-    body = {
+    body: dict[str, object] = {
         "status": "unavailable" if missing else "ok",
         "ready": not missing,
         "missing": missing,
@@ -247,7 +252,19 @@ async def _health(state: ProxyState) -> Response:
         "decode": {e.name: _engine_health(e) for e in state.pool.decoders},
         "pairs": [pair.as_dict() for pair in readiness.pairs],
     }
-    return JSONResponse(body, 503 if missing else 200)
+    if request.query_params.get("serving") not in ("1", "true"):
+        return JSONResponse(body, 503 if missing else 200)
+    serving = can_serve(state.pool)
+    body["status"], body["serving"] = ("ok" if serving else "unavailable"), serving
+    return JSONResponse(body, 200 if serving else 503)
+
+
+def can_serve(pool: EnginePool) -> bool:
+    """Whether a request would be served now: some decoder answered its
+    latest probe and is not draining. Prefillers do not matter: without one
+    (or when every pair with the decoder failed its canary) the decoder
+    computes the prompt itself (see :mod:`fabric.router.pd`)."""
+    return any(e.routable and e.answered for e in pool.decoders)
 
 
 def _engine_health(engine: Engine) -> dict[str, object]:
