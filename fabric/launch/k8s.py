@@ -11,8 +11,10 @@
                                       see :mod:`fabric.launch.k8s_engines`
     Service    <name>-proxy           port http
     Deployment <name>-proxy           fabric proxy /etc/fabric/topology.yaml;
-                                      readiness GET /health, liveness GET /metrics
-                                      (answers while the proxy waits for engines)
+                                      readiness GET /health?serving=1 (a decoder
+                                      can be routed to: not every engine is up),
+                                      liveness GET /metrics (answers while the
+                                      proxy waits for engines)
 
 Then each ``k8s.overrides`` entry is deep-merged into the object it names.
 The topology is adapted first (:mod:`fabric.launch.k8s_plan`: fixed ports,
@@ -36,6 +38,10 @@ from fabric.launch import k8s_objects as objects
 from fabric.launch.k8s_engines import engine_documents, secret_entries
 from fabric.launch.k8s_objects import Manifest
 from fabric.launch.k8s_plan import WILDCARD, K8sOptions, K8sPlan, launched_engines, plan
+
+# NOTE: plain /health is 503 while any engine is down or any pair unchecked:
+# as readiness it would take every proxy out of the Service when one engine restarts.
+PROXY_READINESS = "/health?serving=1"
 
 TOPOLOGY_DIR = "/etc/fabric"
 TOPOLOGY_FILE = "topology.yaml"
@@ -131,7 +137,7 @@ def proxy_documents(planned: K8sPlan, config_map: Manifest) -> list[Manifest]:
         env=objects.env_entries({"PYTHONUNBUFFERED": "1"}) + _proxy_secrets(planned),
         resources=objects.resources(pods, settings, pods.gpus or 0),
         volumeMounts=[{"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True}],
-        readinessProbe=objects.http_probe("/health", 5, 1),
+        readinessProbe=objects.http_probe(PROXY_READINESS, 5, 3),
         livenessProbe=objects.http_probe("/metrics", 10, 3) | {"initialDelaySeconds": 10},
     )
     volume = {"name": "topology", "configMap": {"name": config_map["metadata"]["name"]}}

@@ -154,7 +154,11 @@ def test_proxy_topology_names_every_engine_by_its_service(monkeypatch: pytest.Mo
 def test_probes_answer_on_health() -> None:
     documents = render(topology())
     proxy = container(pod(find(documents, "Deployment", "fabric-proxy")), "proxy")
-    assert proxy["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # NOTE: plain /health is 503 while any engine is down: the Service would
+    # lose every proxy when one engine restarts. ?serving=1: a decoder is routable.
+    ready = proxy["readinessProbe"]
+    assert ready["httpGet"] == {"path": "/health?serving=1", "port": "http"}
+    assert ready["failureThreshold"] >= 3
     # NOTE: /health is 503 while the proxy waits for engines; liveness must not kill it then.
     assert proxy["livenessProbe"]["httpGet"]["path"] == "/metrics"
     engine = container(pod(find(documents, "Deployment", "fabric-decode-0")))
