@@ -241,6 +241,7 @@ def _k8s_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--secret-from-env",
         metavar="VAR",
         help="also render the Secret, with the value of environment variable VAR "
+        "and the admin token proxy.admin_token_env names; -o writes a 0600 file "
         "(default: the Secret k8s.secret_name must exist)",
     )
 

@@ -2,7 +2,9 @@
 
 ::
 
-    Secret     <secret_name>          only with --secret-from-env (else it must exist)
+    Secret     <secret_name>          only with --secret-from-env (else it must exist):
+                                      the secret, and the admin token when
+                                      proxy.admin_token_env names one
     ConfigMap  <name>-topology        the proxy's topology: every engine by its
                                       Service (url: http://<name>-ENGINE:PORT, kv_port)
     per launched engine:
@@ -18,8 +20,9 @@
 
 Then each ``k8s.overrides`` entry is deep-merged into the object it names.
 The topology is adapted first (:mod:`fabric.launch.k8s_plan`: fixed ports,
-the secret, paths in the pod). The secret's value is in the output only
-when ``--secret-from-env`` passes it.
+the secret, paths in the pod). The secret's value (and the admin token's)
+is in the output only when ``--secret-from-env`` passes it; ``-o FILE`` then
+writes a file only its owner can read.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from fabric.launch import k8s_objects as objects
 from fabric.launch.k8s_engines import engine_documents, secret_entries
 from fabric.launch.k8s_objects import Manifest
 from fabric.launch.k8s_plan import WILDCARD, K8sOptions, K8sPlan, launched_engines, plan
+from fabric.launch.secret import write_private
+from fabric.router.admin import admin_token
 
 # NOTE: plain /health is 503 while any engine is down or any pair unchecked:
 # as readiness it would take every proxy out of the Service when one engine restarts.
@@ -105,15 +110,30 @@ def topology_config_map(planned: K8sPlan) -> Manifest:
 
 
 def secret_manifest(planned: K8sPlan) -> Manifest:
-    """The Secret holding the connector's secret (only when it was passed)."""
-    settings = planned.settings
-    assert planned.options.secret is not None
+    """The Secret holding the connector's secret (only when it was passed) and,
+    when ``proxy.admin_token_env`` names one, the admin token (the proxy reads
+    it from there): ConfigError when that token was not passed."""
+    settings, options = planned.settings, planned.options
+    assert options.secret is not None
+    data = {settings.secret_key: options.secret}
+    admin_env = planned.topology.proxy.admin_token_env
+    if admin_env is not None:
+        if options.admin_token is None:
+            raise ConfigError(
+                f"proxy.admin_token_env: the rendered Secret needs the admin token "
+                f"(key {settings.admin_token_key!r}): set ${admin_env} when rendering"
+            )
+        if settings.admin_token_key == settings.secret_key:
+            raise ConfigError(
+                f"k8s.admin_token_key: {settings.admin_token_key!r} is also k8s.secret_key"
+            )
+        data[settings.admin_token_key] = options.admin_token
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": objects.metadata(settings.secret_name, settings),
         "type": "Opaque",
-        "stringData": {settings.secret_key: planned.options.secret},
+        "stringData": data,
     }
 
 
@@ -186,18 +206,27 @@ def main(
     image: str | None = None,
     secret_from_env: str | None = None,
 ) -> int:
-    """``fabric k8s TOPOLOGY``: print (or write to ``output``) the manifests."""
-    secret = None
+    """``fabric k8s TOPOLOGY``: print (or write to ``output``) the manifests.
+
+    With ``secret_from_env`` the Secret holds that variable's value and, when
+    ``proxy.admin_token_env`` names one, that variable's admin token; a file
+    holding them is written mode 0600 (a new file, renamed over the old)."""
+    topology = load_topology(config_path)
+    secret = token = None
     if secret_from_env is not None:
         secret = os.environ.get(secret_from_env)
         if not secret:
             raise ConfigError(
                 f"--secret-from-env: environment variable {secret_from_env!r} is unset"
             )
-    options = K8sOptions(namespace=namespace, image=image, secret=secret)
-    text = render_yaml(load_topology(config_path), options)
+        if topology.proxy.admin_token_env is not None:
+            token = admin_token(topology)  # NOTE: checked as the proxy checks it
+    options = K8sOptions(namespace=namespace, image=image, secret=secret, admin_token=token)
+    text = render_yaml(topology, options)
     if output is None:
         sys.stdout.write(text)
+    elif secret is not None:
+        write_private(Path(output), text)
     else:
         Path(output).write_text(text)
     return 0

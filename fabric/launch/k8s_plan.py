@@ -48,11 +48,14 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 class K8sOptions:
     """``fabric k8s``'s flags: ``namespace`` and ``image`` override the
     ``k8s:`` section's; ``secret``: the connector's secret value, rendered as
-    a Secret (None: the Secret ``k8s.secret_name`` must exist)."""
+    a Secret (None: the Secret ``k8s.secret_name`` must exist);
+    ``admin_token``: the proxy's, rendered in that Secret too (needed with
+    ``secret`` when ``proxy.admin_token_env`` is set)."""
 
     namespace: str | None = None
     image: str | None = None
     secret: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,45 @@ def test_secret_is_never_inline_unless_passed(monkeypatch: pytest.MonkeyPatch) -
     validate(secret)
 
 
+def test_secret_from_env_holds_the_admin_token_in_a_private_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "topology.yaml"
+    data = {"model": "tiny", "prefill": [{}], "decode": [{}]}
+    config.write_text(yaml.safe_dump(data | {"proxy": {"admin_token_env": "ADMIN"}}))
+    out = tmp_path / "fabric.yaml"
+    out.write_text("old")
+    out.chmod(0o644)  # an older output: its mode must not stay
+    monkeypatch.setenv("CONNECTOR_SECRET", "s3cret")
+    monkeypatch.setenv("ADMIN", "t0ken\n")  # as read from a file
+    argv = ["k8s", str(config), "-o", str(out), "--secret-from-env", "CONNECTOR_SECRET"]
+
+    assert cli_main(argv) == 0
+
+    assert out.stat().st_mode & 0o777 == 0o600
+    documents = list(yaml.safe_load_all(out.read_text()))
+    secret = find(documents, "Secret", "fabric-secret")
+    assert secret["stringData"] == {"secret": "s3cret", "admin-token": "t0ken"}
+    proxy = container(pod(find(documents, "Deployment", "fabric-proxy")), "proxy")
+    for ref in (v["secretKeyRef"] for v in env(proxy).values() if "secretKeyRef" in v):
+        assert ref["name"] == "fabric-secret" and ref["key"] in secret["stringData"]
+    assert env(proxy)["ADMIN"] == {"secretKeyRef": {"name": "fabric-secret", "key": "admin-token"}}
+    assert {p.name for p in tmp_path.iterdir()} == {"topology.yaml", "fabric.yaml"}  # no temp
+
+    monkeypatch.delenv("ADMIN")
+    assert cli_main(argv) == 2
+    assert "ADMIN" in capsys.readouterr().err
+    options = K8sOptions(secret="s3cret")
+    with pytest.raises(ConfigError, match=r"proxy\.admin_token_env"):
+        render(topology(proxy={"admin_token_env": "ADMIN"}), options)
+
+
+def test_cli_output_without_a_secret_value_is_written_as_before(tmp_path: Path) -> None:
+    out = tmp_path / "fabric.yaml"
+    assert cli_main(["k8s", str(REPO / "configs/1p1d.yaml"), "-o", str(out)]) == 0
+    assert "kind: Secret" not in out.read_text()
+
+
 def test_insecure_topology_has_no_secret() -> None:
     documents = render(topology(connector={"insecure": True}))
     assert "secretKeyRef" not in json.dumps(documents)
