@@ -3,7 +3,9 @@ Deployment, or a LeaderWorkerSet when it spans pods.
 
 The container runs the command ``fabric up`` would run
 (:func:`fabric.launch.up.engine_command`), changed only where a pod differs
-from a host's process: vLLM binds ``0.0.0.0``, the connector's ``host`` is
+from a host's process: vLLM binds ``0.0.0.0`` (a ``command`` template gets
+``{host}`` ``0.0.0.0`` and ``{address}`` ``$(VLLM_HOST_IP)``, which
+Kubernetes expands), the connector's ``host`` is
 ``0.0.0.0`` and it advertises ``$VLLM_HOST_IP`` (the pod's IP, from the
 downward API; see :mod:`fabric.transfer.addresses`), the interpreter is
 ``k8s.python``, and a tiny model is the one an initContainer built into the
@@ -86,6 +88,9 @@ POD_ENV = {
 }
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 PROBE_PERIOD_S = 10
+# NOTE: a command template's {host} and {address} in a pod: Kubernetes
+# expands $(VLLM_HOST_IP) in the container's command from its env (the pod's IP).
+POD_TEMPLATE = {"host": WILDCARD, "address": f"$({HOST_IP_ENV})"}
 
 
 def engine_documents(plan: K8sPlan, engine: EngineConfig) -> list[Manifest]:
@@ -114,7 +119,7 @@ def kv_ports(engine: EngineConfig) -> dict[str, int]:
 def container_command(plan: K8sPlan, engine: EngineConfig) -> list[str]:
     """``fabric up``'s command for ``engine``, as its pod runs it (see the module)."""
     pod_engine = _pod_engine(plan, engine)
-    argv = engine_command(pod_engine, plan.topology)
+    argv = engine_command(pod_engine, plan.topology, template=POD_TEMPLATE)
     if pod_engine.command is None:
         argv[argv.index("--host") + 1] = WILDCARD
         old = argv[argv.index("--kv-transfer-config") + 1]

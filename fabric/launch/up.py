@@ -229,8 +229,11 @@ def kv_transfer_config(
     }
 
 
-def engine_command(engine: EngineConfig, topology: TopologyConfig) -> list[str]:
-    """The command that starts ``engine``: its ``command`` template, else ``vllm serve``."""
+def engine_command(
+    engine: EngineConfig, topology: TopologyConfig, *, template: dict[str, str] | None = None
+) -> list[str]:
+    """The command that starts ``engine``: its ``command`` template, else ``vllm serve``.
+    ``template``: values that replace the template's own (a pod's ``host``, ``address``)."""
     assert engine.port is not None, "resolve_ports first"
     bind = engine_bind(topology, engine)
     kv_config = kv_transfer_config(engine, topology.connector, bind=bind)
@@ -255,7 +258,7 @@ def engine_command(engine: EngineConfig, topology: TopologyConfig) -> list[str]:
         "workdir": str(topology.workdir_path),
         "python": sys.executable,
         "kv_transfer_config": json.dumps(kv_config, separators=(",", ":")),
-    }
+    } | (template or {})
     return [_fill(arg, values) for arg in [*engine.command, *engine.args]]
 
 

@@ -266,6 +266,31 @@ def test_cli_output_without_a_secret_value_is_written_as_before(tmp_path: Path) 
     assert "kind: Secret" not in out.read_text()
 
 
+def test_command_engine_listens_on_every_interface_and_advertises_the_pod() -> None:
+    command = [
+        "my-server",
+        "--host={host}",
+        "--advertise",
+        "{address}",
+        "--port",
+        "{port}",
+        "--kv-transfer-config",
+        "{kv_transfer_config}",
+    ]
+    engines = [{"name": "p", "command": command}, {"name": "d", "command": command}]
+    documents = render(parse_topology({"prefill": engines[:1], "decode": engines[1:]}))
+    for document in documents:
+        validate(document)
+    engine = container(pod(find(documents, "Deployment", "fabric-d")))
+    argv = engine["command"]
+    assert argv[:2] == ["my-server", "--host=0.0.0.0"]
+    # NOTE: Kubernetes expands $(VAR) in a container's command from its env
+    assert argv[argv.index("--advertise") + 1] == "$(VLLM_HOST_IP)"
+    assert "VLLM_HOST_IP" in env(engine) and "127.0.0.1" not in json.dumps(argv)
+    extra = kv_config(engine)["kv_connector_extra_config"]
+    assert extra["host"] == "0.0.0.0" and "advertise_host" not in extra
+
+
 def test_insecure_topology_has_no_secret() -> None:
     documents = render(topology(connector={"insecure": True}))
     assert "secretKeyRef" not in json.dumps(documents)
