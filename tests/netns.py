@@ -4,6 +4,7 @@
         hosts.address("hostd")             # "10.77.0.3"
         hosts.command("hostd", [...])      # argv that runs inside hostd's namespace
         hosts.cut("hostd")                 # a partition: hostd's packets dropped
+        hosts.cap("hostp", "1gbit")        # what hostp sends, capped (tc tbf)
 
 Each host is a namespace with ``lo`` up and one veth, ``eth0``, holding
 ``10.77.0.N/24`` (N = 2, 3, ... in the order given). The other end of each
@@ -113,6 +114,21 @@ class Hosts:
         reaches a peer), or (``cut=False``) heal it."""
         port = f"p{list(self.namespaces).index(name)}"
         _ip("-n", self.switch, "link", "set", port, "down" if cut else "up")
+
+    def cap(self, name: str, rate: str | None) -> None:
+        """Cap what the host sends at ``rate`` (``tc``'s token bucket, e.g.
+        ``"1gbit"``), or (None) lift the cap."""
+        ns = self.namespaces[name]
+        if rate is None:
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                capture_output=True,
+                timeout=30,
+            )
+            return
+        tc = ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate]
+        tc = ["ip", "netns", "exec", ns, *tc, "burst", "256kb", "latency", "100ms"]
+        subprocess.run(tc, check=True, capture_output=True, timeout=30)
 
     def close(self) -> None:
         """Delete every namespace made (their veths and the bridge go with them)."""
