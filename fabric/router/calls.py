@@ -3,8 +3,9 @@
 A partition (no bytes, no RST, no FIN) leaves a call that reads from an
 engine waiting for its read timeout (``decode_timeout_s``, 600 s by
 default, per gap between two chunks of a stream). Once the proxy learns
-that the engine cannot be reached (a health probe timed out and a fresh
-TCP connection failed too, or a request's connect timed out:
+that the engine cannot be reached (a health probe or a request's connect
+timed out, and a fresh TCP connection timed out or found no route too; a
+refused one is not unreachable:
 :meth:`fabric.router.engines.Engine.mark_unreachable`), every call still
 reading from it ends at once with :class:`EngineUnreachable`, an
 ``httpx.TransportError`` the proxy answers like any other engine failure:

@@ -33,18 +33,20 @@ engine, or seen: the engine refused a request with its drain 503)::
 Health has two sources: a background probe of every engine's ``/health``
 every ``health_interval_s`` (which also brings engines back; a probe that
 times out marks the engine down at once when a fresh TCP connection to it
-cannot be made either: :func:`tcp_unreachable`), and failures
+cannot be made either: :func:`tcp_connect_failure`), and failures
 seen while serving requests (a refused connection marks the engine down at
 once, so the next requests skip it instead of waiting on it).
 
 An engine found unreachable (:meth:`Engine.mark_unreachable`: that probe,
-or a request's connect that timed out when a fresh connect fails too,
-:meth:`fabric.router.state.ProxyState.connect_failed`) also has every call
-in flight to it cut (:mod:`fabric.router.calls`): a partition sends no FIN
-nor RST, and their reads would wait for their timeouts. A refused
-connection cuts nothing: the host answered, and a process that stopped
-listening may still finish its streams (a graceful shutdown); one that died
-reset them.
+or a request's connect that timed out, when the fresh connect times out
+or finds no route too, :meth:`fabric.router.state.ProxyState.connect_failed`)
+also has every call in flight to it cut (:mod:`fabric.router.calls`): a
+partition sends no FIN nor RST, and their reads would wait for their
+timeouts. A refused connection cuts nothing, even after a probe or a
+connect that timed out (the engine is down, as before): the host answered,
+and a process that stopped listening (restarting, a graceful shutdown; a
+Kubernetes Service without ready endpoints refuses too) may still finish
+the streams on its open connections; one that died reset them.
 
 Everything here runs on the proxy's event loop (not thread-safe).
 """
@@ -52,15 +54,17 @@ Everything here runs on the proxy's event loop (not thread-safe).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
+import errno
 import json
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -77,7 +81,7 @@ UNREACHABLE_CONNECT_S = 3.0
 unreachable (a SYN and its first two retransmissions)."""
 SLOW_PROBES_DOWN = 3
 """Timed-out health probes in a row that mark a reachable engine down (refused or
-unreachable: one, :func:`tcp_unreachable`)."""
+unreachable: one, :func:`tcp_connect_failure`)."""
 
 API_KEY_ENV = "VLLM_API_KEY"
 """vLLM's environment variable for ``--api-key`` (``vllm/envs.py``)."""
@@ -287,12 +291,17 @@ async def probe(
         # NOTE: a busy engine on a loaded host can miss one probe's timeout;
         # only SLOW_PROBES_DOWN in a row take it out of rotation. One that
         # cannot be reached at all (a partition, a dead host: no TCP
-        # connection within UNREACHABLE_CONNECT_S) is down at once.
+        # connection within UNREACHABLE_CONNECT_S) is down at once, and so is
+        # one that refuses the fresh connection (its calls are not cut).
         if isinstance(exc, httpx.TimeoutException):
             connect_s = max(timeout_s, UNREACHABLE_CONNECT_S)
-            unreachable = await tcp_unreachable(engine.url, connect_s)
-            if unreachable is not None:
-                engine.mark_unreachable(f"/health: {describe(exc)}; {unreachable}")
+            failure = await tcp_connect_failure(engine.url, connect_s)
+            if failure is not None:
+                why = f"/health: {describe(exc)}; {failure.reason}"
+                if failure.unreachable:
+                    engine.mark_unreachable(why)
+                else:  # NOTE: refused: down, as a refused probe; its calls go on
+                    engine.mark_down(why)
                 return False
         engine.slow_probes += 1
         if engine.slow_probes >= SLOW_PROBES_DOWN:
@@ -313,40 +322,105 @@ async def probe(
     return True
 
 
-async def tcp_unreachable(url: str, timeout_s: float) -> str | None:
+UNREACHABLE_ERRNOS = frozenset(
+    {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN, errno.ETIMEDOUT}
+)
+"""Connect errors that say no route leads to the engine's host (a router's
+ICMP unreachable, no route here) or that the kernel gave up on it (its own
+connect timeout): unreachable, as a connect that times out. Not a refusal
+(ECONNREFUSED: something answered), nor a local error."""
+
+
+@dataclass(frozen=True)
+class ConnectFailure:
+    """Why a fresh TCP connection to an engine could not be made (:func:`tcp_connect_failure`)."""
+
+    reason: str
+    unreachable: bool
+    """Every address of the engine timed out or had no route (a partition, a
+    dead host): its calls in flight are cut. False: one refused (nothing
+    listens: a process restarting, a Kubernetes Service without ready
+    endpoints) or another error (its name is not resolved): something
+    answered, and the streams on connections made before may go on."""
+
+
+async def tcp_connect_failure(url: str, timeout_s: float) -> ConnectFailure | None:
     """Why a fresh TCP connection to ``url``'s host and port cannot be made
     within ``timeout_s`` (None: it can; it is closed at once).
 
     The kernel completes the handshake for a listening socket while its
     accept queue has room, whatever the server process is doing, so this
     tells an engine that is slow to answer (connects) from one that cannot be
-    reached (a partition, a dead host: the connect times out) or is gone
-    (refused). A pooled keep-alive connection cannot tell: a request written
-    on it during a partition only times out, like one to a busy engine. An
-    engine whose accept queue stays full for the whole ``timeout_s`` (the
-    kernel drops SYNs then) reads as unreachable too: the probe gives it
-    ``UNREACHABLE_CONNECT_S`` at least (two SYN retransmissions).
+    reached (a partition, a dead host: the connect times out, or finds no
+    route) or is not listening (refused). A pooled keep-alive connection
+    cannot tell: a request written on it during a partition only times out,
+    like one to a busy engine. An engine whose accept queue stays full for
+    the whole ``timeout_s`` (the kernel drops SYNs then) reads as unreachable
+    too: the probe gives it ``UNREACHABLE_CONNECT_S`` at least (two SYN
+    retransmissions).
+
+    Every address of the host is tried at once: one that connects is enough,
+    one that refuses makes it not unreachable.
     """
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    # NOTE: uvloop's loop (uvicorn's, so the proxy's) has no happy eyeballs:
-    # the option is a TypeError there, and each address is tried in turn.
-    uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+    where = f"{host}:{port}"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     try:
-        connecting = (
-            asyncio.open_connection(host, port)
-            if uvloop
-            else asyncio.open_connection(host, port, happy_eyeballs_delay=0.25)
-        )
-        _, writer = await asyncio.wait_for(connecting, timeout_s)
-    except TimeoutError:
-        return f"no TCP connection to {host}:{port} within {timeout_s:g} s (unreachable)"
+        resolving = loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = await asyncio.wait_for(resolving, timeout_s)
+    except OSError as exc:  # TimeoutError included
+        why = str(exc) or f"no answer within {timeout_s:g} s"
+        return ConnectFailure(f"{host!r} not resolved: {why}", unreachable=False)
+    if not infos:
+        return ConnectFailure(f"{host!r} has no address", unreachable=False)
+    # NOTE: by socket, not open_connection: uvloop's has no happy eyeballs
+    # option, and a failure of several addresses there is one message.
+    addresses = list(dict.fromkeys((family, address) for family, _, _, _, address in infos))
+    attempts = [asyncio.create_task(_connect(family, address)) for family, address in addresses]
+    errors: list[OSError] = []
+    try:
+        pending: set[asyncio.Task[OSError | None]] = set(attempts)
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break  # the rest timed out
+            for attempt in done:
+                error = attempt.result()
+                if error is None:
+                    return None
+                errors.append(error)
+    finally:
+        for attempt in attempts:
+            attempt.cancel()
+        await asyncio.gather(*attempts, return_exceptions=True)
+    failed = "; ".join(str(e) or type(e).__name__ for e in errors)
+    if all(e.errno in UNREACHABLE_ERRNOS for e in errors):
+        if len(errors) < len(addresses):  # the others timed out
+            why = f"no TCP connection to {where} within {timeout_s:g} s"
+            why += f" ({failed})" if failed else ""
+        else:
+            why = f"no TCP connection to {where}: {failed}"
+        return ConnectFailure(f"{why} (unreachable)", unreachable=True)
+    refused = any(isinstance(e, ConnectionRefusedError) for e in errors)
+    how = "refused" if refused else "failed"
+    return ConnectFailure(f"TCP connect to {where} {how}: {failed}", unreachable=False)
+
+
+async def _connect(family: int, address: tuple[Any, ...]) -> OSError | None:
+    """A TCP connect to ``address``, closed at once; its error (None: it connected)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, address)
     except OSError as exc:
-        return f"TCP connect to {host}:{port} failed: {exc}"
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
+        return exc
+    finally:
+        sock.close()
     return None
 
 

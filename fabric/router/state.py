@@ -46,7 +46,7 @@ from fabric.router.engines import (
     describe,
     probe_all,
     read_kv_tokens,
-    tcp_unreachable,
+    tcp_connect_failure,
 )
 from fabric.router.handoff import WORD_TIMEOUT_MS, Handoff
 from fabric.router.policy import Routing
@@ -255,8 +255,9 @@ class ProxyState:
     ) -> None:
         """A request could not connect to ``engine``: it is down now. A connect
         that timed out is tried again in the background on a fresh TCP
-        connection, as the health probe does: if that fails too the engine is
-        unreachable and its calls in flight are cut.
+        connection, as the health probe does: if that times out too (or finds
+        no route) the engine is unreachable and its calls in flight are cut; a
+        refused one cuts nothing.
 
         NOTE: not at once: aiohttp's connect timeout counts the wait for a free
         pooled connection too (a busy engine).
@@ -269,9 +270,9 @@ class ProxyState:
     async def _check_reach(self, engine: Engine, why: str) -> None:
         try:
             connect_s = max(self.config.health_timeout_s, UNREACHABLE_CONNECT_S)
-            unreachable = await tcp_unreachable(engine.url, connect_s)
-            if unreachable is not None:
-                engine.mark_unreachable(f"{why}; {unreachable}")
+            failure = await tcp_connect_failure(engine.url, connect_s)
+            if failure is not None and failure.unreachable:  # refused: down already
+                engine.mark_unreachable(f"{why}; {failure.reason}")
         finally:
             del self._reach_checks[engine]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +55,13 @@ class ServerThread:
                 raise RuntimeError(f"server on {self.url} did not start")
             time.sleep(0.01)
         return self
+
+    def stop_listening(self) -> None:
+        """Close the listening socket: fresh connections are refused, open ones
+        go on (a process on its way out). Call it on the server's loop (from
+        a request's handler)."""
+        for server in self._server.servers:
+            server.close()
 
     def request_stop(self) -> None:
         """Ask the server to shut down (returns at once)."""
@@ -119,6 +127,23 @@ class Proxy(ServerThread):
 def dead_url() -> str:
     """The URL of a loopback port nothing listens on."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+@contextlib.contextmanager
+def full_accept_queue() -> Iterator[str]:
+    """A loopback listener whose accept queue is full: the kernel drops new
+    SYNs, so a connect to it times out as one across a partition does; its URL."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        with contextlib.ExitStack() as stack:
+            for _ in range(3):
+                filler = stack.enter_context(socket.socket())
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))
+            time.sleep(0.05)  # NOTE: the handshakes that fit are done
+            yield f"http://127.0.0.1:{port}"
 
 
 def topology(

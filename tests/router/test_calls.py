@@ -3,14 +3,18 @@
 First the mechanism alone (a read that never returns stands for a silent
 engine), then through a proxy on each engine pool, the engine marked
 unreachable on the proxy's loop as the health probe would (the real
-partition across namespaces: ``test_partition.py``), and engines that are
-only busy or draining, which keep their streams.
+partition across namespaces: ``test_calls_partition.py``), and engines that
+are only busy, draining or refusing connections, which keep their streams
+(a probe or a request's connect that timed out cuts only when a fresh
+connect times out too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +22,15 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fabric.router import state as state_module
 from fabric.router.calls import EngineCalls, EngineUnreachable
+from fabric.router.fake_engine import FakeEngineConfig, create_fake_engine
 from fabric.router.state import ProxyState
 
 from .conftest import StartEngine, StartProxy
-from .servers import Proxy
+from .servers import Proxy, ServerThread, dead_url, full_accept_queue
 from .test_early_handoff import decoder, early_proxy
 from .test_pd_flow import COMPLETION, assert_answered
 
@@ -270,7 +277,8 @@ def test_a_busy_or_draining_decoder_keeps_its_stream(
     start_engine: StartEngine, start_proxy: StartProxy, trouble: str
 ) -> None:
     """Busy: its probes time out, a fresh connection is made (3 in a row mark it
-    down); draining: its probes answer 503. Neither is unreachable."""
+    down); draining: its probes answer 503. Neither is unreachable. (A
+    draining engine whose probe times out: the test below.)"""
     busy = trouble == "busy"
     p = start_engine("prefill")
     d = start_engine("decode", gated=True, token_delay_s=0.05, health_delay_s=5.0 if busy else 0.0)
@@ -294,3 +302,107 @@ def test_a_busy_or_draining_decoder_keeps_its_stream(
     assert events[-1] == "[DONE]" and len(events) == 61, events[-1]
     assert down == ((False, False) if busy else (False, True)), proxy.state.engine("decode-0")
     assert proxy.state.counter_values()["calls_cut"] == 0
+
+
+class HangsOnHealth:
+    """An engine's ASGI app that, once ``armed``, takes the next ``/health``
+    as its way out: it stops listening (fresh connections are refused, the
+    open ones go on), and that ``/health`` answers only once its probe
+    timed out."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.server: ServerThread | None = None
+        self.armed = False
+        self.hung = threading.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.armed and scope["type"] == "http" and scope["path"] == "/health":
+            self.armed = False
+            assert self.server is not None
+            self.server.stop_listening()
+            self.hung.set()
+            await asyncio.sleep(1.0)  # the probe gives up after 0.2 s
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.parametrize("draining", [False, True])
+def test_a_decoder_that_times_out_then_refuses_keeps_its_stream(
+    start_engine: StartEngine,
+    start_proxy: StartProxy,
+    servers: list[ServerThread],
+    caplog: pytest.LogCaptureFixture,
+    draining: bool,
+) -> None:
+    """Its probe times out, then the fresh connect is refused (a process
+    restarting, a Service without ready endpoints): down for new requests,
+    its stream goes on; draining too (drained through the proxy, its probes
+    do not answer the drain 503: they time out as well).
+
+    Failed on the old code: a refused connect after a timed-out probe read
+    as unreachable and cut the stream."""
+    p = start_engine("prefill")
+    app = HangsOnHealth(create_fake_engine(FakeEngineConfig(role="decode", token_delay_s=0.05)))
+    d = app.server = ServerThread(app).start()
+    servers.append(d)
+    proxy = start_proxy(
+        [p.url], [d.url], health_interval_s=0.1, health_timeout_s=0.2, decode_timeout_s=10
+    )
+    body = {**LONG_STREAM, "max_tokens": 60}  # 3 s
+
+    events = []
+    with (
+        caplog.at_level(logging.WARNING, "fabric.router.engines"),
+        httpx.Client(timeout=20, trust_env=False) as client,
+        client.stream("POST", f"{proxy.url}/v1/completions", json=body) as response,
+    ):
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                if len(events) == 1:
+                    if draining:
+                        on_loop(proxy, lambda state: state.set_draining("decode-0"))
+                    app.armed = True
+        engine = proxy.state.engine("decode-0")
+        down = (engine.healthy, engine.draining)
+
+    assert app.hung.is_set()
+    [marked] = [r.getMessage() for r in caplog.records if "marked down" in r.getMessage()]
+    assert "/health: ReadTimeout" in marked and "refused" in marked, marked
+    assert events[-1] == "[DONE]" and len(events) == 61, events[-1]
+    assert down == (False, draining), proxy.state.engine("decode-0")
+    assert proxy.state.counter_values()["calls_cut"] == 0
+
+
+@pytest.mark.parametrize("fresh", ["refused", "timed out"])
+def test_a_connect_timeout_cuts_when_the_fresh_connect_times_out_too(
+    start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch, fresh: str
+) -> None:
+    """A request's connect timed out (ProxyState.connect_failed): the fresh
+    connect in the background cuts the decoder's calls if it times out too,
+    not if it is refused (failed on the old code: it cut them)."""
+    monkeypatch.setattr(state_module, "UNREACHABLE_CONNECT_S", 0.5)
+    with contextlib.ExitStack() as stack:
+        url = dead_url() if fresh == "refused" else stack.enter_context(full_accept_queue())
+        proxy = start_proxy([dead_url()], [url], health_timeout_s=0.2)
+
+        async def check(state: ProxyState) -> tuple[bool, str]:
+            engine = state.engine("decode-0")
+            reading = await start_reading(engine.calls)
+            request = httpx.Request("POST", url)
+            state.connect_failed(engine, httpx.ConnectTimeout("timed out", request=request))
+            await asyncio.gather(*state._reach_checks.values())  # its background connect
+            await asyncio.sleep(0.01)
+            if reading.done():
+                return engine.healthy, repr(reading.exception())
+            reading.cancel()
+            return engine.healthy, "reading"
+
+        healthy, ended = proxy.run(check)
+    assert not healthy
+    if fresh == "refused":
+        assert ended == "reading"
+        assert proxy.state.counter_values()["calls_cut"] == 0
+    else:
+        assert ended.startswith("EngineUnreachable('ConnectTimeout: timed out; no TCP"), ended
+        assert proxy.state.counter_values()["calls_cut"] == 1

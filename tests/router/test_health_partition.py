@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from fabric.router.engines import tcp_unreachable
+from fabric.router.engines import tcp_connect_failure
 from tests.netns import Hosts, hosts_or_skip
 
-from .servers import child, fake_engine_on
+from .servers import child, fake_engine_on, full_accept_queue
 
 PORT = 8100
 PROBE_TIMEOUT_S = 1.0
@@ -82,13 +82,18 @@ def test_a_partitioned_engine_is_down_after_one_timed_out_probe(hosts: Hosts) ->
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_tcp_unreachable_says_why(loop: str) -> None:
+def test_tcp_connect_failure_says_why(loop: str) -> None:
     """On uvloop too: uvicorn runs the proxy on it (its create_connection has no
     happy eyeballs option: every probe that timed out failed on it)."""
     factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else None
     with asyncio.Runner(loop_factory=factory) as runner:
         with socket.create_server(("127.0.0.1", 0)) as listening:
             port = listening.getsockname()[1]
-            assert runner.run(tcp_unreachable(f"http://127.0.0.1:{port}/x", 1.0)) is None
-        gone = runner.run(tcp_unreachable(f"http://127.0.0.1:{port}", 1.0))
-    assert gone is not None and "failed" in gone
+            assert runner.run(tcp_connect_failure(f"http://127.0.0.1:{port}/x", 1.0)) is None
+        gone = runner.run(tcp_connect_failure(f"http://127.0.0.1:{port}", 1.0))
+        with full_accept_queue() as url:
+            silent = runner.run(tcp_connect_failure(url, 0.3))
+    assert gone is not None and not gone.unreachable, gone
+    assert gone.reason.startswith(f"TCP connect to 127.0.0.1:{port} refused: "), gone
+    assert silent is not None and silent.unreachable, silent
+    assert silent.reason.endswith("within 0.3 s (unreachable)"), silent
