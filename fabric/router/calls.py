@@ -28,7 +28,9 @@ handles a cancel at any await (a client that leaves is one) by dropping
 the connection. Closing a connection under a pending read is handled
 differently by each, and racing every read against an event would cost a
 task per chunk. A cancel the cut did not make (the client left, the
-request's deadline) stays a cancel, even when both come at once.
+request's deadline) stays a cancel, even when both come at once; a call
+whose task was being cancelled already when the cut came is not counted as
+cut (``fabric_proxy_calls_cut_total`` counts each call the cut ended, once).
 
 Everything here runs on the proxy's event loop (not thread-safe).
 """
@@ -70,7 +72,7 @@ class EngineCalls:
 
     def cut(self, reason: str) -> int:
         """End every call in flight with :class:`EngineUnreachable` (``reason``);
-        how many were not cut already."""
+        how many the cut ended (counted once each: see :meth:`Call.cut`)."""
         cut = sum(call.cut(reason) for call in list(self._open))
         self.cut_total += cut
         return cut
@@ -119,11 +121,17 @@ class Call:
         self._calls._open.discard(self)
 
     def cut(self, reason: str) -> bool:
-        """End the call with :class:`EngineUnreachable` (False: cut already)."""
+        """End the call with :class:`EngineUnreachable`; whether the cut ended
+        it. False: cut already, or its task was being cancelled already (a
+        client that left, a deadline, a prefill leg its engine's ``mark_down``
+        cancelled): that cancel ends it, as a cancel (see ``__exit__``)."""
         if self.error is not None:
             return False
         self.error = EngineUnreachable(reason)
         task = self._task
-        if self.reading and task is not None and task is not asyncio.current_task():
+        if task is None or task is asyncio.current_task():
+            return True
+        ending = task.cancelling() > 0
+        if self.reading:
             self._cancelled = task.cancel(f"engine unreachable: {reason}")
-        return True
+        return not ending

@@ -188,10 +188,15 @@ class Engine:
             leg.cancel()
 
     def mark_unreachable(self, reason: str) -> None:
-        """:meth:`mark_down`, and end every call in flight to it now (with
-        :class:`~fabric.router.calls.EngineUnreachable`)."""
-        self.mark_down(reason)
+        """End every call in flight to it now (with
+        :class:`~fabric.router.calls.EngineUnreachable`), and :meth:`mark_down`.
+
+        NOTE: the cut first: a prefill leg in flight is cut (counted once),
+        then cancelled by ``mark_down`` as any leg; cut after that cancel it
+        would not count (see :meth:`fabric.router.calls.Call.cut`).
+        """
         cut = self.calls.cut(reason)
+        self.mark_down(reason)
         if cut:
             logger.warning("engine %s (%s): %d call(s) in flight cut", self.name, self.url, cut)
 

@@ -134,6 +134,25 @@ def test_another_cancel_at_the_same_time_stays_a_cancel() -> None:
     asyncio.run(main())
 
 
+def test_a_call_ending_by_another_cancel_is_not_counted() -> None:
+    """Its task was cancelled before the cut (a client that left, a prefill
+    leg its engine's mark_down cancelled): that cancel ends it, the cut does
+    not count it (failed on the old code: counted 2)."""
+
+    async def main() -> None:
+        calls = EngineCalls()
+        leaving, staying = await start_reading(calls), await start_reading(calls)
+        leaving.cancel()
+        assert calls.cut("gone") == 1
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        with pytest.raises(EngineUnreachable):
+            await asyncio.wait_for(staying, 5)
+        assert (len(calls), calls.cut_total) == (0, 1)
+
+    asyncio.run(main())
+
+
 # --- through a proxy ---------------------------------------------------------
 
 
@@ -406,3 +425,33 @@ def test_a_connect_timeout_cuts_when_the_fresh_connect_times_out_too(
     else:
         assert ended.startswith("EngineUnreachable('ConnectTimeout: timed out; no TCP"), ended
         assert proxy.state.counter_values()["calls_cut"] == 1
+
+
+@pytest.mark.parametrize("down_before", [False, True])
+def test_an_early_prefill_leg_cut_is_counted_once(
+    start_engine: StartEngine, start_proxy: StartProxy, down_before: bool
+) -> None:
+    """mark_down cancels a prefiller's early legs; mark_unreachable cuts its
+    calls: a leg in flight is counted once, as cut. One that a mark_down
+    before had cancelled already ended by that cancel: not counted. Either
+    way the decoder is told and computes the prompt."""
+    p = start_engine("prefill", delay_s=60)
+    d, kv_port = decoder(start_engine)
+    proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)])
+
+    answer = post_in_thread(f"{proxy.url}/v1/completions", COMPLETION)
+    deadline = time.monotonic() + 20
+    while not on_loop(proxy, lambda state: len(state.engine("prefill-0").calls)):
+        assert time.monotonic() < deadline, "no prefill leg"
+        time.sleep(0.01)
+
+    def cut(state: ProxyState) -> None:
+        engine = state.engine("prefill-0")
+        if down_before:
+            engine.mark_down("test: refused")
+        engine.mark_unreachable("test: partitioned")
+
+    on_loop(proxy, cut)
+    assert_answered(answer(), COMPLETION)
+    assert proxy.state.counter_values()["calls_cut"] == int(not down_before)
+    assert proxy.state.counters.early_handoffs == 1
