@@ -57,7 +57,13 @@ POOL_BLOCKS = 10
 # NOTE: vLLM keeps one block of the pool back (its null block): the pool must
 # hold max_model_len in the other blocks or the engine refuses to start.
 MAX_MODEL_LEN = (POOL_BLOCKS - 1) * BLOCK_TOKENS
+# NOTE: float32, not bf16: on a CPU without bf16 instructions (AVX2 only)
+# vLLM's bf16 forward ran ~4x slower and the colocated oracle alone took over
+# 15 minutes; float32 KV also doubles every chunk's bytes (packing is slower,
+# which only widens the race this test looks for).
+DTYPE_ARGS = ["--dtype", "float32"]
 PRESSURE_ARGS = [
+    *DTYPE_ARGS,
     "--num-gpu-blocks-override",
     str(POOL_BLOCKS),
     "--max-model-len",
@@ -69,7 +75,7 @@ MAX_TOKENS = 6
 # requests sent straight to P or D decode longer: they hold their blocks and
 # keep needing new ones, so the pool runs out and vLLM preempts
 DIRECT_MAX_TOKENS = 24
-STORE_MIB = 768  # 24 chunks of the KV-heavy model (32 MiB each)
+STORE_MIB = 1536  # 24 chunks of the KV-heavy model (64 MiB each in float32)
 NUM_PREFIXES = 3
 PREFIX_TOKENS = 2 * CHUNK_TOKENS
 # NOTE: the KV-heavy model's logprobs move by up to ~0.1 when the last prompt
@@ -93,7 +99,7 @@ class PressureCluster:
         self.kv_ports = {"prefill": free_port(), "decode": free_port()}
         extra = {"store_mib": STORE_MIB, "load_timeout_s": 120}
         specs: dict[str, dict[str, Any]] = {
-            "colocated": {"cpu_cores": "1"},
+            "colocated": {"cpu_cores": "1", "extra_args": DTYPE_ARGS, "kv_cache_gib": 2},
             "prefill": {
                 "cpu_cores": "0",
                 "kv_transfer_config": kv_config(
