@@ -4,9 +4,10 @@ Three network namespaces on one bridge (``tests/netns.py``): the prefiller
 on hostp, the decoder on hostd, the proxy on hostx, each started by its own
 ``fabric up --host`` (NIXL over UCX TCP on ``eth0``, as
 ``tests/e2e/test_across_hosts.py`` runs them), on the KV-heavy tiny model
-(Llama-3-8B's KV geometry: 128 KiB per token, so a 1,000-token prompt
-carries 125 MiB of KV, one second at 1 Gbit/s). Rounds alternate capped
-(``tc tbf`` on hostp's ``eth0``) and uncapped requests of fresh prompts;
+(Llama-3-8B's KV geometry: 128 KiB per token in bf16, so a 1,000-token
+prompt carries 125 MiB of KV, one second at 1 Gbit/s; twice that in
+float32). Rounds alternate capped (``tc tbf`` on hostp's ``eth0``) and
+uncapped requests of fresh prompts;
 the decoder's own ``vllm:fabric_load_seconds`` and the prefiller's
 ``vllm:request_prefill_time_seconds`` are read around each request, so the
 handoff (TTFT less the prefill) is reported beside TTFT. Needs root
@@ -14,6 +15,7 @@ handoff (TTFT less the prefill) is reported beside TTFT. Needs root
 1,000 tokens on one core here).
 
     python benchmarks/across_hosts.py [--rounds 5] [--tokens 1000] [--rate 1gbit]
+                                      [--dtype bfloat16]
 
 The last stdout line is JSON, also saved to
 ``benchmarks/results/across-hosts-<date>.json``:
@@ -50,6 +52,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the engines' --dtype (float32 doubles the KV; on a CPU without "
+        "bf16 instructions it prefills several times faster)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fabric-across-") as tmp:
@@ -68,7 +76,15 @@ def run(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         try:
             for name in rig_module.HOSTS:
                 runs.append(
-                    rig_module._fabric_up(hosts, root, name, "nixl", model_dir, model=MODEL)
+                    rig_module._fabric_up(
+                        hosts,
+                        root,
+                        name,
+                        "nixl",
+                        model_dir,
+                        model=MODEL,
+                        engine_args=["--dtype", args.dtype],
+                    )
                 )
             runs[2].wait_line(r"proxy serving at", timeout=rig_module.START_TIMEOUT_S)
             rig = rig_module.Rig(hosts, "nixl", runs, client, None)  # type: ignore[arg-type]
