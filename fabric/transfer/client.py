@@ -294,6 +294,8 @@ class PeerLink:
             agent = self.client.plane.add_peer(ack.data_descriptor)
             old, self.peer_agent = self.peer_agent, agent
             if old != agent:
+                # NOTE: the leases were the old process's: no write from them
+                self._forget_leases()
                 self.client.release_agent(old, self)
 
     def _call(self, msg: proto.Message) -> proto.Message:
@@ -468,11 +470,12 @@ class PeerLink:
         notif = self._notif(res, written, checksums)
         self._post_check(res.request_id)
         handle = self._posted(
-            lambda: self.client.plane.post_write(self.peer_agent, segments, notif, fence)
+            res.request_id,
+            lambda: self.client.plane.post_write(self.peer_agent, segments, notif, fence),
         )
         return self._pending(handle, segments)
 
-    def _posted(self, post: Callable[[], WriteHandle]) -> WriteHandle:
+    def _posted(self, request_id: str, post: Callable[[], WriteHandle]) -> WriteHandle:
         """``post()`` over a route to the receiver that can be trusted.
 
         The receiver's data-plane agent is loaded again first when the route
@@ -481,26 +484,50 @@ class PeerLink:
         ``ROUTE_IDLE_RELOAD_S`` -- and no write of this link still runs. (An
         outage that long can have let TCP keepalive end UCX's connection, or
         left it in retransmission backoff, and NIXL then reports writes done
-        whose bytes never land, or refuses them for good.) A post refused because the route is gone
-        (PeerDisconnected: nothing was sent) reloads it and is retried once.
+        whose bytes never land, or refuses them for good.) A post refused
+        because the route is gone (PeerDisconnected: nothing was sent) reloads
+        it and is retried once. A reload takes a Hello (up to
+        ``control_timeout_ms``): the lease of ``request_id`` is checked again
+        after it, so no write is posted past its lease.
         """
         idle = time.monotonic() - self._route_used_at > ROUTE_IDLE_RELOAD_S
-        if (self._route_suspect or idle) and not any(w.running for w in list(self._writes)):
+        if (self._route_suspect or idle) and self._route_quiet():
             self._reload_agent("after a failed call" if self._route_suspect else "idle")
+            self._post_check(request_id)
         try:
             handle = post()
         except PeerDisconnected as exc:
+            if not self._route_quiet():
+                raise
             self._reload_agent(str(exc))
+            self._post_check(request_id)
             handle = post()
         self._route_used_at = time.monotonic()
         return handle
 
+    def _route_quiet(self) -> bool:
+        """No write of this link runs, none the data plane gave up on may still
+        land (its orphans), and no other link shares the receiver's agent:
+        the route may be dropped."""
+        if any(w.running for w in list(self._writes)):
+            return False
+        if getattr(self.client.plane, "orphans", None):
+            return False
+        return not self.client.agent_shared(self.peer_agent, self)
+
     def _reload_agent(self, why: str) -> None:
         """Load the receiver's data-plane agent anew (a Hello for its
-        descriptor): NIXL opens a new connection to it."""
+        descriptor): NIXL opens a new connection to it.
+
+        A receiver that restarted on the endpoint meanwhile names another
+        agent: the slots this link reserved were the old process's, so its
+        leases end (ReservationExpired) and nothing is written to the new
+        process's pool from them.
+        """
         logger.info("fabric: %s: loading its data-plane route again (%s)", self.endpoint, why)
         self._route_suspect = True  # NOTE: until the reload is through
-        self.client.plane.remove_peer(self.peer_agent)
+        old = self.peer_agent
+        self.client.plane.remove_peer(old)
         ack = self._handshake()
         try:
             self.peer_agent = self.client.plane.add_peer(ack.data_descriptor)
@@ -509,6 +536,17 @@ class PeerLink:
                 f"{self.endpoint}: its data plane cannot be loaded: {exc}"
             ) from exc
         self._route_suspect, self._route_used_at = False, time.monotonic()
+        if self.peer_agent != old:
+            self._forget_leases()
+            raise ReservationExpired(
+                f"{self.endpoint} restarted (its data-plane agent is new): "
+                "the slots reserved from the old one are gone; write not posted"
+            )
+
+    def _forget_leases(self) -> None:
+        """End every lease of this link (the receiver that granted them is gone)."""
+        with self._leases_lock:
+            self._leases.clear()
 
     def _pending(
         self,
@@ -592,11 +630,12 @@ class PeerLink:
             self._post_check(res.request_id)  # NOTE: after the delay, as a stalled sender
             mode = faults.write_mode()
             if mode == "drop_write":
-                handle = self._posted(lambda: plane.notify(self.peer_agent, notif))
+                handle = self._posted(res.request_id, lambda: plane.notify(self.peer_agent, notif))
             else:
                 notif = b"" if mode == "drop_notify" else notif
                 handle = self._posted(
-                    lambda: plane.post_write(self.peer_agent, segments, notif, fence)
+                    res.request_id,
+                    lambda: plane.post_write(self.peer_agent, segments, notif, fence),
                 )
         except BaseException:
             faults.release(store, scratch)
@@ -725,12 +764,15 @@ class TransferClient:
             del self._links[endpoint]
         current.close()
 
+    def agent_shared(self, agent: str, link: PeerLink) -> bool:
+        """Whether a link other than ``link`` uses data-plane peer ``agent``."""
+        with self._lock:
+            return any(o is not link and o.peer_agent == agent for o in self._links.values())
+
     def release_agent(self, agent: str, link: PeerLink) -> None:
         """``link`` no longer uses data-plane peer ``agent``: remove it unless
         another of our links still does."""
-        with self._lock:
-            shared = any(o is not link and o.peer_agent == agent for o in self._links.values())
-        if not shared:
+        if not self.agent_shared(agent, link):
             self.plane.remove_peer(agent)
 
     def table_sizes(self) -> dict[str, int]:

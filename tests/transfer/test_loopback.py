@@ -236,3 +236,61 @@ def test_a_write_refused_because_the_peer_is_gone_reloads_it_and_lands(
     assert receiver.server.stats.hellos == hellos + 1 and not refusals
     prog = receiver.server.wait("r14", 5)
     assert prog is not None and prog.complete and receiver.store.lookup(keys) == 2
+
+
+def test_a_lease_that_ran_out_during_a_reload_posts_no_write(
+    pair: tuple[TransferNode, TransferNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload's Hello can take up to ``control_timeout_ms``: the lease is
+    checked again after it, and a write whose lease ran out meanwhile is not
+    posted (its slots may be another request's by the time it lands)."""
+    from fabric.errors import ReservationExpired
+    from fabric.transfer import client as client_module
+
+    sender, receiver = pair
+    link = sender.client.connect(receiver.endpoint)
+    keys, slots = fill(sender, 15, 2)
+    res = link.reserve("r15", keys, [SLOT, SLOT])
+    monkeypatch.setattr(client_module, "ROUTE_IDLE_RELOAD_S", 0.0)
+    hello = link._handshake
+
+    def slow_hello() -> proto.HelloAck:
+        ack = hello()
+        link._track_lease("r15", time.monotonic() - 1)  # ran out while it waited
+        return ack
+
+    monkeypatch.setattr(link, "_handshake", slow_hello)
+    with pytest.raises(ReservationExpired):
+        link.write(res, range(2), slots)
+    pool, source = receiver.store.pool, sender.store.pool
+    for mine, theirs in zip(slots, res.slots, strict=True):
+        assert bytes(pool.slot_view(theirs)) != bytes(source.slot_view(mine))
+
+
+def test_a_reload_that_finds_the_receiver_restarted_writes_nothing_there(
+    pair: tuple[TransferNode, TransferNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver restarted on its endpoint while the route was idle: the
+    reload's Hello names a new agent, whose pool never granted the slots of
+    the old reservation; the write is refused as expired, every lease of the
+    link ends, and not a byte reaches the new receiver's pool."""
+    from fabric.errors import ReservationExpired
+    from fabric.transfer import client as client_module
+
+    sender, receiver = pair
+    link = sender.client.connect(receiver.endpoint)
+    keys, slots = fill(sender, 16, 2)
+    res = link.reserve("r16", keys, [SLOT, SLOT])
+    restarted = make_node(8, serve=True)
+    try:
+        other = sender.client.connect(restarted.endpoint)
+        monkeypatch.setattr(client_module, "ROUTE_IDLE_RELOAD_S", 0.0)
+        monkeypatch.setattr(link, "_handshake", other._handshake)
+        with pytest.raises(ReservationExpired, match="restarted"):
+            link.write(res, range(2), slots)
+        assert link.num_leases == 0
+        pool, source = restarted.store.pool, sender.store.pool
+        for mine, theirs in zip(slots, res.slots, strict=True):
+            assert bytes(pool.slot_view(theirs)) != bytes(source.slot_view(mine))
+    finally:
+        restarted.close()
