@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -79,6 +80,9 @@ logger = logging.getLogger(__name__)
 UNREACHABLE_CONNECT_S = 3.0
 """The least time a timed-out probe's fresh TCP connect gets before the engine is
 unreachable (a SYN and its first two retransmissions)."""
+STALL_GRACE_S = 0.05
+"""A connect check's last look, past its bound, for a connect that completed
+while the loop was stalled."""
 SLOW_PROBES_DOWN = 3
 """Timed-out health probes in a row that mark a reachable engine down (refused or
 unreachable: one, :func:`tcp_connect_failure`)."""
@@ -349,6 +353,16 @@ class ConnectFailure:
     answered, and the streams on connections made before may go on."""
 
 
+def _literal(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``getaddrinfo``'s answer for an IP address ``host``; [] for a name."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return []
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    return [(family, socket.SOCK_STREAM, 0, "", (host, port))]
+
+
 async def tcp_connect_failure(url: str, timeout_s: float) -> ConnectFailure | None:
     """Why a fresh TCP connection to ``url``'s host and port cannot be made
     within ``timeout_s`` (None: it can; it is closed at once).
@@ -374,8 +388,11 @@ async def tcp_connect_failure(url: str, timeout_s: float) -> ConnectFailure | No
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     try:
-        resolving = loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        infos = await asyncio.wait_for(resolving, timeout_s)
+        # NOTE: an address needs no resolver (whose threads may all be busy)
+        infos: list[tuple[Any, ...]] = _literal(host, port)
+        if not infos:
+            resolving = loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = list(await asyncio.wait_for(resolving, timeout_s))
     except OSError as exc:  # TimeoutError included
         why = str(exc) or f"no answer within {timeout_s:g} s"
         return ConnectFailure(f"{host!r} not resolved: {why}", unreachable=False)
@@ -392,6 +409,13 @@ async def tcp_connect_failure(url: str, timeout_s: float) -> ConnectFailure | No
             done, pending = await asyncio.wait(
                 pending, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED
             )
+            if not done:
+                # NOTE: a loop that stalled past the deadline fires this timer
+                # before it polls the connect that completed meanwhile (uvloop
+                # runs timers first): give the poll a turn
+                done, pending = await asyncio.wait(
+                    pending, timeout=STALL_GRACE_S, return_when=asyncio.FIRST_COMPLETED
+                )
             if not done:
                 break  # the rest timed out
             for attempt in done:

@@ -14,6 +14,8 @@ import json
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -97,3 +99,49 @@ def test_tcp_connect_failure_says_why(loop: str) -> None:
     assert gone.reason.startswith(f"TCP connect to 127.0.0.1:{port} refused: "), gone
     assert silent is not None and silent.unreachable, silent
     assert silent.reason.endswith("within 0.3 s (unreachable)"), silent
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connect_check_needs_no_resolver_thread_for_an_address(loop: str) -> None:
+    """Every thread of the loop's default executor busy (store calls, say):
+    an engine at an IP address is still checked, not reported 'not
+    resolved' (then its calls were never cut)."""
+    factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else None
+    busy = threading.Event()
+
+    async def check(url: str) -> object:
+        loop_ = asyncio.get_running_loop()
+        for _ in range(64):
+            loop_.run_in_executor(None, busy.wait, 5)
+        return await tcp_connect_failure(url, 0.5)
+
+    with (
+        asyncio.Runner(loop_factory=factory) as runner,
+        socket.create_server(("127.0.0.1", 0)) as listening,
+    ):
+        port = listening.getsockname()[1]
+        try:
+            failure = runner.run(check(f"http://127.0.0.1:{port}/health"))
+        finally:
+            busy.set()
+    assert failure is None, failure
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_loop_that_stalled_past_the_deadline_still_sees_the_connect(loop: str) -> None:
+    """The proxy's loop blocked for longer than the check's bound while the
+    kernel completed the connect: the timer fires in the same turn as the
+    connect; the engine connected, so it is not unreachable."""
+    factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else None
+
+    async def check(url: str) -> object:
+        asyncio.get_running_loop().call_soon(time.sleep, 0.6)  # the stall
+        return await tcp_connect_failure(url, 0.2)
+
+    with (
+        asyncio.Runner(loop_factory=factory) as runner,
+        socket.create_server(("127.0.0.1", 0)) as listening,
+    ):
+        port = listening.getsockname()[1]
+        failure = runner.run(check(f"http://127.0.0.1:{port}/health"))
+    assert failure is None, failure
