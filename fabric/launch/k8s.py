@@ -28,6 +28,7 @@ writes a file only its owner can read.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -35,7 +36,13 @@ from typing import Any
 
 import yaml
 
-from fabric.config import EngineConfig, TopologyConfig, load_topology, parse_topology
+from fabric.config import (
+    EngineConfig,
+    ProxyConfig,
+    TopologyConfig,
+    load_topology,
+    parse_topology,
+)
 from fabric.errors import ConfigError
 from fabric.launch import k8s_objects as objects
 from fabric.launch.k8s_engines import engine_documents, secret_entries
@@ -43,6 +50,7 @@ from fabric.launch.k8s_objects import Manifest
 from fabric.launch.k8s_plan import WILDCARD, K8sOptions, K8sPlan, launched_engines, plan
 from fabric.launch.secret import write_private
 from fabric.router.admin import admin_token
+from fabric.router.engines import UNREACHABLE_CONNECT_S
 
 # NOTE: plain /health is 503 while any engine is down or any pair unchecked:
 # as readiness it would take every proxy out of the Service when one engine restarts.
@@ -137,6 +145,16 @@ def secret_manifest(planned: K8sPlan) -> Manifest:
     }
 
 
+def readiness_timeout_s(proxy: ProxyConfig) -> int:
+    """How long the kubelet waits for the proxy's readiness answer: the
+    proxy probes every engine before it answers, a probe that times out
+    tries a fresh connect (``fabric.router.engines``), and 2 s to spare.
+    With 5 s (the default), one partitioned engine failed every probe and
+    took each proxy replica out of the Service."""
+    connect_s = max(proxy.health_timeout_s, UNREACHABLE_CONNECT_S)
+    return math.ceil(proxy.health_timeout_s + connect_s) + 2
+
+
 def proxy_documents(planned: K8sPlan, config_map: Manifest) -> list[Manifest]:
     """The proxy's Service and Deployment."""
     settings, pods = planned.settings, planned.settings.proxy
@@ -157,7 +175,9 @@ def proxy_documents(planned: K8sPlan, config_map: Manifest) -> list[Manifest]:
         env=objects.env_entries({"PYTHONUNBUFFERED": "1"}) + _proxy_secrets(planned),
         resources=objects.resources(pods, settings, pods.gpus or 0),
         volumeMounts=[{"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True}],
-        readinessProbe=objects.http_probe(PROXY_READINESS, 5, 3),
+        readinessProbe=objects.http_probe(
+            PROXY_READINESS, 5, 3, timeout_s=readiness_timeout_s(planned.topology.proxy)
+        ),
         livenessProbe=objects.http_probe("/metrics", 10, 3) | {"initialDelaySeconds": 10},
     )
     volume = {"name": "topology", "configMap": {"name": config_map["metadata"]["name"]}}

@@ -159,6 +159,9 @@ def test_probes_answer_on_health() -> None:
     ready = proxy["readinessProbe"]
     assert ready["httpGet"] == {"path": "/health?serving=1", "port": "http"}
     assert ready["failureThreshold"] >= 3
+    # NOTE: it answers after probing every engine: a partitioned one takes the
+    # health timeout (2 s) and a fresh connect (3 s), past the kubelet's default 5 s
+    assert ready["timeoutSeconds"] >= 2 + 3 + 1
     # NOTE: /health is 503 while the proxy waits for engines; liveness must not kill it then.
     assert proxy["livenessProbe"]["httpGet"]["path"] == "/metrics"
     engine = container(pod(find(documents, "Deployment", "fabric-decode-0")))
