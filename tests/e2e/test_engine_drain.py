@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -89,11 +90,20 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
                 f"{len(streamed)} now, stream done: {stream.done()}, engine alive: "
                 f"{process.alive()}; last chunk: {streamed[-1:]}\n{process.log_tail()}"
             ) from exc
-        refused = httpx.post(
-            f"{url}/v1/completions",
-            json=body | {"stream": False, "stream_options": None},
-            timeout=30,
-        )
+        asked = time.monotonic()
+        try:
+            refused = httpx.post(
+                f"{url}/v1/completions",
+                json=body | {"stream": False, "stream_options": None},
+                timeout=30,
+            )
+        except httpx.TransportError as exc:
+            # NOTE: seen once here (connection reset): say what the engine did.
+            raise AssertionError(
+                f"new work after SIGTERM: {exc!r} after {time.monotonic() - asked:.1f} s; "
+                f"{at_sigterm} chunks streamed at SIGTERM, {len(streamed)} now, stream done: "
+                f"{stream.done()}, engine alive: {process.alive()}\n{process.log_tail()}"
+            ) from exc
         chunks = stream.result(timeout=300)
     status = process.wait(120)
 
