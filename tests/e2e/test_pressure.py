@@ -129,6 +129,11 @@ class PressureCluster:
             # (vLLM never preempts a request waiting for remote KV) and runs
             # 1.75x slower (admission under KV pressure is open work)
             handoff="sequential",
+            # NOTE: this proxy runs in the test process, beside its 400 client
+            # threads: its loop can stall for seconds (a request's connect to D
+            # timed out at 5 s and D was called unreachable, a 502)
+            connect_timeout_s=60,
+            health_timeout_s=30,
         )
 
     def store_stats(self) -> dict[str, dict[str, int]]:
