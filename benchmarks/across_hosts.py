@@ -84,6 +84,8 @@ def run(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                         model_dir,
                         model=MODEL,
                         engine_args=["--dtype", args.dtype],
+                        # NOTE: a 4,096-token sequence's KV is 1 GiB in float32
+                        kv_cache_gib=2 if args.dtype == "float32" else 1,
                     )
                 )
             runs[2].wait_line(r"proxy serving at", timeout=rig_module.START_TIMEOUT_S)

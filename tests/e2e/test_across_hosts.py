@@ -177,13 +177,14 @@ def _fabric_up(
     model_dir: Path,
     model: str = MODEL,
     engine_args: list[str] | None = None,
+    kv_cache_gib: int = 1,
 ) -> UpRun:
     """``fabric up --host NAME`` in ``name``'s namespace, with a workdir of its
     own (``engine_args``: more ``vllm serve`` arguments for both engines)."""
     top = root / name
     (top / "work" / "models").mkdir(parents=True)
     (top / "work" / "models" / model).symlink_to(model_dir)
-    engine: dict[str, Any] = {"port": PORT, "kv_port": KV_PORT, "kv_cache_gib": 1}
+    engine: dict[str, Any] = {"port": PORT, "kv_port": KV_PORT, "kv_cache_gib": kv_cache_gib}
     if engine_args:
         engine["args"] = engine_args
     address = {h: {"address": hosts.address(h), "ucx_net_devices": "eth0"} for h in HOSTS}
