@@ -8,9 +8,9 @@ one prefills 1,500 tokens in ~23 s on one core here: too slow for CI;
 hostx (:mod:`tests.e2e._ns_client`). Oracle: a colocated engine of the
 same model in the root namespace.
 
-Over NIXL (UCX TCP) and over fabric's TCP transport: outputs equal the
-colocated engine's and the prompt's KV came over the fabric. Over NIXL
-only: the same with the prefiller's link capped at 1 Gbit/s (``tc tbf``),
+Over NIXL (UCX TCP) and over fabric's TCP transport, each: outputs equal
+the colocated engine's and the prompt's KV came over the fabric; the same
+with the prefiller's link capped at 1 Gbit/s (``tc tbf``),
 TTFT printed next to uncapped; then 10 s and 30 s partitions of the
 prefiller's host during a prefill and of the decoder's host during a
 decode: each request ends correct or with a clear error within
@@ -240,8 +240,6 @@ def test_outputs_equal_a_colocated_engines_with_the_kv_over_the_fabric(rig: Rig)
 
 
 def test_a_1gbit_cap_on_the_prefillers_link(rig: Rig) -> None:
-    if rig.transport != "nixl":
-        pytest.skip("recorded over NIXL only")
     ttft: dict[str, list[float]] = {"uncapped": [], "capped": []}
     try:
         for round_ in range(ROUNDS):
@@ -270,8 +268,6 @@ def test_a_1gbit_cap_on_the_prefillers_link(rig: Rig) -> None:
 def test_a_partition_ends_each_request_within_its_bound(
     rig: Rig, phase: str, host: str, seconds: int
 ) -> None:
-    if rig.transport != "nixl":
-        pytest.skip("partitions run over NIXL only")
     baseline = served_over_fabric(rig, prompt_ids(1000, seed=2000 + seconds + len(phase)))
     if phase == "prefill":
         prompt = prompt_ids(3800, seed=3000 + seconds)
