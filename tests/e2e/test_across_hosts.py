@@ -49,6 +49,8 @@ OUTCOME_BOUND_S = 90.0  # a request during a partition: correct or a clear error
 HEAL_BOUND_S = 60.0  # health marks an engine up again once its link is back
 QUARANTINE_BOUND_S = 90.0  # a cancelled reservation's slots wait out the quarantine (35 s)
 MAX_TOKENS = 6
+# NOTE: a decode partition cuts a stream of ~20 s (5 ms a token on one core)
+STREAM_TOKENS = 3800
 CAPPED_TOKENS, ROUNDS = 2000, 3  # the tbf test: prompts and rounds per cap
 
 
@@ -276,14 +278,15 @@ def test_a_partition_ends_each_request_within_its_bound(
     else:
         prompt = prompt_ids(200, seed=4000 + seconds)
         ident = rig.client.submit(
-            rig.proxy("/v1/completions"), request(prompt, stream=True, max_tokens=3000)
+            rig.proxy("/v1/completions"),
+            request(prompt, stream=True, max_tokens=STREAM_TOKENS),
         )
         _wait_streaming(rig)
     rig.hosts.cut(host)
     try:
         result = rig.client.result(ident, timeout=OUTCOME_BOUND_S + 30)
         assert result["elapsed_s"] < OUTCOME_BOUND_S, result["elapsed_s"]
-        _check_outcome(rig, prompt, result)
+        _check_outcome(rig, prompt, result, STREAM_TOKENS if phase == "decode" else MAX_TOKENS)
         time.sleep(max(0.0, seconds - result["elapsed_s"]))
     finally:
         rig.hosts.cut(host, cut=False)
@@ -314,23 +317,34 @@ def _wait_computing(rig: Rig, host: str) -> None:
 
 
 def _wait_streaming(rig: Rig) -> None:
-    """Until the decoder generates (its generation token count moves)."""
+    """Until the decoder generates (its generation token count moved) and
+    still runs a request (the stream has not ended before the cut)."""
     start = rig.metric("hostd", "vllm:generation_tokens_total")
     deadline = time.monotonic() + 60
-    while rig.metric("hostd", "vllm:generation_tokens_total") < start + 20:
+    while (
+        rig.metric("hostd", "vllm:generation_tokens_total") < start + 20
+        or rig.metric("hostd", "vllm:num_requests_running") < 1
+    ):
         assert time.monotonic() < deadline, "the decoder never started generating"
         time.sleep(0.2)
 
 
-def _check_outcome(rig: Rig, prompt: list[int], result: dict[str, Any]) -> None:
-    """Correct (equal to the oracle's), or a clear error: a JSON error answer
-    or a stream that ends with an error event."""
-    if result["status"] == 200 and not result["events"]:
-        assert_same_up_to_near_tie(tokens(result), oracle(rig, prompt))
+def _check_outcome(
+    rig: Rig, prompt: list[int], result: dict[str, Any], max_tokens: int = MAX_TOKENS
+) -> None:
+    """Correct (equal to the oracle's, a stream ending with ``[DONE]``), or a
+    clear error: a JSON error answer or a stream that ends with an error
+    event. A stream that just stops is neither."""
+    errors = [e for e in result["events"] if isinstance(e, dict) and "error" in e]
+    if result["status"] == 200 and not errors:
+        if result["events"]:
+            assert result["events"][-1] == "[DONE]", (result["error"], result["events"][-3:])
+        ids, lps = tokens(result)
+        assert len(ids) == max_tokens, (len(ids), result["error"], result["events"][-3:])
+        assert_same_up_to_near_tie((ids, lps), oracle(rig, prompt, max_tokens))
         return
     if result["events"]:
-        errors = [e for e in result["events"] if isinstance(e, dict) and "error" in e]
-        assert errors and errors[-1]["error"]["message"], result["events"][-3:]
+        assert errors[-1]["error"]["message"], result["events"][-3:]
         return
     assert result["status"] is not None and result["status"] >= 500, result
     assert json.loads(result["body"])["error"]["message"], result
