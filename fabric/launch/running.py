@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,10 +30,11 @@ import httpx
 from fabric.config import EngineConfig, TopologyConfig
 from fabric.errors import LaunchError
 from fabric.launch.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainGate
-from fabric.launch.supervisor import Child, Supervisor
+from fabric.launch.supervisor import Child, ChildState, Supervisor
 
 if TYPE_CHECKING:
     from fabric.launch.process import ManagedProcess
+    from fabric.router.engines import Engine
     from fabric.router.state import ProxyState
 
 Announce = Callable[[str], None]
@@ -131,9 +132,8 @@ async def _serve(
 
     self_probe = proxy.config.health_interval_s <= 0
     async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:
-        supervisor = Supervisor(
-            running.children, _readiness(client, self_probe), running.write_state
-        )
+        ready = _readiness(client, self_probe, probe_one=proxy.probe_engine)
+        supervisor = Supervisor(running.children, ready, running.write_state)
 
         async def started(url: str) -> None:
             running.proxy_url = url
@@ -206,8 +206,19 @@ async def _supervise(running: Running, announce: Announce) -> None:
                 task.cancel()
 
 
-def _readiness(client: httpx.AsyncClient, self_probe: bool) -> Callable[[Child], Any]:
-    """Whether a live child serves (see the module docstring)."""
+def _readiness(
+    client: httpx.AsyncClient,
+    self_probe: bool,
+    probe_one: Callable[[Engine], Awaitable[bool]] | None = None,
+) -> Callable[[Child], Any]:
+    """Whether a live child serves (see the module docstring).
+
+    ``self_probe``: no proxy probes the engines here, so this asks each one
+    that is not healthy for its ``/health``. Otherwise a (re)started engine
+    (``starting``) is probed at every supervisor tick with ``probe_one`` (the
+    proxy's own probe: ``/health`` and the engine's fabric side), not only at
+    the proxy's next health round (``health_interval_s``, 5 s by default):
+    a restart serves as soon as it answers."""
 
     async def ready(child: Child) -> bool:
         if child.ready_file is not None:
@@ -215,8 +226,10 @@ def _readiness(client: httpx.AsyncClient, self_probe: bool) -> Callable[[Child],
         engine = child.engine
         if engine is None:
             return True
-        if self_probe and not engine.healthy:
-            process = child.process
+        if engine.healthy:
+            return True
+        process = child.process
+        if self_probe:
             try:
                 response = await client.get(f"{engine.url}/health")
             except httpx.HTTPError:
@@ -225,6 +238,10 @@ def _readiness(client: httpx.AsyncClient, self_probe: bool) -> Callable[[Child],
             # successor (or nothing) up: the supervisor marked it down at the exit.
             if response.status_code == 200 and child.process is process and child.alive():
                 engine.mark_up()
+        elif probe_one is not None and child.state is ChildState.STARTING:
+            answered = await probe_one(engine)
+            if answered and not (child.process is process and child.alive()):
+                engine.mark_down("process exited")  # NOTE: as above: not its successor
         return bool(engine.healthy)
 
     return ready

@@ -44,6 +44,7 @@ from fabric.router.engines import (
     Engine,
     EnginePool,
     describe,
+    probe,
     probe_all,
     read_kv_tokens,
     tcp_connect_failure,
@@ -249,6 +250,12 @@ class ProxyState:
         """Probe every engine's ``/health`` (and its fabric side) now."""
         check = functools.partial(fabric_threads_down, self)
         await probe_all(self.client, self.pool, self.config.health_timeout_s, check)
+
+    async def probe_engine(self, engine: Engine) -> bool:
+        """Probe one engine now, as the health loop does (``/health``, then its
+        fabric side); whether it is healthy."""
+        check = functools.partial(fabric_threads_down, self)
+        return await probe(self.client, engine, self.config.health_timeout_s, check)
 
     def connect_failed(
         self, engine: Engine, exc: httpx.ConnectError | httpx.ConnectTimeout

@@ -350,3 +350,79 @@ def test_the_self_probe_does_not_mark_up_the_successor_of_the_process_it_asked(
 
     assert not asyncio.run(scenario())
     assert len(spawned) == 2 and not c.engine.healthy
+
+
+def _restarted(tmp_path: Path) -> tuple[Child, list[StandIn]]:
+    """A child whose process exited and was restarted (``starting``)."""
+    c, spawned = child(tmp_path)
+    spawned[0].returncode = -9
+    c.step(1.0, ready=False)
+    c.step(2.1, ready=False)
+    assert len(spawned) == 2 and c.state is ChildState.STARTING
+    return c, spawned
+
+
+def test_a_restart_is_probed_at_each_tick_not_at_the_proxys_next_round(tmp_path: Path) -> None:
+    """With a proxy that probes every health_interval_s, a restarted engine
+    is asked at once with the proxy's own probe, and serves when it answers."""
+    from fabric.launch.running import _readiness
+
+    c, _ = _restarted(tmp_path)
+    assert c.engine is not None
+    asked: list[Engine] = []
+
+    async def probe_one(engine: Engine) -> bool:
+        asked.append(engine)
+        engine.mark_up()
+        return True
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient() as client:
+            await Supervisor([c], _readiness(client, False, probe_one), lambda: None).probe()
+
+    asyncio.run(scenario())
+    assert asked == [c.engine] and c.engine.healthy
+    assert c.state is ChildState.UP and c.last_restart_to_serving_s is not None
+
+
+def test_an_engine_that_is_up_or_down_without_a_restart_is_left_to_the_proxy(
+    tmp_path: Path,
+) -> None:
+    """Only a (re)start is probed by the supervisor; an engine the proxy's
+    probe took out of rotation (alive, not answering) waits for its next round."""
+    from fabric.launch.running import _readiness
+
+    c, _ = child(tmp_path)
+    assert c.engine is not None
+    c.engine.mark_down("/health: ReadTimeout")
+    asked: list[Engine] = []
+
+    async def probe_one(engine: Engine) -> bool:
+        asked.append(engine)
+        return True
+
+    async def scenario() -> bool:
+        async with httpx.AsyncClient() as client:
+            return bool(await _readiness(client, False, probe_one)(c))
+
+    assert not asyncio.run(scenario())
+    assert asked == []
+
+
+def test_a_restart_that_exits_while_probed_is_not_marked_up(tmp_path: Path) -> None:
+    from fabric.launch.running import _readiness
+
+    c, spawned = _restarted(tmp_path)
+    assert c.engine is not None
+
+    async def probe_one(engine: Engine) -> bool:
+        spawned[1].returncode = -9  # it dies while its probe is out (the answer came first)
+        engine.mark_up()
+        return True
+
+    async def scenario() -> bool:
+        async with httpx.AsyncClient() as client:
+            return bool(await _readiness(client, False, probe_one)(c))
+
+    assert not asyncio.run(scenario())
+    assert not c.engine.healthy
