@@ -91,7 +91,7 @@ from fabric.launch.process import (
     vllm_serve_command,
     wait_http_ok,
 )
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # NOTE: chaos.py beside this script, also when loaded by path
@@ -186,13 +186,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="goal: a killed process serves again within its own start under the same "
         "load (a bare copy's, begun at the kill) plus this",
     )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the engines' --dtype (the oracle's too); float32 prefills several times "
+        "faster on a CPU without bf16 instructions (AVX2 only)",
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
 
-def topology(workdir: Path, *, chaos: bool = False) -> dict[str, Any]:
-    engine = {"kv_cache_gib": 1}
+def topology(workdir: Path, *, chaos: bool = False, dtype: str = "bfloat16") -> dict[str, Any]:
+    engine: dict[str, Any] = {"kv_cache_gib": 1, "args": ["--dtype", dtype]}
     shared = {"store": {"mem_gib": 1}} if chaos else {}
     return shared | {
         "model": MODEL,
@@ -471,7 +477,12 @@ def oracle(
     """Serve the sampled prompts on a colocated engine (no connector, the
     model ``fabric up`` built) and compare each 2P2D output with its answer."""
     port, oracle_dir = free_port(), workdir / "oracle"
-    argv = vllm_serve_command(workdir / "models" / MODEL, port, served_model_name=MODEL)
+    argv = vllm_serve_command(
+        workdir / "models" / MODEL,
+        port,
+        served_model_name=MODEL,
+        extra_args=["--dtype", args.dtype],
+    )
     env = engine_env(oracle_dir, cpu_cores="0", kv_cache_gib=1)
     started = time.monotonic()
     log = oracle_dir / "colocated.log"
@@ -520,7 +531,7 @@ async def replay(url: str, prompts: list[list[int]], max_tokens: int) -> list[An
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     config = workdir / "soak.yaml"
-    config.write_text(yaml.safe_dump(topology(workdir, chaos=args.chaos)))
+    config.write_text(yaml.safe_dump(topology(workdir, chaos=args.chaos, dtype=args.dtype)))
     log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in finally
     launched = time.monotonic()
     up = subprocess.Popen(
