@@ -45,7 +45,7 @@ import uvicorn
 
 from fabric.errors import LaunchError
 from fabric.launch.drain import DrainGate
-from fabric.router.serve import socket_url
+from fabric.router.serve import socket_url, uvicorn_config
 
 TICK_S = 0.05
 GRACE_S = 2  # uvicorn takes whole seconds
@@ -177,15 +177,6 @@ async def _drain(gate: DrainGate, signals: Signals, timeout_s: float, hooks: Hoo
 
 
 def _config(app: DrainGate) -> uvicorn.Config:
-    # NOTE: the same settings as fabric.router.serve.serve_app (no access log,
-    # no proxy headers, no Server header), plus a bound on the wait for
+    # NOTE: fabric proxy's settings, plus a bound on the wait for
     # connections still open once the drain is over.
-    return uvicorn.Config(
-        app,
-        access_log=False,
-        log_config=None,
-        lifespan="on",
-        proxy_headers=False,
-        server_header=False,
-        timeout_graceful_shutdown=GRACE_S,
-    )
+    return uvicorn_config(app, timeout_graceful_shutdown=GRACE_S)

@@ -34,6 +34,30 @@ logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+CLIENT_KEEPALIVE_S = 75.0
+"""How long the proxy keeps a client's idle connection open. Above what
+clients keep theirs (httpx and the OpenAI SDK: 5 s, aiohttp: 15 s): with the
+server's close at the same 5 s as the client's expiry (uvicorn's default),
+a request sent on a connection the client still holds can meet the close
+and read a reset, an error without an answer."""
+
+
+def uvicorn_config(app: Any, **extra: Any) -> uvicorn.Config:
+    """The proxy's uvicorn settings: no access log (~14% of the per-request
+    cost at one client), no X-Forwarded-* rewriting (the proxy never reads
+    the client's address), no Server header, client connections kept
+    ``CLIENT_KEEPALIVE_S``; ``extra`` adds to them."""
+    return uvicorn.Config(
+        app,
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        proxy_headers=False,
+        server_header=False,
+        timeout_keep_alive=int(CLIENT_KEEPALIVE_S),
+        **extra,
+    )
+
 
 class Shutdown(Exception):
     """SIGINT or SIGTERM asked the process to stop."""
@@ -90,17 +114,7 @@ def socket_url(sock: socket.socket) -> str:
 
 async def serve_app(app: FastAPI, sock: socket.socket, on_started: Callable[[str], None]) -> None:
     """Serve ``app`` on ``sock`` until a signal; call ``on_started(url)`` once it accepts."""
-    # NOTE: no X-Forwarded-* rewriting (the proxy never reads the client's
-    # address) and no Server header: per-request work nobody uses.
-    config = uvicorn.Config(
-        app,
-        access_log=False,
-        log_config=None,
-        lifespan="on",
-        proxy_headers=False,
-        server_header=False,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +97,70 @@ def test_proxy_needs_the_decoders_kv_port(tmp_path: Path) -> None:
 
     assert result.returncode == 2
     assert "decode[0].kv_port: needed so prefillers know where to push KV" in result.stderr
+
+
+def test_an_idle_client_connection_is_kept_past_a_clients_5_s_expiry(
+    tmp_path: Path, engines: tuple[FakeEngine, FakeEngine]
+) -> None:
+    """A client that reuses a connection idle for almost its keep-alive
+    expiry (httpx: 5 s) must not find it closed under its request: with the
+    server's own 5 s (uvicorn's default) the close races the request and the
+    client reads a reset (seen in a soak as a request without an answer)."""
+    p, d = engines
+    config = {"prefill": [{"url": p.url}], "decode": [{"url": d.url, "kv_port": free_port()}]}
+    path = tmp_path / "running.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", "proxy", str(path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    request = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\nConnection: keep-alive\r\n\r\n"
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request)
+            first = _read_answer(sock)
+            time.sleep(6.0)  # NOTE: past uvicorn's default 5 s, within httpx's expiry + 1 s
+            sock.sendall(request)
+            second = _read_answer(sock)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    assert first.startswith(b"HTTP/1.1 200")
+    assert second.startswith(b"HTTP/1.1 200"), second
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One HTTP/1.1 answer with a Content-Length (b"" when the peer closed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(65536)
+        if not more:
+            return data
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_fabric_ups_proxy_keeps_client_connections_as_long_as_fabric_proxy() -> None:
+    from fabric.launch.proxy_server import _config
+    from fabric.router.serve import CLIENT_KEEPALIVE_S
+
+    config = _config(lambda scope, receive, send: None)  # type: ignore[arg-type]
+    assert config.timeout_keep_alive == CLIENT_KEEPALIVE_S > 15
