@@ -37,7 +37,8 @@ import torch
 
 from fabric.kv import KVLayout, LayoutKind, pack, unpack
 from fabric.kv import cuda as kv_cuda
-from fabric.kv.pack import TorchIndexKernels, segment_views
+from fabric.kv.kernels import TorchIndexKernels
+from fabric.kv.pack import segment_views
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK_TOKENS = 32, 8, 128, 16, 256

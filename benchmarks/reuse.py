@@ -52,7 +52,7 @@ from fabric.launch.process import (
     wait_http_ok,
 )
 from fabric.models import make_tiny_model
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 
 ROOT = Path(__file__).resolve().parent
 CHUNK_TOKENS = 256

@@ -198,7 +198,7 @@ def _store(ns: argparse.Namespace) -> int:
     import os
 
     from fabric.errors import ConfigError
-    from fabric.store.service import ServiceConfig, serve
+    from fabric.shared_store.service import ServiceConfig, serve
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -23,8 +23,10 @@ boundary with ``raise X(...) from exc``.
      |    |                     (wrong version, garbage, too large)
      |    +-- SignatureError    its HMAC tag is wrong, missing or unexpected
      +-- LaunchError            a process fabric started did not come up
-          +-- ProcessExited     it exited while we waited (message: log tail)
-          +-- StartTimeout      it was not healthy in time (also a TimeoutError)
+     |    +-- ProcessExited     it exited while we waited (message: log tail)
+     |    +-- StartTimeout      it was not healthy in time (also a TimeoutError)
+     +-- ProxyError             a request the proxy answers with an HTTP error
+                                (``fabric.router.errors``: status, OpenAI-style body)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One panel per geometry; the lines are the NIXL, DRAM, progress-thread-off
 points at the smallest batch measured (the sweep's main series), plus
 fabric's full path over TCP where it was measured. matplotlib is imported
-here only (``pip install 'fabric[bench]'``); without it :func:`plot_sweep`
+here only (``pip install 'kv-fabric[bench]'``); without it :func:`plot_sweep`
 raises :class:`PlotUnavailable` with that advice.
 """
 
@@ -56,7 +56,7 @@ def plot_sweep(result: dict[str, Any], out: Path) -> Path:
     except ImportError as exc:
         raise PlotUnavailable(
             "matplotlib is not installed, so no plot was drawn: "
-            "pip install 'fabric[bench]' (or pip install matplotlib)"
+            "pip install 'kv-fabric[bench]' (or pip install matplotlib)"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,4 +1,4 @@
-"""Fused CUDA pack/unpack (``csrc/``) behind :class:`fabric.kv.pack.DeviceKernels`.
+"""Fused CUDA pack/unpack (``csrc/``) behind :class:`fabric.kv.kernels.DeviceKernels`.
 
 Which implementation copies a request's blocks (:func:`choose_implementation`)::
 
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from fabric.errors import LayoutError
-from fabric.kv.pack import DeviceKernels, TorchIndexKernels
+from fabric.kv.kernels import DeviceKernels, TorchIndexKernels
 
 if TYPE_CHECKING:
     import torch

@@ -33,19 +33,21 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import xxhash
 
 from fabric.errors import ChecksumMismatch, ConfigError, LayoutError
 from fabric.kv import verify as kv_verify
+from fabric.kv.cuda import kernels_for
 from fabric.kv.layout import KVLayout, LayoutKind, named_layers, segment_table
 from fabric.kv.verify import hash_while_copying, split_at_pieces
 
 if TYPE_CHECKING:
     import torch
 
+    from fabric.kv.kernels import DeviceKernels
     from fabric.kv.layout import KVCaches
 
     BlockIds = Sequence[int] | np.ndarray | torch.Tensor
@@ -459,47 +461,12 @@ def _chunk_view(buffer: torch.Tensor, layout: KVLayout, num_blocks: int) -> torc
     return buffer[:nbytes].view(rows, num_blocks, layout.segment_bytes)
 
 
-class DeviceKernels(Protocol):
-    """Pack/unpack for caches on an accelerator (the csrc/ kernels plug in here)."""
-
-    def pack(self, views: list[torch.Tensor], ids: np.ndarray, dst: torch.Tensor) -> None:
-        """Gather blocks ``ids`` of each segment view into chunk bytes ``dst``."""
-
-    def unpack(self, src: torch.Tensor, views: list[torch.Tensor], ids: np.ndarray) -> None:
-        """Scatter chunk bytes ``src`` into blocks ``ids`` of each segment view."""
-
-
-class TorchIndexKernels:
-    """Device-side pack/unpack with torch indexing: correct, one launch per row."""
-
-    def pack(self, views: list[torch.Tensor], ids: np.ndarray, dst: torch.Tensor) -> None:
-        """Gather on the cache's device, then copy to ``dst`` if it lives elsewhere."""
-        import torch
-
-        device = views[0].device
-        index = torch.as_tensor(ids, device=device)
-        staged = torch.stack([v.index_select(0, index) for v in views])
-        dst.copy_(staged.view(-1))
-
-    def unpack(self, src: torch.Tensor, views: list[torch.Tensor], ids: np.ndarray) -> None:
-        """Move ``src`` to the cache's device, then scatter each row."""
-        import torch
-
-        device = views[0].device
-        index = torch.as_tensor(ids, device=device)
-        rows = src.to(device).view(len(views), len(ids), -1)
-        for view, row in zip(views, rows, strict=True):
-            view.index_copy_(0, index, row)
-
-
 def device_kernels(device_type: str) -> DeviceKernels:
     """The pack/unpack implementation for caches on ``device_type``.
 
     CUDA caches get the fused ``csrc/`` kernels when the extension loads, any
     other accelerator (or CUDA without it) torch indexing: see :mod:`fabric.kv.cuda`.
     """
-    from fabric.kv.cuda import kernels_for  # NOTE: lazy, fabric.kv.cuda imports this module
-
     return kernels_for(device_type)
 
 

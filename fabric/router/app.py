@@ -61,7 +61,7 @@ from fabric.router.policy import Routing
 from fabric.router.prefix import call_store
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from fabric.router.state import ProxyState
-from fabric.transfer.lookup import resolve_endpoint
+from fabric.transfer.store_client import resolve_endpoint
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,8 @@ import json
 
 from starlette.responses import Response
 
+from fabric.errors import FabricError
+
 INVALID_REQUEST = "invalid_request_error"
 UPSTREAM_ERROR = "upstream_error"
 UPSTREAM_TIMEOUT = "upstream_timeout"
@@ -24,7 +26,7 @@ INTERNAL = "internal_error"
 UNAUTHORIZED = "authentication_error"
 
 
-class ProxyError(Exception):
+class ProxyError(FabricError):
     """A failure the client should see as ``status`` with an OpenAI error body."""
 
     def __init__(

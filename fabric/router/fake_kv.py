@@ -89,11 +89,13 @@ class FakeKvPort:
         try:
             msg = self.codec.decode(frame)
         except ProtocolError as exc:
-            return proto.Refused(-1, "", "bad_message", str(exc))
+            return proto.Refused(-1, "", proto.Refusal.BAD_MESSAGE, str(exc))
         if isinstance(msg, proto.Stats):
             return proto.StatsReply(msg.seq, {"threads_down": 0})
         if not isinstance(msg, proto.PrefillState) or self.refuse_words:
-            return proto.Refused(getattr(msg, "seq", -1), "", "bad_message", "fake: not served")
+            return proto.Refused(
+                getattr(msg, "seq", -1), "", proto.Refusal.BAD_MESSAGE, "fake: not served"
+            )
         recorded = 0
         until = time.monotonic() + msg.ttl_ms / 1000
         with self._lock:

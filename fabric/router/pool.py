@@ -1,4 +1,5 @@
-"""A small HTTP/1.1 keep-alive pool for the engine calls of the PD flow.
+"""A small HTTP/1.1 keep-alive pool for the engine calls of the PD flow,
+and :func:`open_engines`, which picks the engine client ``proxy.http_pool`` names.
 
 ``proxy.http_pool: httptools`` (the default). Each connection is an
 ``asyncio.Protocol`` whose bytes go through httptools' C parser (uvicorn's):
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
@@ -50,9 +52,12 @@ import httpx
 
 from fabric.router.transport import (
     KEEPALIVE_S,
+    AiohttpEngines,
+    AiohttpTransport,
     AnswerTooLarge,
     EngineHTTP,
     EngineResponse,
+    HttpxEngines,
     Timeouts,
     check_length,
 )
@@ -479,3 +484,37 @@ class _Response(EngineResponse):
     def on_complete(self) -> None:
         self._complete = True
         self._wake()
+
+
+def open_engines(
+    http_pool: str, per_engine: int, max_connections: int, timeout: httpx.Timeout
+) -> tuple[EngineHTTP, httpx.AsyncClient]:
+    """The engine client of ``http_pool`` and an ``httpx.AsyncClient`` for the rest.
+
+    ``per_engine`` bounds the httptools pool's connections to each engine;
+    the others share ``max_connections`` (``per_engine`` times the engines).
+
+    The client (health probes, admin routes) runs over aiohttp when it is
+    installed, else over httpx's pool (the caller warns: compare
+    ``engines.pool_name`` with the config).
+    """
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=max_connections
+    )
+    aio: AiohttpEngines | None = None
+    with contextlib.suppress(ImportError):
+        aio = AiohttpEngines(max_connections)
+    engines: EngineHTTP | None = aio if http_pool == "aiohttp" else None
+    if http_pool == "httptools":
+        engines = HttptoolsEngines(per_engine)
+    transport: httpx.AsyncBaseTransport
+    if aio is not None:
+        transport = AiohttpTransport(aio, owned=engines is not aio)
+    else:
+        # NOTE: trust_env=False: engine traffic must never go through an
+        # HTTP(S)_PROXY from the environment, and no .netrc lookups per request.
+        transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+    if engines is None:
+        engines = HttpxEngines(transport)
+    client = httpx.AsyncClient(limits=limits, trust_env=False, timeout=timeout, transport=transport)
+    return engines, client

@@ -51,10 +51,11 @@ from fabric.router.engines import (
 )
 from fabric.router.handoff import WORD_TIMEOUT_MS, Handoff
 from fabric.router.policy import Routing
+from fabric.router.pool import open_engines
 from fabric.router.prefix import fabric_threads_down
 from fabric.router.ready import Readiness
 from fabric.router.stores import CLIENTS_PER_ENDPOINT, StoreCalls
-from fabric.router.transport import EngineHTTP, Timeouts, open_engines
+from fabric.router.transport import EngineHTTP, Timeouts
 
 logger = logging.getLogger(__name__)
 

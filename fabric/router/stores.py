@@ -1,6 +1,6 @@
 """The proxy's calls to engines' stores: bounded, side by side, never on the event loop.
 
-A :class:`~fabric.transfer.lookup.StoreClient` is synchronous and serves one
+A :class:`~fabric.transfer.store_client.StoreClient` is synchronous and serves one
 call at a time (a lock), each bounded by its ``timeout_ms``. With one client
 per store, concurrent requests' lookups queued behind that lock: against a
 store that never answers, the n-th request waited n lookup bounds.
@@ -50,7 +50,7 @@ from typing import Any
 import zmq
 
 from fabric.errors import FabricError, PeerUnreachable
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 
 logger = logging.getLogger(__name__)
 

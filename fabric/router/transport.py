@@ -36,7 +36,6 @@ runs over aiohttp (:class:`AiohttpTransport`) when it is installed.
 from __future__ import annotations
 
 import abc
-import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -395,43 +394,3 @@ class _HttpxResponse(EngineResponse):
 
     async def close(self) -> None:
         await self._response.aclose()
-
-
-def open_engines(
-    http_pool: str, per_engine: int, max_connections: int, timeout: httpx.Timeout
-) -> tuple[EngineHTTP, httpx.AsyncClient]:
-    """The engine client of ``http_pool`` and an ``httpx.AsyncClient`` for the rest.
-
-    ``per_engine`` bounds the httptools pool's connections to each engine;
-    the others share ``max_connections`` (``per_engine`` times the engines).
-
-    The client (health probes, admin routes) runs over aiohttp when it is
-    installed, else over httpx's pool. ``httptools`` falls back to aiohttp,
-    and both to httpx's pool, when their packages are missing (the caller
-    warns: compare ``engines.pool_name`` with the config).
-    """
-    limits = httpx.Limits(
-        max_connections=max_connections, max_keepalive_connections=max_connections
-    )
-    aio: AiohttpEngines | None = None
-    with contextlib.suppress(ImportError):
-        aio = AiohttpEngines(max_connections)
-    engines: EngineHTTP | None = aio if http_pool == "aiohttp" else None
-    if http_pool == "httptools":
-        try:
-            from fabric.router.pool import HttptoolsEngines
-        except ImportError:
-            engines = aio
-        else:
-            engines = HttptoolsEngines(per_engine)
-    transport: httpx.AsyncBaseTransport
-    if aio is not None:
-        transport = AiohttpTransport(aio, owned=engines is not aio)
-    else:
-        # NOTE: trust_env=False: engine traffic must never go through an
-        # HTTP(S)_PROXY from the environment, and no .netrc lookups per request.
-        transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-    if engines is None:
-        engines = HttpxEngines(transport)
-    client = httpx.AsyncClient(limits=limits, trust_env=False, timeout=timeout, transport=transport)
-    return engines, client

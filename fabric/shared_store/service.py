@@ -65,8 +65,8 @@ import zmq
 
 from fabric.errors import ConfigError, FabricError, ProtocolError, ReservationRefused
 from fabric.kv.identity import KeyIdentity
+from fabric.store.chunk_store import ChunkStore
 from fabric.store.disk import DiskTier
-from fabric.store.index import ChunkStore
 from fabric.store.pool import ChunkPool
 from fabric.store.records import StoreConfig
 from fabric.store.tier import TieredStore
@@ -75,9 +75,9 @@ from fabric.transfer.addresses import check_exposure
 from fabric.transfer.client import TransferClient
 from fabric.transfer.config import TransferConfig, Transport, open_data_plane
 from fabric.transfer.dataplane import DataPlane
-from fabric.transfer.lookup import write_endpoint
 from fabric.transfer.node import default_agent_name
 from fabric.transfer.server import TransferServer
+from fabric.transfer.store_client import write_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -254,13 +254,13 @@ class SharedStore:
                 self._bind(Geometry(msg.fingerprint, msg.chunk_tokens, msg.chunk_bytes))
             except ConfigError as exc:
                 self.count(attach_refused=1)
-                return proto.Refused(msg.seq, "", "layout_mismatch", str(exc))
+                return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, str(exc))
         assert self.geometry is not None
         why = self.geometry.mismatch(msg)
         if why is not None:
             self.count(attach_refused=1)
             logger.warning("refused engine at %s: %s", msg.endpoint, why)
-            return proto.Refused(msg.seq, "", "layout_mismatch", why)
+            return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, why)
         self.count(attaches=1)
         # NOTE: a restarted engine may come back on the same endpoint with a
         # new data plane; drop any link to its predecessor.
@@ -320,7 +320,9 @@ class SharedStore:
         deadline = (time.monotonic() if received is None else received) + msg.lease_ms / 1000
         tier = self.tier
         if tier is None:
-            return proto.Refused(msg.seq, msg.transfer_id, "unbound", "no engine attached yet")
+            return proto.Refused(
+                msg.seq, msg.transfer_id, proto.Refusal.UNBOUND, "no engine attached yet"
+            )
         if msg.endpoint not in self._attached:
             return proto.Refused(
                 msg.seq, msg.transfer_id, "not_attached", f"{msg.endpoint} has not attached"
@@ -328,7 +330,7 @@ class SharedStore:
         try:
             identity = KeyIdentity.decode(msg.identity)
         except ProtocolError as exc:
-            return proto.Refused(msg.seq, msg.transfer_id, "bad_request", str(exc))
+            return proto.Refused(msg.seq, msg.transfer_id, proto.Refusal.BAD_REQUEST, str(exc))
         hit = tier.lookup(
             msg.token_ids, hold=msg.transfer_id, lease_ms=msg.lease_ms, identity=identity
         )
@@ -415,7 +417,7 @@ class _SharedServer(TransferServer):
         if isinstance(msg, proto.Hello) and self.service.geometry is None:
             self.stats.refused += 1
             reason = "the shared store has no layout yet: an engine must Attach first"
-            return proto.Refused(msg.seq, "", "layout_mismatch", reason)
+            return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, reason)
         return super()._dispatch(identity, msg)
 
     def _step(self, poller: zmq.Poller, next_expire: float) -> float:

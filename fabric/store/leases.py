@@ -6,7 +6,7 @@ request_id -> lease and finds the ones whose deadline has passed; the
 functions ``open_lease``, ``write_slots``, ``fill_target``, ``settle_entry``,
 ``fail_entry`` and ``close_lease`` move a lease's slots through the
 :class:`~fabric.store.slots.SlotTable`.
-None of it is thread-safe: :class:`~fabric.store.index.ChunkStore` calls it
+None of it is thread-safe: :class:`~fabric.store.chunk_store.ChunkStore` calls it
 under its lock.
 
 Each key of a lease is one entry::

@@ -1,7 +1,7 @@
 """Value types of the chunk store: slot states, config, reservations, stats.
 
-They live apart from :mod:`fabric.store.index` so the bookkeeping modules can
-share them; ``fabric.store.index`` and ``fabric.store`` re-export all of them.
+They live apart from :mod:`fabric.store.chunk_store` so the bookkeeping modules can
+share them; ``fabric.store.chunk_store`` and ``fabric.store`` re-export all of them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ plus 5 s for a sender's scheduling and clock granularity."""
 
 
 class SlotState(enum.Enum):
-    """Where a slot is in its life cycle (diagram in :mod:`fabric.store.index`)."""
+    """Where a slot is in its life cycle (diagram in :mod:`fabric.store.chunk_store`)."""
 
     FREE = "free"
     RESERVED = "reserved"
@@ -39,7 +39,7 @@ class SlotState(enum.Enum):
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Configuration of one :class:`~fabric.store.index.ChunkStore`.
+    """Configuration of one :class:`~fabric.store.chunk_store.ChunkStore`.
 
     ``quarantine_ms`` is how long an expired, cancelled or corrupt reserved
     slot waits before it can be handed out again, so a late remote write

@@ -1,8 +1,8 @@
 """Per-slot bookkeeping of the chunk store: states, key index, LRU, free list.
 
-:class:`SlotTable` is not thread-safe: :class:`~fabric.store.index.ChunkStore`
+:class:`SlotTable` is not thread-safe: :class:`~fabric.store.chunk_store.ChunkStore`
 calls it only while holding its lock. It enforces the slot state machine drawn
-in :mod:`fabric.store.index` and keeps four structures consistent:
+in :mod:`fabric.store.chunk_store` and keeps four structures consistent:
 
 - ``index``: key -> slot, for FILLED and PINNED slots only (a key counts as
   present only once its bytes are verified);

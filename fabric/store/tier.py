@@ -74,8 +74,8 @@ from fabric.kv.identity import BASE, KeyIdentity
 from fabric.kv.keys import chunk_keys
 
 if TYPE_CHECKING:
+    from fabric.store.chunk_store import ChunkStore
     from fabric.store.disk import DiskTier
-    from fabric.store.index import ChunkStore
 
 logger = logging.getLogger(__name__)
 

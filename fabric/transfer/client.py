@@ -266,7 +266,7 @@ class PeerLink:
     def _handshake(self) -> proto.HelloAck:
         reply = self._call(self._hello())
         if isinstance(reply, proto.Refused):
-            if reply.code == "layout_mismatch":
+            if reply.code == proto.Refusal.LAYOUT_MISMATCH:
                 raise LayoutMismatch(f"{self.endpoint}: {reply.reason}")
             raise TransferError(f"{self.endpoint} refused the handshake: {reply.reason}")
         if not isinstance(reply, proto.HelloAck):
@@ -279,7 +279,7 @@ class PeerLink:
         same endpoint, or seeing a rebuilt socket) answers ``no_hello``; say
         Hello again and resend once."""
         reply = self._call(msg)
-        if isinstance(reply, proto.Refused) and reply.code == "no_hello":
+        if isinstance(reply, proto.Refused) and reply.code == proto.Refusal.NO_HELLO:
             self._adopt(self._handshake())
             reply = self._call(msg)
         return reply
@@ -819,7 +819,7 @@ def decode_reply(codec: proto.Codec, frame: bytes, endpoint: str) -> proto.Messa
 
 def raise_refused(reply: proto.Refused, endpoint: str) -> None:
     """Raise the error for a ``Refused`` the receiver could not tie to a request."""
-    if reply.code == "bad_signature":
+    if reply.code == proto.Refusal.BAD_SIGNATURE:
         cause = (
             "check that both hosts' clocks are in sync"
             if "not in sync" in reply.reason

@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 MAX_REASON_CHARS = 512
 # ``Refused.code`` of a request whose queue was full: a transient refusal
 # (ask again later), not a failure of the peer.
-BUSY = "busy"
+BUSY = proto.Refusal.BUSY
 # ``Refused.code`` of a request queued (or sent) while the server closes.
-CLOSING = "closing"
+CLOSING = proto.Refusal.CLOSING
 
 
 @dataclass(frozen=True)
@@ -216,4 +216,4 @@ class Offload:
         except Exception as exc:
             logger.exception("fabric server: offloaded work failed")
             reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
-            return proto.Refused(job.seq, "", "internal_error", reason)
+            return proto.Refused(job.seq, "", proto.Refusal.INTERNAL_ERROR, reason)

@@ -38,6 +38,7 @@ beyond it needs a secret or ``insecure``).
 
 from __future__ import annotations
 
+import enum
 import hmac
 import os
 import struct
@@ -127,8 +128,30 @@ class Reserved(msgspec.Struct, tag="reserved", array_like=True, frozen=True):
     lease_ms: LeaseMs
 
 
+class Refusal(enum.StrEnum):
+    """Why a request was refused: ``Refused.code`` (``reason`` says more, in words)."""
+
+    BAD_MESSAGE = "bad_message"  # a frame or message that cannot be accepted
+    BAD_SIGNATURE = "bad_signature"  # its HMAC tag is wrong, missing or unexpected
+    NO_HELLO = "no_hello"  # a data-plane request before Hello
+    LAYOUT_MISMATCH = "layout_mismatch"  # the two sides' KV layouts differ
+    TRANSPORT_MISMATCH = "transport_mismatch"  # the two sides' data planes differ
+    BAD_DESCRIPTOR = "bad_descriptor"  # a data-plane descriptor that does not load
+    BAD_REQUEST = "bad_request"  # a well-formed request that makes no sense
+    CAPACITY = "capacity"  # no free slot for a Reserve
+    DUPLICATE = "duplicate"  # a Reserve for a live reservation's transfer
+    RELEASED = "released"  # a Reserve for a transfer its consumer released
+    FAULT_INJECTED = "fault_injected"  # refused on purpose (fault injection)
+    NO_TIER = "no_tier"  # a tier call to an engine that keeps no reuse tier
+    UNBOUND = "unbound"  # a shared store no engine attached to yet
+    BUSY = "busy"  # its queue is full: nothing was done, ask again later
+    CLOSING = "closing"  # the server is closing
+    INTERNAL_ERROR = "internal_error"  # serving it raised
+
+
 class Refused(msgspec.Struct, tag="refused", array_like=True, frozen=True):
-    """A request the receiver will not serve; ``code`` is machine-readable."""
+    """A request the receiver will not serve; ``code`` is a :class:`Refusal`
+    (a plain string on the wire: a code a newer peer adds still decodes)."""
 
     seq: int
     request_id: RequestId

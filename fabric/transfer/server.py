@@ -458,7 +458,7 @@ class TransferServer:
     def _send_offloaded(self) -> None:
         for identity, reply in self._offload.take_done() + self._admin.take_done():
             if isinstance(reply, proto.Refused):
-                if reply.code == "internal_error":
+                if reply.code == proto.Refusal.INTERNAL_ERROR:
                     self.stats.internal_errors += 1
                 else:
                     self.stats.refused += 1
@@ -486,7 +486,9 @@ class TransferServer:
             if len(frames) != 2:
                 self.stats.protocol_errors += 1
                 reason = f"{len(frames) - 1} message parts, expected 1"
-                reply: proto.Message | None = proto.Refused(-1, "", "bad_message", reason)
+                reply: proto.Message | None = proto.Refused(
+                    -1, "", proto.Refusal.BAD_MESSAGE, reason
+                )
             else:
                 reply = self._handle(identity, frames[1])
             if reply is not None:  # NOTE: None: deferred, the loop replies when done
@@ -497,7 +499,7 @@ class TransferServer:
             frame = self.codec.encode(reply)
         except ProtocolError as exc:
             self.stats.internal_errors += 1
-            frame = self.codec.encode(proto.Refused(-1, "", "internal_error", str(exc)))
+            frame = self.codec.encode(proto.Refused(-1, "", proto.Refusal.INTERNAL_ERROR, str(exc)))
         try:
             self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer went away or its queue is full
@@ -509,20 +511,20 @@ class TransferServer:
         except SignatureError as exc:
             self.stats.bad_signatures += 1
             self._warn("bad_signature", "refused control frame: %s", exc)
-            return proto.Refused(-1, "", "bad_signature", str(exc))
+            return proto.Refused(-1, "", proto.Refusal.BAD_SIGNATURE, str(exc))
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
             if len(frame) > self.codec.max_bytes:
                 self.stats.oversized += 1
             self._warn("bad_message", "refused control frame: %s", exc)
-            return proto.Refused(-1, "", "bad_message", str(exc)[:MAX_REASON_CHARS])
+            return proto.Refused(-1, "", proto.Refusal.BAD_MESSAGE, str(exc)[:MAX_REASON_CHARS])
         try:
             return self._dispatch(identity, msg)
         except Exception as exc:
             self.stats.internal_errors += 1
             logger.exception("fabric server failed on %s", type(msg).__name__)
             reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
-            return proto.Refused(getattr(msg, "seq", -1), "", "internal_error", reason)
+            return proto.Refused(getattr(msg, "seq", -1), "", proto.Refusal.INTERNAL_ERROR, reason)
 
     def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message | None:
         """The reply to ``msg``; None when it was deferred (see ``defer``)."""
@@ -536,7 +538,9 @@ class TransferServer:
             return self._on_prefill_state(msg)
         if identity not in self._peers:
             self.stats.refused += 1
-            return proto.Refused(getattr(msg, "seq", -1), "", "no_hello", "send Hello first")
+            return proto.Refused(
+                getattr(msg, "seq", -1), "", proto.Refusal.NO_HELLO, "send Hello first"
+            )
         self._peer_seen[identity] = time.monotonic()
         if isinstance(msg, proto.Reserve):
             return self._on_reserve(msg)
@@ -548,22 +552,24 @@ class TransferServer:
             ok = self.store.heartbeat(msg.request_id, msg.lease_ms)
             return proto.Ack(msg.seq, msg.request_id, ok)
         self.stats.protocol_errors += 1
-        return proto.Refused(getattr(msg, "seq", -1), "", "bad_message", "unexpected message")
+        return proto.Refused(
+            getattr(msg, "seq", -1), "", proto.Refusal.BAD_MESSAGE, "unexpected message"
+        )
 
     def _on_hello(self, identity: bytes, msg: proto.Hello) -> proto.Message:
         if msg.fingerprint != self.fingerprint:
             self.stats.refused += 1
             reason = f"KV layout fingerprint {msg.fingerprint} != receiver's {self.fingerprint}"
-            return proto.Refused(msg.seq, "", "layout_mismatch", reason)
+            return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, reason)
         if msg.transport != self.plane.kind:
             self.stats.refused += 1
             reason = f"sender uses {msg.transport}, receiver {self.plane.kind}"
-            return proto.Refused(msg.seq, "", "transport_mismatch", reason)
+            return proto.Refused(msg.seq, "", proto.Refusal.TRANSPORT_MISMATCH, reason)
         try:
             self.plane.add_peer(msg.data_descriptor)
         except Exception as exc:
             self.stats.refused += 1
-            return proto.Refused(msg.seq, "", "bad_descriptor", str(exc))
+            return proto.Refused(msg.seq, "", proto.Refusal.BAD_DESCRIPTOR, str(exc))
         self._peers[identity] = msg.agent_name
         self._peer_seen[identity] = time.monotonic()
         self.stats.hellos += 1
@@ -580,10 +586,10 @@ class TransferServer:
 
     def _on_reserve(self, msg: proto.Reserve) -> proto.Message:
         if len(msg.keys) != len(msg.nbytes) or not msg.keys:
-            return self._refuse_reserve(msg, "bad_request", "keys/nbytes mismatch")
+            return self._refuse_reserve(msg, proto.Refusal.BAD_REQUEST, "keys/nbytes mismatch")
         if self.faults is not None and self.faults.roll("refuse"):
             self.stats.faults_injected += 1
-            return self._refuse_reserve(msg, "fault_injected", "refused on purpose")
+            return self._refuse_reserve(msg, proto.Refusal.FAULT_INJECTED, "refused on purpose")
         with self._cond:
             abandoned = msg.request_id in self._abandoned
         if abandoned:
@@ -591,11 +597,11 @@ class TransferServer:
         try:
             res = self.store.reserve(msg.request_id, msg.keys, msg.nbytes, msg.lease_ms)
         except CapacityError as exc:
-            return self._refuse_reserve(msg, "capacity", str(exc))
+            return self._refuse_reserve(msg, proto.Refusal.CAPACITY, str(exc))
         except SlotStateError as exc:
-            return self._refuse_reserve(msg, "duplicate", str(exc))
+            return self._refuse_reserve(msg, proto.Refusal.DUPLICATE, str(exc))
         except ValueError as exc:
-            return self._refuse_reserve(msg, "bad_request", str(exc))
+            return self._refuse_reserve(msg, proto.Refusal.BAD_REQUEST, str(exc))
         expected = frozenset(i for i, hit in enumerate(res.already_present) if not hit)
         with self._cond:
             # NOTE: the consumer may have released it since the check above
@@ -635,7 +641,7 @@ class TransferServer:
         self.stats.refused += 1
         self.stats.reserves_late += 1
         reason = "its load already ended (it stopped waiting, or its request ended)"
-        return proto.Refused(msg.seq, msg.request_id, "released", reason)
+        return proto.Refused(msg.seq, msg.request_id, proto.Refusal.RELEASED, reason)
 
     def _on_prefill_state(self, msg: proto.PrefillState) -> proto.Message:
         """Record the proxy's word on the prefills of ``msg.request_ids``
@@ -644,7 +650,7 @@ class TransferServer:
         if msg.state not in proto.PREFILL_STATES:
             self.stats.refused += 1
             reason = f"prefill state {msg.state[:64]!r} is not one of {proto.PREFILL_STATES}"
-            return proto.Refused(msg.seq, "", "bad_request", reason)
+            return proto.Refused(msg.seq, "", proto.Refusal.BAD_REQUEST, reason)
         now = time.monotonic()
         until = now + min(msg.ttl_ms / 1000, MAX_RUNNING_S)
         note = PrefillNote(msg.state, now, until, msg.reason[:MAX_REASON_CHARS])
@@ -725,7 +731,9 @@ class TransferServer:
         tier = self.tier
         if tier is None:
             self.stats.refused += 1
-            return proto.Refused(msg.seq, "", "no_tier", "this engine keeps no reuse tier")
+            return proto.Refused(
+                msg.seq, "", proto.Refusal.NO_TIER, "this engine keeps no reuse tier"
+            )
         if isinstance(msg, proto.Lookup):
             self.stats.lookups += 1
         if not blocks(tier, msg):
@@ -755,7 +763,7 @@ class TransferServer:
             self.stats.internal_errors += 1
             logger.exception("fabric server failed on %s asked in process", type(msg).__name__)
             reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
-            return proto.Refused(msg.seq, "", "internal_error", reason)
+            return proto.Refused(msg.seq, "", proto.Refusal.INTERNAL_ERROR, reason)
 
     def _on_notif(self, peer: str, frame: bytes) -> None:
         try:

@@ -15,7 +15,7 @@ endpoint, one call at a time per client, every call bounded by
     # every TP rank at once, one deadline for all:
     results = lookup_all(clients, token_ids, hold="req-1", timeout_ms=50)
 
-A shared store (:mod:`fabric.store.service`) answers the same calls plus
+A shared store (:mod:`fabric.shared_store.service`) answers the same calls plus
 ``attach`` (an engine states its chunk geometry) and ``fetch`` (push a
 prompt's held chunks into the engine's store).
 
@@ -525,7 +525,7 @@ def _seq(msg: proto.Message) -> int:
 
 def refusal_error(reply: proto.Refused, endpoint: str) -> FabricError:
     """The error a refusal from ``endpoint`` stands for (:class:`PeerBusy`: ask again)."""
-    if reply.code == "layout_mismatch":
+    if reply.code == proto.Refusal.LAYOUT_MISMATCH:
         return LayoutMismatch(f"{endpoint}: {reply.reason}")
     if reply.code == BUSY:
         return PeerBusy(f"{endpoint} refused: {reply.code}: {reply.reason}")

@@ -88,4 +88,4 @@ def tier_reply(tier: TieredStore, msg: TierRequest) -> proto.Message:
         identity = KeyIdentity.decode(msg.identity)
         return proto.Done(msg.seq, tier.pin(msg.token_ids, pin=msg.pin, identity=identity))
     except (ValueError, FabricError) as exc:
-        return proto.Refused(msg.seq, "", "bad_request", str(exc))
+        return proto.Refused(msg.seq, "", proto.Refusal.BAD_REQUEST, str(exc))

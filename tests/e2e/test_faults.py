@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from fabric.launch.process import free_port
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 from tests.e2e._engines import Engine, EngineFactory
 from tests.e2e._pd import Proxy, assert_same, body, complete, kv_config, metric, prompt_ids
 

@@ -36,7 +36,7 @@ import pytest
 
 from fabric.launch.process import free_port
 from fabric.models import make_tiny_model
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 from tests.e2e._engines import Engine, EngineFactory
 from tests.e2e._pd import (
     CHUNK_TOKENS,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fabric.launch.process import ManagedProcess, free_port
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 from tests.e2e._engines import Engine, EngineFactory
 from tests.e2e._pd import CHUNK_TOKENS, assert_same, body, complete, kv_config, metric, prompt_ids
 

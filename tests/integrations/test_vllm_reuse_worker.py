@@ -19,7 +19,7 @@ from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChu
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.transfer import protocol as proto
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 from tests.integrations.test_vllm_worker import BS, CT, caches
 
 CB = CT // BS  # blocks per chunk
@@ -225,7 +225,7 @@ def test_stats_aggregate_counters_and_latency_samples() -> None:
 
 
 def test_endpoint_file_lets_the_scheduler_find_a_free_port_and_goes_away(tmp_path: Path) -> None:
-    from fabric.integrations.vllm.worker import endpoint_file
+    from fabric.integrations.vllm.config import endpoint_file
 
     w = make(None, seed=9)
     path = endpoint_file("e9", 0)

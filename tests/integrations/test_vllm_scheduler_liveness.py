@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from fabric.integrations.vllm import tier_client as tier_module
-from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.config import ConnectorConfig, endpoint_file
 from fabric.integrations.vllm.counters import TABLES_KEY, FabricCounters
 from fabric.integrations.vllm.metadata import FabricMetadata
 from fabric.integrations.vllm.scheduler import FabricScheduler
@@ -39,14 +39,13 @@ from fabric.integrations.vllm.tier_client import (
     WaitGauge,
     WorkerTierClient,
 )
-from fabric.integrations.vllm.worker import endpoint_file
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.launch.process import free_port
-from fabric.transfer.lookup import SOCKET_HWM, write_endpoint
+from fabric.transfer.store_client import SOCKET_HWM, write_endpoint
 from tests.integrations.test_vllm_reuse_scheduler import Clock, FakeTier
 from tests.integrations.test_vllm_scheduler import BS, CT, Cached, NewReq, Out, Req
 from tests.integrations.test_vllm_shared_store import FakeShared
-from tests.transfer.test_lookup import FakeRank
+from tests.transfer.test_store_client import FakeRank
 
 TOKENS = list(range(4 * CT))
 PROMPT = [*TOKENS, 7]  # 4 full chunks usable (vLLM computes the last token)

@@ -20,7 +20,7 @@ from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import SharedTierClient, WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.kv.identity import KeyIdentity
-from fabric.store.service import ServiceConfig, SharedStore
+from fabric.shared_store.service import ServiceConfig, SharedStore
 from tests.integrations.test_vllm_reuse_scheduler import FakeTier
 from tests.integrations.test_vllm_reuse_worker import TOKENS, make, save_prompt
 from tests.integrations.test_vllm_scheduler import BS, CT, Cached, NewReq, Out, Req

@@ -61,3 +61,11 @@ def test_stats_aggregate_keeps_the_latest_sizes_and_prometheus_shows_their_sum()
     assert value("vllm:fabric_table_entries", labels | {"table": "loader_active"}) == 2
     assert value("vllm:fabric_scheduler_hold_seconds_count", labels) == 2
     assert value("vllm:fabric_chunks_loaded_total", labels) == 1
+
+
+def test_a_misspelt_counter_is_refused_not_silently_kept() -> None:
+    counters = FabricCounters()
+    counters.add(chunks_sent=1)
+    with pytest.raises(ValueError, match="chunk_sent"):
+        counters.add(chunk_sent=1)
+    assert counters.take()["chunks_sent"] == 1

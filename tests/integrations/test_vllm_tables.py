@@ -25,7 +25,7 @@ from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChun
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.transfer import server as server_module
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 from tests.integrations.test_vllm_worker import CT, leased_pair, worker
 
 LEASE_MS = 1000

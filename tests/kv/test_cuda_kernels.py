@@ -22,7 +22,8 @@ import torch
 from fabric.kv import KVLayout, LayoutKind, pack, unpack
 from fabric.kv import cuda as kv_cuda
 from fabric.kv.cuda import CudaKernels, choose_implementation, kernels_for, launch_table
-from fabric.kv.pack import TorchIndexKernels, segment_views
+from fabric.kv.kernels import TorchIndexKernels
+from fabric.kv.pack import segment_views
 
 pack_mod = importlib.import_module("fabric.kv.pack")  # fabric.kv.pack is also a function
 REPO = Path(__file__).resolve().parents[2]

@@ -262,7 +262,7 @@ def test_up_starts_the_shared_store_first_and_stops_it_last(
     endpoint = run.wait_line(r"shared store serving on (tcp://\S+)").group(1)
     run.wait_line(r"proxy serving at")
     state = run.state()
-    from fabric.transfer.lookup import StoreClient
+    from fabric.transfer.store_client import StoreClient
 
     with StoreClient(endpoint) as client:
         stats = client.stats()

@@ -10,7 +10,7 @@ import pytest
 
 from fabric.cli import main
 from fabric.launch.status import DEFAULT_URL, proxy_url, render_plain
-from fabric.store.service import ServiceConfig, SharedStore
+from fabric.shared_store.service import ServiceConfig, SharedStore
 
 from .conftest import StartEngine, StartProxy
 from .servers import Proxy, ServerThread, dead_url, topology

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from fabric.errors import LayoutMismatch, PeerUnreachable, TransferError
+from fabric.shared_store.service import MAX_SLOTS, ServiceConfig, SharedStore
 from fabric.store import ChunkStore, StoreConfig
-from fabric.store.service import MAX_SLOTS, ServiceConfig, SharedStore
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
-from fabric.transfer.lookup import StoreClient
 from fabric.transfer.nixl_plane import nixl_available
+from fabric.transfer.store_client import StoreClient
 
 FINGERPRINT = "fp-service-test"
 CHUNK_TOKENS = 4

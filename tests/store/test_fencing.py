@@ -6,7 +6,7 @@ import pytest
 
 from fabric.errors import CapacityError, ReservationExpired, SlotStateError
 from fabric.store import ChunkDigest, ChunkStore, SlotState, StoreConfig
-from fabric.store import index as store_index
+from fabric.store import chunk_store as store_index
 from fabric.store.records import DEFAULT_QUARANTINE_MS
 from fabric.transfer import TransferConfig
 

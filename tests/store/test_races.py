@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-import fabric.store.index as index_module
+import fabric.store.chunk_store as index_module
 from fabric.errors import ReservationExpired, SlotStateError
 from fabric.store import ChunkStore, SlotState, checksum
 

@@ -20,7 +20,7 @@ import pytest
 
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
-from fabric.store.service import ServiceConfig
+from fabric.shared_store.service import ServiceConfig
 from fabric.transfer import TransferConfig
 from fabric.transfer.addresses import advertised_host, interface_address, is_wildcard
 from fabric.transfer.nixl_plane import nixl_available

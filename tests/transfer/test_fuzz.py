@@ -26,7 +26,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode, TransferServer
 from fabric.transfer import protocol as proto
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 
 from .patterns import FINGERPRINT, chunk_bytes, chunk_key
 

@@ -25,7 +25,7 @@ from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
 from fabric.transfer.dataplane import WriteFence, XferState
-from fabric.transfer.lookup import StoreClient
+from fabric.transfer.store_client import StoreClient
 from fabric.transfer.tcp_plane import TcpDataPlane, TcpDescriptor, TcpWrite
 
 from .patterns import FINGERPRINT, fill_store

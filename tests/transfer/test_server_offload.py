@@ -31,8 +31,8 @@ from fabric.transfer import TransferConfig, TransferNode, TransferServer
 from fabric.transfer import protocol as proto
 from fabric.transfer.config import open_data_plane
 from fabric.transfer.dataplane import DataPlane
-from fabric.transfer.lookup import StoreClient
 from fabric.transfer.offload import Offload
+from fabric.transfer.store_client import StoreClient
 from tests.store.parked import ParkedReads
 
 from .patterns import FINGERPRINT

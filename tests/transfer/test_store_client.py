@@ -19,7 +19,7 @@ import zmq
 from fabric.errors import PeerUnreachable, SignatureError, TransferError
 from fabric.launch.process import free_port
 from fabric.transfer import protocol as proto
-from fabric.transfer.lookup import (
+from fabric.transfer.store_client import (
     SOCKET_HWM,
     NoConnection,
     PeerBusy,

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from fabric.errors import ConfigError
 from fabric.transfer.addresses import advertised_host, check_exposure
 from fabric.transfer.faults import FaultConfig
-from fabric.transfer.lookup import resolve_endpoint
+from fabric.transfer.store_client import resolve_endpoint
 
 
 @dataclass(frozen=True)
@@ -219,3 +221,10 @@ _BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True} | {
     "off": False,
     "0": False,
 }
+
+
+def endpoint_file(engine_id: str, rank: int) -> Path:
+    """Where a worker whose ``kv_port`` is 0 (a free port) leaves its control
+    endpoint for the scheduler of the same engine (another process)."""
+    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64]
+    return Path(tempfile.gettempdir()) / f"fabric-{safe}-tp{rank}.endpoint"

@@ -126,6 +126,11 @@ class FabricCounters:
                 self._tables_changed = True
 
     def add(self, **deltas: int) -> None:
+        """Add to counters named in :data:`COUNTERS`; another name is a bug
+        (ValueError: a misspelt counter would never be exported)."""
+        unknown = deltas.keys() - COUNTERS.keys()
+        if unknown:
+            raise ValueError(f"not fabric counters: {', '.join(sorted(unknown))}")
         with self._lock:
             for name, delta in deltas.items():
                 value = self._counts.get(name, 0)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from fabric.errors import LayoutMismatch, TransferError
 from fabric.integrations.vllm.sender import SHARED_STORE_COUNTERS, PushJob, PushSender
-from fabric.transfer.lookup import DEFAULT_TIMEOUT_MS, StoreClient
+from fabric.transfer.store_client import DEFAULT_TIMEOUT_MS, StoreClient
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.config import ConnectorConfig

@@ -35,7 +35,7 @@ the endpoint the worker wrote to a file named after the engine id) how many
 leading full chunks of a prompt it holds, holding them for the request. All
 ranks are asked at once; the smallest hit wins: a rank that holds less
 limits what every rank can load. Answers are matched to their request by
-sequence number (:meth:`~fabric.transfer.lookup.StoreClient.post`).
+sequence number (:meth:`~fabric.transfer.store_client.StoreClient.post`).
 Where the worker lives in the scheduler's process (TP 1 on a GPU) and
 keeps no disk tier, a lookup is answered on the scheduler's thread at its
 first ask (:meth:`WorkerTierClient._ask_here`): nothing above applies to
@@ -86,12 +86,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fabric.errors import FabricError, ProtocolError, TransferError
-from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.config import ConnectorConfig, endpoint_file
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.transfer import protocol as proto
 from fabric.transfer.addresses import local_host
-from fabric.transfer.lookup import (
+from fabric.transfer.store_client import (
     NoConnection,
     PeerBusy,
     ReplyTimeout,
@@ -599,8 +599,6 @@ class WorkerTierClient:
             return [f"tcp://{host}:{c.kv_port + rank}" for rank in range(self.tp_size)]
         if self.engine_id is None:
             return None
-        from fabric.integrations.vllm.worker import endpoint_file
-
         endpoints = []
         for rank in range(self.tp_size):
             endpoint = resolve_endpoint(str(endpoint_file(self.engine_id, rank)))

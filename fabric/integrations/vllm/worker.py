@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -99,6 +98,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fabric.errors import CapacityError, ChecksumMismatch, ConfigError
+from fabric.integrations.vllm.config import endpoint_file
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.layered import LayeredSaves
 from fabric.integrations.vllm.loader import Loader, unpack_slot
@@ -109,7 +109,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
 from fabric.store.tier import TieredStore
 from fabric.transfer import TransferConfig, TransferNode, default_agent_name
-from fabric.transfer.lookup import write_endpoint
+from fabric.transfer.store_client import write_endpoint
 
 if TYPE_CHECKING:
     import torch
@@ -141,13 +141,6 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     if not sep or not port.isdigit() or not 0 < int(port) + rank < 65536:
         raise ConfigError(f"decode_kv_endpoint {endpoint!r}: no port to offset for TP rank {rank}")
     return f"{head}:{int(port) + rank}"
-
-
-def endpoint_file(engine_id: str, rank: int) -> Path:
-    """Where a worker whose ``kv_port`` is 0 (a free port) leaves its control
-    endpoint for the scheduler of the same engine (another process)."""
-    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64]
-    return Path(tempfile.gettempdir()) / f"fabric-{safe}-tp{rank}.endpoint"
 
 
 class FabricWorker:
