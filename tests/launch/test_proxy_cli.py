@@ -32,16 +32,7 @@ def test_proxy_serves_running_engines_until_sigterm(
     tmp_path: Path, engines: tuple[FakeEngine, FakeEngine]
 ) -> None:
     p, d = engines
-    config = {"prefill": [{"url": p.url}], "decode": [{"url": d.url, "kv_port": free_port()}]}
-    path = tmp_path / "running.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fabric.cli", "proxy", str(path), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc, port = _start_proxy(tmp_path, p, d)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -106,17 +97,7 @@ def test_an_idle_client_connection_is_kept_past_a_clients_5_s_expiry(
     expiry (httpx: 5 s) must not find it closed under its request: with the
     server's own 5 s (uvicorn's default) the close races the request and the
     client reads a reset (seen in a soak as a request without an answer)."""
-    p, d = engines
-    config = {"prefill": [{"url": p.url}], "decode": [{"url": d.url, "kv_port": free_port()}]}
-    path = tmp_path / "running.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fabric.cli", "proxy", str(path), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc, port = _start_proxy(tmp_path, *engines)
     request = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\nConnection: keep-alive\r\n\r\n"
     try:
         assert proc.stdout is not None
@@ -164,3 +145,18 @@ def test_fabric_ups_proxy_keeps_client_connections_as_long_as_fabric_proxy() -> 
 
     config = _config(lambda scope, receive, send: None)  # type: ignore[arg-type]
     assert config.timeout_keep_alive == CLIENT_KEEPALIVE_S > 15
+
+
+def _start_proxy(tmp_path: Path, p: FakeEngine, d: FakeEngine) -> tuple[subprocess.Popen[str], int]:
+    """``fabric proxy`` in front of ``p`` and ``d`` on a free port (stdout piped)."""
+    config = {"prefill": [{"url": p.url}], "decode": [{"url": d.url, "kv_port": free_port()}]}
+    path = tmp_path / "running.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric.cli", "proxy", str(path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    return proc, port
