@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ def engine(
 
 
 def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
-    engine: tuple[ManagedProcess, str, Path],
+    engine: tuple[ManagedProcess, str, Path], tmp_path: Path
 ) -> None:
     process, url, drain_file = engine
     body = {
@@ -73,22 +73,21 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    first = threading.Event()
-    streamed: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(_stream, url, body, first, streamed)
-        assert first.wait(120), "the stream never started"
+    out = tmp_path / "stream.txt"
+    reader = _start_stream(f"{url}/v1/completions", body, out)
+    try:
+        assert _wait_streaming(out, reader, 120), "the stream never started"
 
         os.kill(process.pid, signal.SIGTERM)
-        at_sigterm = len(streamed)
+        at_sigterm = len(_chunks(out))
         try:
             health = _until_not_200(f"{url}/health")
         except httpx.TransportError as exc:
             # NOTE: seen once in CI (connection refused): say what the engine did.
             raise AssertionError(
                 f"health poll after SIGTERM: {exc!r}; {at_sigterm} chunks streamed at SIGTERM, "
-                f"{len(streamed)} now, stream done: {stream.done()}, engine alive: "
-                f"{process.alive()}; last chunk: {streamed[-1:]}\n{process.log_tail()}"
+                f"{len(_chunks(out))} now, stream done: {reader.poll() is not None}, engine "
+                f"alive: {process.alive()}\n{process.log_tail()}"
             ) from exc
         asked = time.monotonic()
         try:
@@ -101,10 +100,16 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
             # NOTE: seen once here (connection reset): say what the engine did.
             raise AssertionError(
                 f"new work after SIGTERM: {exc!r} after {time.monotonic() - asked:.1f} s; "
-                f"{at_sigterm} chunks streamed at SIGTERM, {len(streamed)} now, stream done: "
-                f"{stream.done()}, engine alive: {process.alive()}\n{process.log_tail()}"
+                f"{at_sigterm} chunks streamed at SIGTERM, {len(_chunks(out))} now, stream "
+                f"done: {reader.poll() is not None}, engine alive: {process.alive()}\n"
+                f"{process.log_tail()}"
             ) from exc
-        chunks = stream.result(timeout=300)
+        assert reader.wait(300) == 0, out.read_text()[-2000:]
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    chunks = _chunks(out)
     status = process.wait(120)
 
     assert health == 503
@@ -117,15 +122,52 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
     assert "fabric: drained; stopping" in process.log_path.read_text()
 
 
-def _stream(
-    url: str, body: dict[str, object], first: threading.Event, chunks: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
-        assert response.status_code == 200, response.read()
+# NOTE: the stream is read in a process of its own. Read by a thread of this
+# process, its reader held the GIL so much (a chunk every ~2 ms, both cores
+# busy with the engine) that the health poll after SIGTERM waited 2-19 s for
+# it (curl, timed, got its 503 in 6 ms), and when the engine had drained and
+# stopped before that, the poll met a closed port (the CI failure).
+_READER = """
+import json, sys
+import httpx
+with open(sys.argv[3], "w") as out:
+    with httpx.stream("POST", sys.argv[1], json=json.loads(sys.argv[2]), timeout=300) as response:
+        out.write(f"status: {response.status_code}\\n")
+        out.flush()
         for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+            out.write(line + "\\n")
+            out.flush()
+"""
+
+
+def _start_stream(url: str, body: dict[str, object], out: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", _READER, url, json.dumps(body), str(out)])
+
+
+def _wait_streaming(out: Path, reader: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Until the reader has written a first chunk (True), exited, or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and reader.poll() is None:
+        if _chunks(out):
+            return True
+        time.sleep(0.02)
+    return bool(_chunks(out))
+
+
+def _chunks(out: Path) -> list[dict[str, Any]]:
+    """The stream's JSON chunks so far (its answer must be a 200)."""
+    if not out.exists():
+        return []
+    lines = out.read_text().splitlines()
+    if lines and lines[0].startswith("status: "):
+        assert lines[0] == "status: 200", lines[:5]
+    chunks = []
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            try:
                 chunks.append(json.loads(line.removeprefix("data: ")))
-                first.set()
+            except json.JSONDecodeError:  # the last line, half written
+                break
     return chunks
 
 
@@ -134,5 +176,5 @@ def _until_not_200(url: str) -> int:
         status = httpx.get(url, timeout=10).status_code
         if status != 200:
             return status
-        threading.Event().wait(0.05)
+        time.sleep(0.05)
     raise AssertionError(f"{url} kept answering 200")
