@@ -1,6 +1,4 @@
-"""``fabric`` command line: ``fabric bench transfer|serve ...``, ``fabric model tiny DIR``,
-``fabric model lora DIR --model MODEL_DIR``, ``fabric up CONFIG``, ``fabric proxy CONFIG``,
-``fabric status``, ``fabric store serve``, ``fabric k8s CONFIG``, ``version``."""
+"""The ``fabric`` command line (its help, :data:`DESCRIPTION`, is plain text)."""
 
 from __future__ import annotations
 
@@ -14,9 +12,45 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
+DESCRIPTION = """\
+fabric: disaggregated prefill/decode for vLLM. Start a topology with
+fabric up CONFIG, send OpenAI requests to its proxy, watch it with fabric
+status; fabric COMMAND --help says more.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="fabric", description=__doc__)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command == "version":
+        from fabric import __version__
+
+        print(__version__)
+    elif ns.command == "bench":
+        return _bench(ns.what, ns.rest)
+    elif ns.command == "model":
+        if ns.kind == "lora" and not ns.model:
+            parser.error("fabric model lora: --model MODEL_DIR is required")
+        print(_model(ns))
+    elif ns.command == "status":
+        from fabric.launch.status import main as status_main
+
+        return status_main(ns.url, ns.workdir)
+    elif ns.command in ("up", "proxy"):
+        return _serve(ns)
+    elif ns.command == "store":
+        return _store(ns)
+    elif ns.command == "k8s":
+        return _k8s(ns)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fabric`` argument parser, every subcommand included."""
+    parser = argparse.ArgumentParser(
+        prog="fabric", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the fabric version")
     bench = sub.add_parser(
@@ -45,28 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="a running proxy's engines and counters")
     status.add_argument("--url", help="proxy URL (default: WORKDIR/run/up.json, else :8000)")
     status.add_argument("--workdir", default="work", help="fabric up's workdir (default: work)")
-    ns = parser.parse_args(argv)
-    if ns.command == "version":
-        from fabric import __version__
-
-        print(__version__)
-    elif ns.command == "bench":
-        return _bench(ns.what, ns.rest)
-    elif ns.command == "model":
-        if ns.kind == "lora" and not ns.model:
-            parser.error("fabric model lora: --model MODEL_DIR is required")
-        print(_model(ns))
-    elif ns.command == "status":
-        from fabric.launch.status import main as status_main
-
-        return status_main(ns.url, ns.workdir)
-    elif ns.command in ("up", "proxy"):
-        return _serve(ns)
-    elif ns.command == "store":
-        return _store(ns)
-    elif ns.command == "k8s":
-        return _k8s(ns)
-    return 0
+    return parser
 
 
 def _model(ns: argparse.Namespace) -> Path:

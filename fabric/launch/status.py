@@ -1,10 +1,11 @@
 """``fabric status [--url URL]``: a running proxy's ``/fabric/status`` as a table.
 
 The proxy URL is ``--url``, else the ``proxy_url`` in ``WORKDIR/run/up.json``
-(written by ``fabric up``), else ``http://127.0.0.1:8000``. Tables are drawn
-with rich when it is installed, as plain text otherwise.
+(written by ``fabric up``), else ``http://127.0.0.1:8000``. The tables are
+plain text fitted to the terminal's width (80 columns when it is unknown).
 
-Engines: ``healthy`` and ``outstanding`` are the proxy's view; ``state``
+Engines: ``healthy`` and ``outstanding`` (``busy``: requests the proxy has
+in flight to it) are the proxy's view; ``state``
 (``starting``, ``up``, ``down``, ``draining``, ``stopped``), ``restarts``
 and ``pid`` are shown when ``up.json`` describes the proxy asked (what
 ``fabric up``'s supervisor recorded). The ``store`` column is empty for an
@@ -14,7 +15,9 @@ engine that is not healthy: its last numbers would be stale.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,19 @@ import httpx
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENGINE_COLUMNS = ("name", "role", "url", "healthy", "outstanding", "store", "error")
 SUPERVISED_KEYS = ("state", "restarts", "pid")  # columns after healthy, from up.json
+ROW_COLUMNS = {
+    "name": "name",
+    "role": "role",
+    "healthy": "healthy",
+    "state": "state",
+    "restarts": "restarts",
+    "pid": "pid",
+    "outstanding": "busy",
+}
+"""The engine columns drawn in its row, with their heading; the URL, the
+store and an error go on the line below."""
+DEFAULT_WIDTH = 80
+MIN_WIDTH = 40
 
 
 def proxy_url(url: str | None, workdir: str | Path) -> str:
@@ -105,34 +121,68 @@ def engine_columns(status: dict[str, Any]) -> list[str]:
     return columns
 
 
-def render_plain(status: dict[str, Any]) -> str:
-    """The tables as aligned plain text."""
-    out = []
+def render_plain(status: dict[str, Any], width: int = DEFAULT_WIDTH) -> str:
+    """The tables as plain text no wider than ``width`` columns (when names allow).
+
+    Engines: one row of the short columns each (:data:`ROW_COLUMNS`, those
+    of ``fabric up``'s record included), then an indented line with its URL,
+    store and error, wrapped at ``width``. Key/value tables (the shared
+    store, the proxy's counters) are laid out in as many pairs per line as fit.
+    """
+    parts = []
     for title, header, rows in tables(status):
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-        out.append("\n".join(line.rstrip() for line in lines))
-    return "\n\n".join(out)
+        if title == "engines":
+            parts.append(_engine_lines(header, rows, width))
+        else:
+            parts.append("\n".join([title, *_pairs(rows, width)]))
+    return "\n\n".join(parts)
 
 
 def print_status(status: dict[str, Any], url: str) -> None:
-    """Print the tables, with rich when installed."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(f"fabric proxy at {url}\n\n{render_plain(status)}")
-        return
-    console = Console()
-    console.print(f"fabric proxy at {url}")
-    for title, header, rows in tables(status):
-        table = Table(title=title, title_justify="left")
-        for column in header:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+    """Print the tables, fitted to the terminal's width."""
+    width = max(shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns, MIN_WIDTH)
+    print(f"fabric proxy at {url}\n\n{render_plain(status, width)}")
+
+
+def _engine_lines(header: list[str], rows: list[list[str]], width: int) -> str:
+    short = [i for i, column in enumerate(header) if column in ROW_COLUMNS]
+    shown = [[row[i] for i in short] for row in [header, *rows]]
+    shown[0] = [ROW_COLUMNS[h] for h in shown[0]]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(short))]
+    lines = ["engines"]
+    for n, cells in enumerate(shown):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        if n == 0:
+            continue
+        row = dict(zip(header, rows[n - 1], strict=True))
+        detail = [row["url"]] + ([f"store {row['store']}"] if row["store"] != "-" else [])
+        if row["error"] != "-":
+            detail.append(f"error: {row['error']}")
+        lines += textwrap.wrap(
+            "  ".join(detail),
+            width,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines)
+
+
+def _pairs(rows: list[list[str]], width: int) -> list[str]:
+    """``key  value`` pairs, as many side by side as fit ``width``, column-major."""
+    if not rows:
+        return []
+    key_w = max(len(k) for k, _ in rows)
+    value_w = max(len(v) for _, v in rows)
+    cell = key_w + 2 + value_w
+    per_line = max(1, (width + 3) // (cell + 3))
+    height = -(-len(rows) // per_line)
+    lines = []
+    for r in range(height):
+        cells = [rows[i] for i in range(r, len(rows), height)]
+        text = "   ".join(f"{k.ljust(key_w)}  {v.ljust(value_w)}" for k, v in cells)
+        lines.append(text.rstrip())
+    return lines
 
 
 def main(url: str | None, workdir: str) -> int:

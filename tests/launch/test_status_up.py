@@ -39,12 +39,44 @@ def up_state() -> dict[str, Any]:
 def test_engines_show_their_supervised_state_and_a_down_one_no_store_numbers() -> None:
     text = render_plain(with_up_state(status(), up_state(), URL))
 
-    header, p_row, d_row = text.splitlines()[1:4]
-    assert header.split()[:7] == ["name", "role", "url", "healthy", "state", "restarts", "pid"]
-    assert p_row.split()[:7] == ["prefill-0", "prefill", "http://a", "yes", "up", "0", "11"]
-    assert d_row.split()[:7] == ["decode-0", "decode", "http://b", "no", "down", "3", "-"]
-    assert "12/512 chunks" in p_row and "chunks" not in d_row  # stale numbers left out
+    header, p_row, p_detail, d_row, d_detail = text.splitlines()[1:6]
+    assert header.split() == ["name", "role", "healthy", "state", "restarts", "pid", "busy"]
+    assert p_row.split() == ["prefill-0", "prefill", "yes", "up", "0", "11", "0"]
+    assert d_row.split() == ["decode-0", "decode", "no", "down", "3", "-", "0"]
+    assert p_detail.split()[0] == "http://a" and "12/512 chunks" in p_detail
+    assert d_detail.split()[0] == "http://b" and "chunks" not in d_detail  # stale: left out
+    assert "error: process exited with signal SIGKILL" in d_detail
     assert "restarts  1" in text and "attaches  2" in text  # the store's process and service
+
+
+def test_a_2p2d_status_fits_80_columns() -> None:
+    """Every line of a busy 2P2D status (supervised, disk tiers, an error, every
+    proxy counter) fits an 80-column terminal; long words wrap, none is cut."""
+    store = {"num_slots": 65536, "filled": 40000, "pinned": 12, "reserved": 310,
+             "disk_files": 123456, "disk_bytes": 17 * 2**30}  # fmt: skip
+    error = "ConnectError: [Errno 111] Connection refused while probing /health " * 2
+    engines = [
+        {"name": f"{role}-{i}", "role": role, "url": f"http://10.77.0.{i + 2}:81{i}0",
+         "healthy": i == 0, "outstanding": 31, "store": store, "error": None if i == 0 else error}
+        for role in ("prefill", "decode") for i in range(2)
+    ]  # fmt: skip
+    counters = {f"prefill_fallbacks_unreachable_{i}": 10**6 for i in range(40)}
+    status = {"engines": engines, "counters": counters, "in_flight": 64,
+              "policies": {"prefill": "least_outstanding", "decode": "cache_aware"},
+              "shared_store": {"endpoint": "tcp://10.77.0.9:7100", **store,
+                               "service_attaches": 4, "service_fetches": 10**6}}  # fmt: skip
+    supervised = {
+        "proxy_url": URL,
+        "engines": [{"name": e["name"], "pid": 123456, "state": "starting", "restarts": 12}
+                    for e in engines],
+        "store": {"pid": 99, "state": "up", "restarts": 0},
+    }  # fmt: skip
+
+    text = render_plain(with_up_state(status, supervised, URL), width=80)
+
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert text.count("Connection refused") == 4  # wrapped, not cut
+    assert "40012/65536 chunks, 310 reserved, disk 123456 (17.0 GiB)" in text.replace("\n    ", " ")
 
 
 def test_a_record_of_another_proxy_is_not_merged() -> None:
