@@ -12,8 +12,9 @@ from fabric.transfer.config import TransferConfig, open_data_plane
 from fabric.transfer.dataplane import DataPlane, LoopbackDataPlane, XferState
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.node import TransferNode, default_agent_name
-from fabric.transfer.progress import RequestProgress, ServerStats
+from fabric.transfer.progress import RequestProgress
 from fabric.transfer.server import TransferServer
+from fabric.transfer.server_stats import ServerStats
 
 __all__ = [
     "DataPlane",

@@ -33,7 +33,7 @@ from fabric.transfer.dataplane import WriteFence, WriteGuard, WriteTicket
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
     from fabric.transfer.dataplane import DataPlane
-    from fabric.transfer.progress import ServerStats
+    from fabric.transfer.server_stats import ServerStats
 
 logger = logging.getLogger(__name__)
 

@@ -105,7 +105,8 @@ from fabric.transfer.addresses import bind_host, warn_if_insecure
 from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
 from fabric.transfer.offload import BUSY, CLOSING, Offload
-from fabric.transfer.progress import PrefillNote, RequestProgress, ServerStats
+from fabric.transfer.progress import PrefillNote, RequestProgress
+from fabric.transfer.server_stats import ServerStats
 from fabric.transfer.tier_requests import (
     TierRequest,
     blocks,

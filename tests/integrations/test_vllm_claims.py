@@ -24,8 +24,8 @@ import torch
 
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import Claim, FabricMetadata, LoadPlan, SaveChunk, SendPlan
-from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.kv.spans import chunk_block_counts
 from fabric.transfer import server as server_module
 
 from . import test_vllm_tables

@@ -9,7 +9,8 @@ import pytest
 
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
-from fabric.integrations.vllm.scheduler import FabricScheduler, chunk_block_counts
+from fabric.integrations.vllm.scheduler import FabricScheduler
+from fabric.kv.spans import chunk_block_counts
 
 BS = 16  # vLLM block size
 CT = 64  # chunk tokens: 4 blocks per chunk

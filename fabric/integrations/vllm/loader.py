@@ -93,8 +93,8 @@ from typing import TYPE_CHECKING
 
 from fabric.errors import ChecksumMismatch
 from fabric.integrations.vllm.metadata import Claim, LoadPlan
-from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.kv import chunk_keys, unpack
+from fabric.kv.spans import ChunkSpan, chunk_block_counts, chunk_spans
 
 if TYPE_CHECKING:
     import torch
@@ -116,14 +116,12 @@ def unpack_slot(
     slot: int,
     kv_caches: list[torch.Tensor],
     layout: KVLayout,
-    targets: list[int],
-    chunk_blocks: int,
-    first: int,
+    span: ChunkSpan,
     key: bytes,
 ) -> None:
-    """Unpack the chunk ``key`` in ``slot`` into ``targets``, verifying its
-    checksum in the same pass; ChecksumMismatch when it does not, or when the
-    slot holds another key (the targets then hold garbage: the caller has
+    """Unpack the chunk ``key`` in ``slot`` into ``span``'s targets, verifying
+    its checksum in the same pass; ChecksumMismatch when it does not, or when
+    the slot holds another key (the targets then hold garbage: the caller has
     vLLM recompute them)."""
     digest = store.slot_digest(slot, key)
     if digest is None:
@@ -132,9 +130,9 @@ def unpack_slot(
         store.pool.slot_view(slot),
         kv_caches,
         layout,
-        targets,
-        chunk_blocks=chunk_blocks,
-        first=first,
+        list(span.targets),
+        chunk_blocks=span.chunk_blocks,
+        first=span.first,
         checksum=digest.checksum,
         nbytes=digest.nbytes,
     )
@@ -151,7 +149,7 @@ def unpack_slot(
 class _Load:
     plan: LoadPlan
     started: float
-    chunks: dict[int, tuple[int, int, list[int]]]  # index -> (first, count, block ids)
+    chunks: dict[int, ChunkSpan]  # the chunks it unpacks, by index
     keys: tuple[bytes, ...]  # what the transfer must carry
     done: set[int] = field(default_factory=set)
     beat_at: float = 0.0  # when it last extended its reservation's lease
@@ -412,19 +410,13 @@ class Loader:
             return
         self._active[plan.req_id] = load
 
-    def _chunk_map(self, plan: LoadPlan) -> dict[int, tuple[int, int, list[int]]]:
-        """For each chunk touching the plan: (first block in chunk, count, targets)."""
-        chunk_blocks = self.chunk_tokens // self.block_size
+    def _chunk_map(self, plan: LoadPlan) -> dict[int, ChunkSpan]:
+        """The spans of the chunks the plan touches, by chunk index."""
         counts = chunk_block_counts(plan.num_tokens, self.chunk_tokens, self.block_size)
-        out: dict[int, tuple[int, int, list[int]]] = {}
-        for offset, block_id in enumerate(plan.block_ids):
-            prompt_block = plan.first_block + offset
-            index, pos = divmod(prompt_block, chunk_blocks)
-            if index >= len(counts) or pos >= counts[index]:
-                break
-            first, count, targets = out.get(index, (pos, 0, []))
-            out[index] = (first, count + 1, [*targets, block_id])
-        return out
+        spans = chunk_spans(
+            plan.first_block, plan.block_ids, counts, self.chunk_tokens // self.block_size
+        )
+        return {span.index: span for span in spans}
 
     def _step(self, load: _Load) -> None:
         tid = load.plan.transfer_id
@@ -523,20 +515,10 @@ class Loader:
     def _unpack(self, load: _Load, index: int, slot: int, *, fetched: bool) -> None:
         """Unpack chunk ``index``, verifying its checksum in the same pass
         (ChecksumMismatch: the target blocks hold garbage; vLLM recomputes)."""
-        first, count, targets = load.chunks[index]
-        counts = chunk_block_counts(load.plan.num_tokens, self.chunk_tokens, self.block_size)
-        unpack_slot(
-            self.store,
-            slot,
-            self.kv_caches,
-            self.layout,
-            targets,
-            counts[index],
-            first,
-            load.keys[index],
-        )
+        span = load.chunks[index]
+        unpack_slot(self.store, slot, self.kv_caches, self.layout, span, load.keys[index])
         load.done.add(index)
-        self.counters.add(chunks_loaded=1, bytes_loaded=self.layout.chunk_nbytes(count))
+        self.counters.add(chunks_loaded=1, bytes_loaded=self.layout.chunk_nbytes(len(span.targets)))
         if load.plan.shared and fetched:
             self.counters.add(shared_store_loaded_chunks=1)
 

@@ -116,6 +116,7 @@ from fabric.integrations.vllm.metadata import (
     SendPlan,
 )
 from fabric.integrations.vllm.tier_client import OVERRUN_S  # NOTE: such an ask is counted
+from fabric.kv.spans import chunk_block_counts
 
 if TYPE_CHECKING:
     from fabric.kv.identity import KeyIdentity
@@ -203,15 +204,6 @@ class SharedTier(Protocol):
         ...
 
     def table_sizes(self) -> dict[str, int]: ...
-
-
-def chunk_block_counts(num_tokens: int, chunk_tokens: int, block_size: int) -> list[int]:
-    """Blocks each chunk of a ``num_tokens`` prompt covers (the last may be short)."""
-    counts = []
-    for start in range(0, num_tokens, chunk_tokens):
-        tokens = min(chunk_tokens, num_tokens - start)
-        counts.append(-(-tokens // block_size))
-    return counts
 
 
 @dataclass

@@ -105,6 +105,7 @@ from fabric.integrations.vllm.loader import Loader, unpack_slot
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
 from fabric.kv import KVLayout, chunk_keys, layerwise, pack, pack_checksummed
+from fabric.kv.spans import chunk_spans
 from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
 from fabric.store.tier import TieredStore
@@ -493,24 +494,20 @@ class FabricWorker:
         key), or None when all verified."""
         assert self.layout is not None
         chunk_blocks = self.config.chunk_tokens // self.block_size
-        for index in range(load.first_block // chunk_blocks, load.num_chunks):
-            first = max(load.first_block - index * chunk_blocks, 0)
-            start = index * chunk_blocks + first - load.first_block
-            targets = load.block_ids[start : start + chunk_blocks - first]
+        counts = [chunk_blocks] * load.num_chunks  # NOTE: a store holds full chunks only
+        for span in chunk_spans(load.first_block, load.block_ids, counts, chunk_blocks):
             try:
                 unpack_slot(
                     self.store,
-                    slots[index],
+                    slots[span.index],
                     self.kv_caches,
                     self.layout,
-                    targets,
-                    chunk_blocks,
-                    first,
-                    keys[index],
+                    span,
+                    keys[span.index],
                 )
             except ChecksumMismatch as exc:
                 logger.error("fabric: a store chunk of %s is corrupt at use: %s", load.req_id, exc)
-                return keys[index]
+                return keys[span.index]
         return None
 
     def sync_tier_counters(self) -> None:
