@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fabric.models import make_tiny_model  # noqa: E402
+from fabric.testing.models import make_tiny_model  # noqa: E402
 from tests.e2e import test_across_hosts as rig_module  # noqa: E402
 from tests.e2e._ns_client import NsClient  # noqa: E402
 from tests.e2e._pd import prompt_ids  # noqa: E402

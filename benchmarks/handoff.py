@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    from fabric.models.tiny import make_tiny_model
+    from fabric.testing.models.tiny import make_tiny_model
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fabric-handoff-") as tmp, ExitStack() as stack:

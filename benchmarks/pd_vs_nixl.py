@@ -1406,8 +1406,8 @@ def _git(*args: str) -> str:
 
 def run(settings: Settings, workdir: Path) -> dict[str, Any]:
     """Start every stack, warm up, measure the rounds, stop everything; the whole record."""
-    from fabric.models.tiny import make_tiny_model
     from fabric.router.serve import signals_ignored
+    from fabric.testing.models.tiny import make_tiny_model
 
     began = time.monotonic()
     model_dir = make_tiny_model(workdir / "models" / "tiny", kv_heavy=settings.kv_heavy)

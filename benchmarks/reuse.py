@@ -51,7 +51,7 @@ from fabric.launch.process import (
     vllm_serve_command,
     wait_http_ok,
 )
-from fabric.models import make_tiny_model
+from fabric.testing.models import make_tiny_model
 from fabric.transfer.store_client import StoreClient
 
 ROOT = Path(__file__).resolve().parent

@@ -85,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _model(ns: argparse.Namespace) -> Path:
     """``fabric model tiny|lora``: the directory written."""
     if ns.kind == "lora":
-        from fabric.models import make_tiny_lora
+        from fabric.testing.models import make_tiny_lora
 
         return make_tiny_lora(ns.dir, ns.model, rank=ns.rank, seed=ns.seed)
-    from fabric.models import make_tiny_model
+    from fabric.testing.models import make_tiny_model
 
     return make_tiny_model(ns.dir, kv_heavy=ns.kv_heavy, seed=ns.seed)
 

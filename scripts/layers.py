@@ -2,8 +2,8 @@
 
 The package is layered, one way::
 
-    fabric, errors -> {kv, models} -> store -> transfer -> config ->
-    {integrations, shared_store, router} -> launch -> bench -> cli
+    fabric, errors -> kv -> store -> transfer -> config ->
+    {integrations, shared_store, router, testing} -> launch -> bench -> cli
 
 A module may import its own package's modules and those of lower layers,
 never a higher layer nor a sibling package of its own layer: every import
@@ -24,11 +24,11 @@ from pathlib import Path
 
 LAYERS: list[tuple[str, ...]] = [
     ("", "errors"),
-    ("kv", "models"),
+    ("kv",),
     ("store",),
     ("transfer",),
     ("config",),
-    ("integrations", "shared_store", "router"),
+    ("integrations", "shared_store", "router", "testing"),
     ("launch",),
     ("bench",),
     ("cli", "__main__"),

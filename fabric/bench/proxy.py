@@ -8,7 +8,7 @@
        '-- proxy -----> fabric proxy CONFIG --> fake prefiller
                         (a subprocess)      '-> fake decoder
 
-The fake engines (``python -m fabric.router.fake_engine``) answer at once,
+The fake engines (``python -m fabric.testing.fake_engine``) answer at once,
 so a proxied request's extra latency is the proxy's own work plus the fake
 prefill round trip that every PD request makes ("added vs P+D" subtracts
 that round trip: the proxy's own share). Each concurrency level sends the
@@ -116,7 +116,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
 def fake_engine(role: str, port: int, kv_port: int, tmp: Path) -> list[str]:
     """The command line of a fake engine."""
     return [
-        sys.executable, "-m", "fabric.router.fake_engine", "--host", HOST, "--port", str(port),
+        sys.executable, "-m", "fabric.testing.fake_engine", "--host", HOST, "--port", str(port),
         "--role", role, "--name", role, "--kv-port", str(kv_port),
     ]  # fmt: skip
 

@@ -74,7 +74,7 @@ launcher's, one signal handler stops everything in order, and there is no
 extra interpreter to start, health-wait or leak.
 
 Models: ``tiny`` and ``tiny-kv-heavy`` name the local random-weight Llamas at
-``WORKDIR/models/NAME``, built by ``fabric.models.tiny.make_tiny_model`` when
+``WORKDIR/models/NAME``, built by ``fabric.testing.models.tiny.make_tiny_model`` when
 missing and served under that name. Anything else goes to vLLM as is.
 """
 
@@ -199,7 +199,7 @@ def model_location(model: str, workdir: Path) -> tuple[str, str | None]:
     """``(what vLLM loads, served model name)``; builds a tiny model if missing."""
     if model not in TINY_MODELS:
         return model, None
-    from fabric.models.tiny import make_tiny_model
+    from fabric.testing.models.tiny import make_tiny_model
 
     logger.info("model %s: %s (built if missing)", model, workdir / "models" / model)
     path = make_tiny_model(workdir / "models" / model, kv_heavy=TINY_MODELS[model])

@@ -1,8 +1,7 @@
 """The PD proxy: pairs each request with a prefiller and a decoder.
 
 ``create_app(topology)`` builds the FastAPI app; ``fabric proxy CONFIG``
-serves it; :mod:`fabric.router.fake_engine` is an engine stand-in for tests
-and proxy benchmarks.
+serves it (an engine stand-in for tests: :mod:`fabric.testing.fake_engine`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 
 from fabric.bench import nixl_proxy
 from fabric.bench.tap import TapEvent, TapThread, first_line
-from fabric.router.fake_engine import FakeEngineConfig
+from fabric.testing.fake_engine import FakeEngineConfig
 from tests.router.servers import FakeEngine, ServerThread
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pd_vs_nixl.py"

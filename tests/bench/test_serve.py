@@ -25,7 +25,7 @@ from fabric.bench.serve_workload import (
 )
 from fabric.errors import ConfigError
 from fabric.launch.process import free_port
-from fabric.router.fake_engine import FakeEngineConfig, create_fake_engine
+from fabric.testing.fake_engine import FakeEngineConfig, create_fake_engine
 
 
 @contextmanager

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric.models import make_tiny_model
+from fabric.testing.models import make_tiny_model
 from tests.e2e._engines import EngineFactory
 
 

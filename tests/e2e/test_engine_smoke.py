@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fabric.models.tokenizer import BOS_TOKEN
+from fabric.testing.models.tokenizer import BOS_TOKEN
 from tests.e2e._engines import Engine, EngineFactory
 
 pytestmark = pytest.mark.e2e

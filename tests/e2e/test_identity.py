@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 import pytest
 
 from fabric.launch.process import free_port
-from fabric.models import make_tiny_lora, make_tiny_model
-from fabric.models.tiny import WEIGHTS_NAME
+from fabric.testing.models import make_tiny_lora, make_tiny_model
+from fabric.testing.models.tiny import WEIGHTS_NAME
 from tests.e2e._engines import Engine, EngineFactory
 from tests.e2e._pd import (
     CHUNK_TOKENS,

@@ -19,7 +19,7 @@ match it bit for bit otherwise).
 
 The KV-heavy tiny model (Llama-3-8B's KV geometry, 32 MiB per chunk) makes
 packing take long enough for such a race to show, and makes wrong KV change
-tokens (see :mod:`fabric.models.tiny`).
+tokens (see :mod:`fabric.testing.models.tiny`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from fabric.launch.process import free_port
-from fabric.models import make_tiny_model
+from fabric.testing.models import make_tiny_model
 from fabric.transfer.store_client import StoreClient
 from tests.e2e._engines import Engine, EngineFactory
 from tests.e2e._pd import (

@@ -27,7 +27,7 @@ from fabric.integrations.vllm.metadata import FabricMetadata, SaveChunk, SendPla
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.kv.identity import BASE, KeyIdentity
-from fabric.models import make_tiny_model
+from fabric.testing.models import make_tiny_model
 from tests.integrations.test_vllm_reuse_scheduler import FakeTier
 from tests.integrations.test_vllm_reuse_worker import CB, TOKENS, make
 from tests.integrations.test_vllm_scheduler import BS, CT, NewReq, Out

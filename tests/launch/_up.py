@@ -28,7 +28,7 @@ import yaml
 from fabric.launch.process import free_port
 
 FAKE = [
-    "{python}", "-m", "fabric.router.fake_engine", "--port", "{port}", "--role", "{role}",
+    "{python}", "-m", "fabric.testing.fake_engine", "--port", "{port}", "--role", "{role}",
     "--name", "{name}", "--model", "{model}", "--kv-port", "{kv_port}",
 ]  # fmt: skip
 DRAIN_FAKE = [

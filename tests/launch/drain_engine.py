@@ -13,7 +13,7 @@ import sys
 import uvicorn
 
 from fabric.launch.drain import EngineDrain
-from fabric.router.fake_engine import config_from_args, create_fake_engine, parse_args
+from fabric.testing.fake_engine import config_from_args, create_fake_engine, parse_args
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from fabric.launch.process import free_port
-from fabric.router.fake_engine import FakeEngineConfig
+from fabric.testing.fake_engine import FakeEngineConfig
 from tests.router.servers import FakeEngine
 
 

@@ -77,7 +77,7 @@ def test_resolve_ports_fills_free_distinct_ports_and_keeps_given_ones() -> None:
 def test_vllm_command_carries_the_fabric_kv_transfer_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fabric.models.tiny
+    import fabric.testing.models.tiny
 
     built: list[tuple[Path, bool]] = []
 
@@ -85,7 +85,7 @@ def test_vllm_command_carries_the_fabric_kv_transfer_config(
         built.append((out_dir, kv_heavy))
         return out_dir
 
-    monkeypatch.setattr(fabric.models.tiny, "make_tiny_model", make_tiny_model)
+    monkeypatch.setattr(fabric.testing.models.tiny, "make_tiny_model", make_tiny_model)
     topology = parse_topology(
         {
             "model": "tiny",
@@ -167,7 +167,7 @@ def test_command_template_is_filled(tmp_path: Path) -> None:
         }
     )
     command = up.engine_command(topology.prefill[0], topology)
-    assert command[:5] == [sys.executable, "-m", "fabric.router.fake_engine", "--port", "8100"]
+    assert command[:5] == [sys.executable, "-m", "fabric.testing.fake_engine", "--port", "8100"]
     assert option(command, "--kv-port") == "8101" and option(command, "--model") == "fake"
     kv_config = json.loads(command[-1].removeprefix("--json="))
     assert kv_config["kv_connector_extra_config"]["kv_port"] == 8101

@@ -152,7 +152,7 @@ def test_crash_looping_engine_backs_off_and_shows_down(tmp_path: Path, runs: lis
 
     shown = render_plain(with_up_state(fetch_status(url), read_up_state(run.workdir), url))
     row = next(line for line in shown.splitlines() if line.startswith("decode-0")).split()
-    assert row[3] == "no" and row[4] in ("down", "starting") and int(row[5]) >= 2
+    assert row[2] == "no" and row[3] in ("down", "starting") and int(row[4]) >= 2
     assert run.stop() == 0
     assert not run.leftovers()
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fabric.router.fake_engine import FakeEngineConfig
+from fabric.testing.fake_engine import FakeEngineConfig
 
 from .servers import FakeEngine, Proxy, ServerThread, topology
 

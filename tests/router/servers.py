@@ -22,9 +22,9 @@ from fabric.config import TopologyConfig, parse_topology
 from fabric.launch.drain import EngineDrain
 from fabric.launch.process import free_port
 from fabric.router import create_app
-from fabric.router.fake_engine import FakeEngineConfig, FakeEngineState, create_fake_engine
 from fabric.router.serve import bind_socket, socket_url
 from fabric.router.state import ProxyState
+from fabric.testing.fake_engine import FakeEngineConfig, FakeEngineState, create_fake_engine
 from tests.netns import Hosts
 
 T = TypeVar("T")
@@ -187,9 +187,9 @@ def child(argv: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen[str]]:
 
 @contextlib.contextmanager
 def fake_engine_on(hosts: Hosts, host: str, port: int, *options: str) -> Iterator[str]:
-    """A fake engine (``python -m fabric.router.fake_engine``, ``options``) in
+    """A fake engine (``python -m fabric.testing.fake_engine``, ``options``) in
     ``host``'s namespace (:mod:`tests.netns`), stopped on exit; its URL."""
     address = hosts.address(host)
-    argv = [sys.executable, "-m", "fabric.router.fake_engine", "--host", address]
+    argv = [sys.executable, "-m", "fabric.testing.fake_engine", "--host", address]
     with child(hosts.command(host, [*argv, "--port", str(port), *options]), env=dict(os.environ)):
         yield f"http://{address}:{port}"

@@ -26,8 +26,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fabric.router import state as state_module
 from fabric.router.calls import EngineCalls, EngineUnreachable
-from fabric.router.fake_engine import FakeEngineConfig, create_fake_engine
 from fabric.router.state import ProxyState
+from fabric.testing.fake_engine import FakeEngineConfig, create_fake_engine
 
 from .conftest import StartEngine, StartProxy
 from .servers import Proxy, ServerThread, dead_url, full_accept_queue

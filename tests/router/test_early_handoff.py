@@ -2,7 +2,7 @@
 
 The fake decoder (``serve_kv``) waits for the proxy's word on a request
 admitted at dispatch as a fabric decoder's loader does (see
-:mod:`fabric.router.fake_kv`), so these tests see what D was told and when.
+:mod:`fabric.testing.fake_kv`), so these tests see what D was told and when.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from fabric.router.fake_engine import fake_tokens
+from fabric.testing.fake_engine import fake_tokens
 
 from .conftest import StartEngine, StartProxy
 

@@ -17,8 +17,8 @@ import pytest
 
 from fabric.config import EngineConfig, parse_topology
 from fabric.router.engines import api_key
-from fabric.router.fake_engine import FakeEngineConfig
 from fabric.router.ready import PairState
+from fabric.testing.fake_engine import FakeEngineConfig
 
 from .conftest import StartEngine, StartProxy
 from .servers import FakeEngine, Proxy, ServerThread

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from fabric.cli import main as cli_main
-from fabric.models import TinyModelSpec, make_tiny_lora, make_tiny_model
-from fabric.models.lora import ADAPTER_FILES, CONFIG_NAME, WEIGHTS_NAME
+from fabric.testing.models import TinyModelSpec, make_tiny_lora, make_tiny_model
+from fabric.testing.models.lora import ADAPTER_FILES, CONFIG_NAME, WEIGHTS_NAME
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fabric.models.tokenizer import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, write_tokenizer
+from fabric.testing.models.tokenizer import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, write_tokenizer
 
 if TYPE_CHECKING:
     import torch

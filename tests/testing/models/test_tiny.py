@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from fabric.cli import main as cli_main
-from fabric.models import TinyModelSpec, make_tiny_model
-from fabric.models.tiny import MARKER_NAME, MODEL_FILES, WEIGHTS_NAME
-from fabric.models.tokenizer import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN
+from fabric.testing.models import TinyModelSpec, make_tiny_model
+from fabric.testing.models.tiny import MARKER_NAME, MODEL_FILES, WEIGHTS_NAME
+from fabric.testing.models.tokenizer import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ Knobs inject failures: a delay before answering, slow tokens, a slow
 params, failed pushes or loads, an answer padded to a size, no fabric
 metrics.
 
-Run it: ``python -m fabric.router.fake_engine --port N --role prefill|decode``.
+Run it: ``python -m fabric.testing.fake_engine --port N --role prefill|decode``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from fabric.router.fake_kv import FakeKvPort
+from fabric.testing.fake_kv import FakeKvPort
 
 DEFAULT_MAX_TOKENS = 16
 CANARY_HEADER = "x-fabric-canary"
@@ -414,9 +414,9 @@ def _error(status: int, message: str) -> Response:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line options of ``python -m fabric.router.fake_engine``."""
+    """Command-line options of ``python -m fabric.testing.fake_engine``."""
     p = argparse.ArgumentParser(
-        prog="python -m fabric.router.fake_engine", description=__doc__.split("\n")[0]
+        prog="python -m fabric.testing.fake_engine", description=__doc__.split("\n")[0]
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

@@ -1,4 +1,4 @@
-"""The control port of a fake decoder (:mod:`fabric.router.fake_engine`, ``serve_kv``).
+"""The control port of a fake decoder (:mod:`fabric.testing.fake_engine`, ``serve_kv``).
 
 It speaks the fabric control protocol as far as the proxy uses it with a
 decoder: ``PrefillState`` (the early handoff's word, recorded and answered

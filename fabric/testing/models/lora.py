@@ -3,7 +3,7 @@
 
 ``make_tiny_lora(dir, model)`` writes ``adapter_config.json`` and
 ``adapter_model.safetensors`` for the layers of ``model`` (a tiny model
-directory or a :class:`~fabric.models.tiny.TinyModelSpec`). Each target
+directory or a :class:`~fabric.testing.models.tiny.TinyModelSpec`). Each target
 ``T`` of layer ``N`` gets::
 
     base_model.model.model.layers.N.self_attn.T.lora_A.weight   [rank, in(T)]
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fabric.models.tiny import TinyModelSpec
+from fabric.testing.models.tiny import TinyModelSpec
 
 if TYPE_CHECKING:
     import torch
