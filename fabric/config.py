@@ -229,7 +229,10 @@ class ProxyConfig(_Frozen):
     connection to an engine (None: ``connect_timeout_s``; past it a 503, or
     for a prefill a fallback). ``drain_timeout_s``: on SIGTERM, ``fabric
     up`` (and each engine it started) answers new requests 503 and waits this
-    long for the ones in flight before it stops.
+    long for the ones in flight before it stops. ``client_keepalive_s``: how
+    long a client's idle connection is kept open (whole seconds, at least
+    1); keep it above what the clients (or a load balancer in front) keep
+    theirs, or a request sent as the proxy closes reads a reset.
 
     ``policy`` picks prefillers and decoders (:mod:`fabric.router.policy`);
     ``prefill_policy`` / ``decode_policy`` override it for one role.
@@ -274,6 +277,7 @@ class ProxyConfig(_Frozen):
     max_answer_bytes: PositiveInt = 64 * 1024 * 1024
     pool_timeout_s: Seconds | None = None
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    client_keepalive_s: Annotated[float, Field(ge=1)] = 75.0
     lookup_timeout_ms: PositiveInt = 500
     cache_aware_max_imbalance: Annotated[int, Field(strict=True, ge=0)] = 4
     handoff: Literal["early", "sequential"] = "early"

@@ -45,7 +45,7 @@ import uvicorn
 
 from fabric.errors import LaunchError
 from fabric.launch.drain import DrainGate
-from fabric.router.serve import socket_url, uvicorn_config
+from fabric.router.serve import CLIENT_KEEPALIVE_S, socket_url, uvicorn_config
 
 TICK_S = 0.05
 GRACE_S = 2  # uvicorn takes whole seconds
@@ -100,14 +100,18 @@ class Hooks:
 
 
 async def serve_drained(
-    gate: DrainGate, sock: socket.socket, drain_timeout_s: float, hooks: Hooks
+    gate: DrainGate,
+    sock: socket.socket,
+    drain_timeout_s: float,
+    hooks: Hooks,
+    keepalive_s: float = CLIENT_KEEPALIVE_S,
 ) -> None:
     """Serve ``gate`` (the proxy app behind its drain gate) on ``sock`` until a
     stop signal, then drain it (see the module docstring).
 
     Raises ``LaunchError`` when the server does not start, or stops by itself.
     """
-    server = QuietServer(_config(gate))
+    server = QuietServer(_config(gate, keepalive_s))
     with Signals().installed() as signals:
         task = asyncio.create_task(_serve(server, sock))
         while not server.started and not task.done():
@@ -176,7 +180,7 @@ async def _drain(gate: DrainGate, signals: Signals, timeout_s: float, hooks: Hoo
     hooks.drained(gate.in_flight == 0, gate.in_flight)
 
 
-def _config(app: DrainGate) -> uvicorn.Config:
+def _config(app: DrainGate, keepalive_s: float) -> uvicorn.Config:
     # NOTE: fabric proxy's settings, plus a bound on the wait for
     # connections still open once the drain is over.
-    return uvicorn_config(app, timeout_graceful_shutdown=GRACE_S)
+    return uvicorn_config(app, keepalive_s, timeout_graceful_shutdown=GRACE_S)

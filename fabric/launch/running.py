@@ -162,7 +162,8 @@ async def _serve(
         supervisor_task = asyncio.create_task(supervisor.run(), name="fabric-up-supervisor")
         hooks = Hooks(started, draining, drained, supervisor.restart_stopped)
         try:
-            await serve_drained(gate, sock, running.drain_timeout_s, hooks)
+            keepalive_s = proxy.config.client_keepalive_s
+            await serve_drained(gate, sock, running.drain_timeout_s, hooks, keepalive_s)
         finally:
             supervisor_task.cancel()
 

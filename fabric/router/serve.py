@@ -35,18 +35,21 @@ logger = logging.getLogger(__name__)
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 CLIENT_KEEPALIVE_S = 75.0
-"""How long the proxy keeps a client's idle connection open. Above what
+"""How long the proxy keeps a client's idle connection open by default
+(``proxy.client_keepalive_s``). Above what
 clients keep theirs (httpx and the OpenAI SDK: 5 s, aiohttp: 15 s): with the
 server's close at the same 5 s as the client's expiry (uvicorn's default),
 a request sent on a connection the client still holds can meet the close
 and read a reset, an error without an answer."""
 
 
-def uvicorn_config(app: Any, **extra: Any) -> uvicorn.Config:
+def uvicorn_config(
+    app: Any, keepalive_s: float = CLIENT_KEEPALIVE_S, **extra: Any
+) -> uvicorn.Config:
     """The proxy's uvicorn settings: no access log (~14% of the per-request
     cost at one client), no X-Forwarded-* rewriting (the proxy never reads
-    the client's address), no Server header, client connections kept
-    ``CLIENT_KEEPALIVE_S``; ``extra`` adds to them."""
+    the client's address), no Server header, a client's idle connection kept
+    ``keepalive_s`` (whole seconds: uvicorn's unit); ``extra`` adds to them."""
     return uvicorn.Config(
         app,
         access_log=False,
@@ -54,7 +57,7 @@ def uvicorn_config(app: Any, **extra: Any) -> uvicorn.Config:
         lifespan="on",
         proxy_headers=False,
         server_header=False,
-        timeout_keep_alive=int(CLIENT_KEEPALIVE_S),
+        timeout_keep_alive=max(1, round(keepalive_s)),
         **extra,
     )
 
@@ -112,9 +115,14 @@ def socket_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def serve_app(app: FastAPI, sock: socket.socket, on_started: Callable[[str], None]) -> None:
+async def serve_app(
+    app: FastAPI,
+    sock: socket.socket,
+    on_started: Callable[[str], None],
+    keepalive_s: float = CLIENT_KEEPALIVE_S,
+) -> None:
     """Serve ``app`` on ``sock`` until a signal; call ``on_started(url)`` once it accepts."""
-    server = uvicorn.Server(uvicorn_config(app))
+    server = uvicorn.Server(uvicorn_config(app, keepalive_s))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
@@ -149,4 +157,7 @@ def run_proxy(
     app = create_app(topology)
     sock = bind_socket(bind, port if port is not None else topology.proxy.port)
     with sock, shutdown_on_signals(), contextlib.suppress(Shutdown):
-        run_loop(serve_app(app, sock, lambda url: say(f"fabric proxy: serving on {url}")))
+        keepalive_s = topology.proxy.client_keepalive_s
+        run_loop(
+            serve_app(app, sock, lambda url: say(f"fabric proxy: serving on {url}"), keepalive_s)
+        )

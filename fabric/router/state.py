@@ -254,9 +254,15 @@ class ProxyState:
 
     async def probe_engine(self, engine: Engine) -> bool:
         """Probe one engine now, as the health loop does (``/health``, then its
-        fabric side); whether it is healthy."""
+        fabric side); whether it is healthy. One found back (a new epoch: its
+        pairs are pending, used only where no checked pair exists) gets its
+        canaries now, not at the health loop's next round."""
         check = functools.partial(fabric_threads_down, self)
-        return await probe(self.client, engine, self.config.health_timeout_s, check)
+        epoch = engine.epoch
+        healthy = await probe(self.client, engine, self.config.health_timeout_s, check)
+        if healthy and engine.epoch != epoch:
+            self.readiness.tick()
+        return healthy
 
     def connect_failed(
         self, engine: Engine, exc: httpx.ConnectError | httpx.ConnectTimeout

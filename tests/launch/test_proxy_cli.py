@@ -14,6 +14,8 @@ import httpx
 import pytest
 import yaml
 
+from fabric.config import parse_topology
+from fabric.errors import ConfigError
 from fabric.launch.process import free_port
 from fabric.testing.fake_engine import FakeEngineConfig
 from tests.router.servers import FakeEngine
@@ -135,7 +137,10 @@ def _read_answer(sock: socket.socket) -> bytes:
         if line.lower().startswith(b"content-length:")
     )
     while len(body) < length:
-        body += sock.recv(65536)
+        more = sock.recv(65536)
+        if not more:
+            break  # NOTE: closed mid-body: the caller sees a short answer
+        body += more
     return head + b"\r\n\r\n" + body
 
 
@@ -143,13 +148,51 @@ def test_fabric_ups_proxy_keeps_client_connections_as_long_as_fabric_proxy() -> 
     from fabric.launch.proxy_server import _config
     from fabric.router.serve import CLIENT_KEEPALIVE_S
 
-    config = _config(lambda scope, receive, send: None)  # type: ignore[arg-type]
+    config = _config(lambda scope, receive, send: None, CLIENT_KEEPALIVE_S)  # type: ignore[arg-type]
     assert config.timeout_keep_alive == CLIENT_KEEPALIVE_S > 15
+    topology = {"prefill": [{"url": "http://p"}], "decode": [{"url": "http://d"}]}
+    assert parse_topology(topology).proxy.client_keepalive_s == CLIENT_KEEPALIVE_S
+    with pytest.raises(ConfigError, match=r"proxy\.client_keepalive_s"):
+        parse_topology(topology | {"proxy": {"client_keepalive_s": 0.5}})
 
 
-def _start_proxy(tmp_path: Path, p: FakeEngine, d: FakeEngine) -> tuple[subprocess.Popen[str], int]:
-    """``fabric proxy`` in front of ``p`` and ``d`` on a free port (stdout piped)."""
-    config = {"prefill": [{"url": p.url}], "decode": [{"url": d.url, "kv_port": free_port()}]}
+def test_proxy_client_keepalive_s_sets_how_long_an_idle_connection_stays(
+    tmp_path: Path, engines: tuple[FakeEngine, FakeEngine]
+) -> None:
+    """``proxy.client_keepalive_s: 1``: an idle client connection is closed
+    after about a second (the default keeps it 75 s, test above)."""
+    proc, port = _start_proxy(tmp_path, *engines, proxy={"client_keepalive_s": 1})
+    request = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\nConnection: keep-alive\r\n\r\n"
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(request)
+            first = _read_answer(sock)
+            closed = sock.recv(65536)  # NOTE: blocks until the proxy closes it
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    assert first.startswith(b"HTTP/1.1 200")
+    assert closed == b""
+
+
+def _start_proxy(
+    tmp_path: Path, p: FakeEngine, d: FakeEngine, proxy: dict[str, object] | None = None
+) -> tuple[subprocess.Popen[str], int]:
+    """``fabric proxy`` in front of ``p`` and ``d`` on a free port (stdout
+    piped); ``proxy``: the topology's proxy section."""
+    config: dict[str, object] = {
+        "prefill": [{"url": p.url}],
+        "decode": [{"url": d.url, "kv_port": free_port()}],
+    }
+    if proxy:
+        config["proxy"] = proxy
     path = tmp_path / "running.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()

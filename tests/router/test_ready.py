@@ -271,6 +271,32 @@ def test_pending_pairs_are_used_only_when_no_checked_pair_exists(
     assert len(p1.seen) == 1
 
 
+def test_an_engine_a_probe_finds_back_gets_its_canaries_at_once(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """What ``fabric up``'s supervisor does for a restarted engine: it probes
+    it each tick (``probe_engine``). Once the probe finds it back, its
+    pairs' canaries start then, not at the next health round (60 s here):
+    before, it was healthy but got no request until that round."""
+    p0, p1, d = start_engine("prefill"), start_engine("prefill"), start_engine("decode")
+    proxy = start_proxy([p0.url, p1.url], [d.url], health_interval_s=60.0)
+    assert wait_ready(proxy, 30) == []
+    engine = next(e for e in proxy.state.pool.engines if e.name == "prefill-1")
+    proxy.run(lambda state: _mark_down(engine))
+
+    assert proxy.run(lambda state: state.probe_engine(engine)) is True
+
+    poll(lambda: pair_states(client, proxy, "/fabric/status")["prefill-1 -> decode-0"] == "ok",
+         "the restarted engine's pair was never checked")  # fmt: skip
+    for _ in range(4):
+        assert client.post(f"{proxy.url}/v1/completions", json=COMPLETION).status_code == 200
+    assert len(p1.seen) == 2
+
+
+async def _mark_down(engine: Any) -> None:
+    engine.mark_down("process exited")
+
+
 def test_a_decoder_with_only_pending_pairs_waits_while_another_has_checked_ones(
     start_engine: StartEngine, start_proxy: StartProxy
 ) -> None:
