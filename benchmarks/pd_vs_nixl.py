@@ -12,14 +12,14 @@ stopped by process group (also on error, Ctrl-C and SIGTERM)::
                + fabric's proxy (``fabric proxy``, ``handoff: early``: D gets
                its request at dispatch, beside P's prefill)
     nixl-pull  P (NixlConnector, core 0) + D (core 1)
-               + ``fabric.bench.nixl_proxy --mode pull`` (P, then D with P's
+               + ``benchmarks.nixl_proxy --mode pull`` (P, then D with P's
                params; D READs P's blocks)
     nixl-push  P (NixlPushConnector, core 0) + D (core 1)
-               + ``fabric.bench.nixl_proxy --mode push`` (both legs at once;
+               + ``benchmarks.nixl_proxy --mode push`` (both legs at once;
                D registers its blocks with P, P WRITEs into them)
     colocated  one engine without a connector (core 0), asked directly
 
-Each stack's P is reached through a :class:`fabric.bench.tap.TimingTap` in
+Each stack's P is reached through a :class:`benchmarks.tap.TimingTap` in
 this process (a byte relay that stamps when P got each request and when its
 answer began, on the client's clock), so P's prefill time and the handoff
 are timed the same way whatever the proxy. The tap adds one loopback hop
@@ -159,7 +159,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fabric.bench.tap import TapThread, TimingTap  # noqa: E402
+from benchmarks.tap import TapThread, TimingTap  # noqa: E402
 from fabric.launch.process import (  # noqa: E402
     ManagedProcess,
     engine_env,
@@ -1116,7 +1116,7 @@ def start_proxy(
         path.write_text(yaml.safe_dump(topology))
         argv = [sys.executable, "-m", "fabric.cli", "proxy", str(path)]
     else:
-        argv = [sys.executable, "-m", "fabric.bench.nixl_proxy", "--host", HOST]
+        argv = [sys.executable, "-m", "benchmarks.nixl_proxy", "--host", HOST]
         argv += ["--port", str(port), "--prefill", prefill_url, "--decode", decode.url]
         argv += ["--timeout-s", str(timeout)]
         if name == "nixl-push":

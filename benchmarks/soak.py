@@ -94,8 +94,9 @@ from fabric.launch.process import (
 from fabric.transfer.store_client import StoreClient
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))  # NOTE: chaos.py beside this script, also when loaded by path
-from chaos import (  # noqa: E402
+if str(ROOT.parent) not in sys.path:  # NOTE: run as a script: the repository root
+    sys.path.insert(0, str(ROOT.parent))
+from benchmarks.chaos import (  # noqa: E402
     WAIT_METRIC,
     Chaos,
     Kill,

@@ -5,35 +5,26 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
 import httpx
 import pytest
 
-from fabric.bench import nixl_proxy
-from fabric.bench.tap import TapEvent, TapThread, first_line
+from benchmarks import nixl_proxy
+from benchmarks.tap import TapEvent, TapThread, first_line
 from fabric.testing.fake_engine import FakeEngineConfig
 from tests.router.servers import FakeEngine, ServerThread
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pd_vs_nixl.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     """The benchmark script, imported as a module."""
-    spec = importlib.util.spec_from_file_location("pd_vs_nixl", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pd_vs_nixl"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.pd_vs_nixl")
 
 
 # ---------------------------------------------------------------- prompts, orders, arithmetic

@@ -18,21 +18,10 @@ import pytest
 
 from fabric.launch.process import free_port
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def chaos() -> ModuleType:
-    return load("chaos")
+    return importlib.import_module("benchmarks.chaos")
 
 
 PAGE = """\
@@ -243,7 +232,7 @@ def test_a_store_kill_times_a_bare_store_started_beside_its_restart(
 
 
 def test_only_errors_no_kill_explains_count_against_a_chaos_run(chaos: ModuleType) -> None:
-    soak = load("soak")
+    soak = importlib.import_module("benchmarks.soak")
     kills = [
         chaos.Kill("decode-0", 1, at=100.0, serving_at=150.0),
         chaos.Kill("store", 2, at=300.0),

@@ -2,7 +2,7 @@
 
 ``benchmarks/pd_vs_nixl.py`` puts one in front of each PD stack's
 prefiller, so it can time P's answer with the same clock as the client's
-first token whatever proxy (fabric's, or :mod:`fabric.bench.nixl_proxy`)
+first token whatever proxy (fabric's, or :mod:`benchmarks.nixl_proxy`)
 sits in between::
 
     proxy --HTTP--> TimingTap (127.0.0.1:N) --the same bytes--> P

@@ -51,7 +51,7 @@ to see failures, not hide them behind a local recompute); in push mode D's
 leg is then closed (vLLM aborts it). A D leg that fails before P answered
 is answered at once and P's leg is cancelled.
 
-Run it: ``python -m fabric.bench.nixl_proxy --port N --prefill URL --decode URL
+Run it: ``python -m benchmarks.nixl_proxy --port N --prefill URL --decode URL
 [--mode push --prefill-engine-id ID --prefill-side-channel HOST:PORT]``.
 """
 
@@ -334,7 +334,7 @@ def _health(app: FastAPI, config: NixlProxyConfig) -> Callable[[Request], Any]:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[NixlProxyConfig, str, int]:
     """The proxy's config, host and port from the command line."""
     p = argparse.ArgumentParser(
-        prog="python -m fabric.bench.nixl_proxy", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.nixl_proxy", description=__doc__.split("\n")[0]
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
