@@ -285,8 +285,10 @@ class ProxyConfig(_Frozen):
     admin_token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class ConnectorConfig(_Frozen):
-    """Settings of the fabric connector, shared by every engine.
+class TopologyConnectorConfig(_Frozen):
+    """A topology's ``connector:`` section: the fabric connector's settings
+    for every engine it starts (each engine's own, after its role and port,
+    is :class:`fabric.integrations.vllm.config.ConnectorConfig`).
 
     Passed to vLLM as ``kv_connector_extra_config`` (see :meth:`extra_config`).
     ``store_slots`` or ``store_mib`` sizes the chunk store (neither: the
@@ -330,7 +332,7 @@ class ConnectorConfig(_Frozen):
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _one_store_size(self) -> ConnectorConfig:
+    def _one_store_size(self) -> TopologyConnectorConfig:
         if self.store_slots is not None and self.store_mib is not None:
             raise ValueError("give store_slots or store_mib, not both")
         return self
@@ -511,7 +513,7 @@ class TopologyConfig(_Frozen):
     prefill: list[EngineConfig]
     decode: list[EngineConfig]
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
-    connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
+    connector: TopologyConnectorConfig = Field(default_factory=TopologyConnectorConfig)
     store: SharedStoreConfig | None = None
     startup_timeout_s: Seconds = 600.0
     k8s: K8sConfig | None = None

@@ -98,13 +98,14 @@ from typing import Any
 import httpx
 
 from fabric.config import (
-    ConnectorConfig,
     EngineConfig,
     SharedStoreConfig,
     TopologyConfig,
+    TopologyConnectorConfig,
     load_topology,
 )
 from fabric.errors import ConfigError, LaunchError, ProcessExited, StartTimeout
+from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.launch.drain import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DRAIN_FILE_ENV,
@@ -207,7 +208,7 @@ def model_location(model: str, workdir: Path) -> tuple[str, str | None]:
 
 
 def kv_transfer_config(
-    engine: EngineConfig, connector: ConnectorConfig, *, bind: str | None = None
+    engine: EngineConfig, connector: TopologyConnectorConfig, *, bind: str | None = None
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for ``engine`` (whose ``kv_port`` is resolved):
     its fabric server binds ``bind`` (default: the engine's address) and
@@ -218,6 +219,10 @@ def kv_transfer_config(
     extra = connector.extra_config(engine.kv_port, bind, role=engine.role, name=engine.name)
     if bind != engine.address:
         extra = {"advertise_host": engine.address, **extra}
+    try:
+        ConnectorConfig.check_extra(extra)
+    except ConfigError as exc:
+        raise ConfigError(f"{engine.name}: connector: {exc}") from exc
     return {
         "kv_connector": "FabricConnector",
         "kv_connector_module_path": "fabric.integrations.vllm",
@@ -296,11 +301,13 @@ def start_engines(
     options = options or UpOptions()
     drain_timeout_s = options.drain_timeout(topology)
     logs = topology.workdir_path / "logs"
+    # NOTE: every command first: a bad connector setting fails before any engine starts
+    commands = {e.name: engine_command(e, topology) for e in topology.engines if e.launched}
     for engine in topology.engines:
         if not engine.launched:
             runs.append(EngineRun(engine))
             continue
-        command = engine_command(engine, topology)
+        command = commands[engine.name]
         env = engine_environment(engine, topology, drain_timeout_s=drain_timeout_s)
         log_path = logs / f"{engine.name}.log"
         spawn = functools.partial(

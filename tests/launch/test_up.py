@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from fabric.config import TopologyConfig, parse_topology
+from fabric.errors import ConfigError
 from fabric.launch import up
 from fabric.launch.process import free_port
 from tests.launch._up import (
@@ -122,6 +123,38 @@ def test_vllm_command_carries_the_fabric_kv_transfer_config(
     decode = up.engine_command(topology.decode[0], topology)
     assert built[-1] == (tmp_path / "models" / "tiny-kv-heavy", True)
     assert json.loads(option(decode, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"chunk_tokes": 128}, r"unknown key 'chunk_tokes'"),
+        ({"layer_groups": 0}, r"layer_groups: Input should be greater than 0"),
+        ({"shared_store": "127.0.0.1:9", "reuse": False}, r"shared_store: needs reuse"),
+    ],
+    ids=["typo", "bad-value", "across-fields"],
+)
+def test_a_bad_connector_setting_fails_before_any_engine_starts(
+    tmp_path: Path, extra: dict[str, object], match: str
+) -> None:
+    """What the engine's connector would refuse at its start (inside vLLM, as
+    an engine that dies) is refused by fabric up first, naming the engine
+    and the key; no engine is started."""
+    topology = parse_topology(
+        {
+            "workdir": str(tmp_path),
+            "prefill": [{"port": 8100, "kv_port": 8101, "command": [*FAKE]}],
+            "decode": [{"port": 8200, "kv_port": 8201, "command": [*FAKE]}],
+            "connector": {"extra": extra},
+        }
+    )
+    runs: list[Any] = []
+
+    with pytest.raises(ConfigError, match=r"prefill-0: connector: kv_connector_extra_config"):
+        up.start_engines(topology, runs)
+    with pytest.raises(ConfigError, match=match):
+        up.kv_transfer_config(topology.decode[0], topology.connector)
+    assert runs == []
 
 
 def test_real_model_names_go_to_vllm_as_they_are(tmp_path: Path) -> None:

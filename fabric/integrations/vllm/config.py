@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from fabric.config import field_path
 from fabric.errors import ConfigError
 from fabric.transfer.addresses import advertised_host, check_exposure
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.store_client import resolve_endpoint
 
 
-@dataclass(frozen=True)
-class ConnectorConfig:
+class ConnectorConfig(BaseModel):
     """What ``--kv-transfer-config '{"kv_connector_extra_config": {...}}'`` sets.
 
     ``kv_port``: where a decoding engine's fabric server binds (0 = free port,
@@ -64,79 +75,71 @@ class ConnectorConfig:
     ``{"corrupt": 1.0}``; off by default.
     """
 
-    kv_port: int = 0
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", coerce_numbers_to_str=True, arbitrary_types_allowed=True
+    )
+
+    kv_port: int = Field(default=0, ge=0, le=65535)
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     insecure: bool = False
-    transport: str = "auto"
-    chunk_tokens: int = 256
-    store_mib: int = 1024
-    store_slots: int = 0
-    lease_ms: int = 30_000
-    load_timeout_s: float = 20.0
-    unknown_transfer_grace_s: float = 2.0
-    waiting_hold_s: float = 600.0
-    push_timeout_s: float = 30.0
-    pack_threads: int = 1
-    layer_groups: int = 8
+    transport: Literal["auto", "nixl", "tcp", "loopback"] = "auto"
+    chunk_tokens: PositiveInt = 256
+    store_mib: PositiveInt = 1024
+    store_slots: NonNegativeInt = 0
+    lease_ms: PositiveInt = 30_000
+    load_timeout_s: PositiveFloat = 20.0
+    unknown_transfer_grace_s: PositiveFloat = 2.0
+    waiting_hold_s: PositiveFloat = 600.0
+    push_timeout_s: PositiveFloat = 30.0
+    pack_threads: PositiveInt = 1
+    layer_groups: PositiveInt = 8
     async_save: bool = True
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
     reuse: bool = True
     model_revision: str | None = None
     disk_path: str | None = None
-    disk_gib: float = 16.0
-    eviction: str = "lru"
-    lookup_timeout_ms: int = 2
-    lookup_deadline_ms: int = 2000
+    disk_gib: PositiveFloat = 16.0
+    eviction: Literal["lru"] = "lru"
+    lookup_timeout_ms: PositiveInt = 2
+    lookup_deadline_ms: PositiveInt = 2000
     shared_store: str | None = None
-    secret: str | None = field(default=None, repr=False)
+    secret: str | None = Field(default=None, repr=False)
     secret_env: str | None = None
-    faults: FaultConfig = field(default_factory=FaultConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.kv_port < 65536:
-            raise ConfigError(f"kv_connector_extra_config.kv_port: {self.kv_port} is not a port")
-        if self.store_slots < 0:
-            raise ConfigError("kv_connector_extra_config.store_slots: must be >= 0")
-        for name in ("chunk_tokens", "store_mib", "lease_ms", "pack_threads", "layer_groups"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"kv_connector_extra_config.{name}: must be >= 1")
-        if self.eviction != "lru":
-            raise ConfigError(
-                f"kv_connector_extra_config.eviction: {self.eviction!r}; only 'lru' is supported"
-            )
-        if self.lookup_timeout_ms < 1:
-            raise ConfigError("kv_connector_extra_config.lookup_timeout_ms: must be >= 1")
-        if self.lookup_deadline_ms < self.lookup_timeout_ms:
-            raise ConfigError(
-                f"kv_connector_extra_config.lookup_deadline_ms: {self.lookup_deadline_ms} is "
-                f"below lookup_timeout_ms {self.lookup_timeout_ms} (the deadline bounds a "
-                "lookup over all the steps it waits; raise it with lookup_timeout_ms)"
-            )
-        for name in (
-            "load_timeout_s",
-            "unknown_transfer_grace_s",
-            "waiting_hold_s",
-            "push_timeout_s",
-            "disk_gib",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"kv_connector_extra_config.{name}: must be > 0")
-        self._check_secret()
+    def __init__(self, **values: Any) -> None:
         try:
-            advertised_host(self.host, self.advertise_host)
-            check_exposure(self.host, self.resolved_secret(), self.insecure, "host")
-        except ConfigError as exc:
-            raise ConfigError(f"kv_connector_extra_config.{exc}") from exc
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from exc
+
+    @field_validator("faults", mode="before")
+    @classmethod
+    def _faults(cls, value: Any) -> FaultConfig:
+        return value if isinstance(value, FaultConfig) else FaultConfig.from_dict(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ConnectorConfig:
+        if self.lookup_deadline_ms < self.lookup_timeout_ms:
+            raise ValueError(
+                f"lookup_deadline_ms: {self.lookup_deadline_ms} is below lookup_timeout_ms "
+                f"{self.lookup_timeout_ms} (the deadline bounds a lookup over all the steps it "
+                "waits; raise it with lookup_timeout_ms)"
+            )
+        self._check_secret()
+        advertised_host(self.host, self.advertise_host)
+        check_exposure(self.host, self.resolved_secret(), self.insecure, "host")
         if self.shared_store is not None:
             if not self.shared_store.strip():
-                raise ConfigError("kv_connector_extra_config.shared_store: must not be empty")
+                raise ValueError("shared_store: must not be empty")
             if not self.reuse:
-                raise ConfigError(
-                    "kv_connector_extra_config.shared_store: needs reuse (the shared "
-                    "store is loaded through this engine's own store)"
+                raise ValueError(
+                    "shared_store: needs reuse (the shared store is loaded through this "
+                    "engine's own store)"
                 )
+        return self
 
     def shared_store_endpoint(self) -> str | None:
         """The shared store's control endpoint: ``shared_store`` as a URL, or
@@ -145,13 +148,12 @@ class ConnectorConfig:
 
     def _check_secret(self) -> None:
         if self.secret is not None and self.secret_env is not None:
-            raise ConfigError("kv_connector_extra_config: give secret or secret_env, not both")
+            raise ValueError("give secret or secret_env, not both")
         if self.secret == "":
-            raise ConfigError("kv_connector_extra_config.secret: must not be empty")
+            raise ValueError("secret: must not be empty")
         if self.secret_env is not None and not os.environ.get(self.secret_env):
-            raise ConfigError(
-                f"kv_connector_extra_config.secret_env: environment variable "
-                f"{self.secret_env!r} is not set (or empty)"
+            raise ValueError(
+                f"secret_env: environment variable {self.secret_env!r} is not set (or empty)"
             )
 
     def resolved_secret(self) -> str | None:
@@ -163,64 +165,40 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         """Build from the extra-config dict; unknown keys are an error."""
-        extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}"
-            )
-        values: dict[str, Any] = {}
-        for name, value in extra.items():
-            kind: Any = type(known[name].default)
-            if name == "faults":
-                values[name] = value if isinstance(value, FaultConfig) else _faults(value)
-                continue
-            if name in _OPTIONAL_STR:
-                kind = str
-            try:
-                if kind is bool:
-                    values[name] = _as_bool(value)
-                    continue
-                values[name] = value if value is None or kind is type(None) else kind(value)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"kv_connector_extra_config.{name}: {exc}") from exc
-        return cls(**values)
+        return cls(**dict(extra or {}))
+
+    @classmethod
+    def check_extra(cls, extra: dict[str, Any]) -> None:
+        """ConfigError unless the engine's connector will accept ``extra``, as
+        far as a launcher can tell before the engine runs: every check but the
+        secret's (its variable is set in the engine's environment, not here)
+        and the exposure check that needs it."""
+        probe = {k: v for k, v in extra.items() if k not in ("secret", "secret_env")}
+        cls.from_extra(probe | {"insecure": True})
 
 
-_OPTIONAL_STR = (
-    "advertise_host",
-    "ucx_net_devices",
-    "disk_path",
-    "shared_store",
-    "secret",
-    "secret_env",
-    "model_revision",
-)
+SOURCE = "kv_connector_extra_config"
 
 
-def _faults(value: Any) -> FaultConfig:
-    try:
-        return FaultConfig.from_dict(value)
-    except (TypeError, ConfigError) as exc:
-        raise ConfigError(f"kv_connector_extra_config.{exc}") from exc
-
-
-def _as_bool(value: Any) -> bool:
-    """JSON booleans, 0/1, and the strings true/false/yes/no/on/off."""
-    if isinstance(value, bool | int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
-        return _BOOL_WORDS[value.strip().lower()]
-    raise ValueError(f"{value!r} is not a boolean")
-
-
-_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True} | {
-    "false": False,
-    "no": False,
-    "off": False,
-    "0": False,
-}
+def _describe(exc: ValidationError) -> str:
+    """``kv_connector_extra_config.FIELD: message`` per error, as the
+    connector always named them (a check across fields names its field first)."""
+    known = sorted(ConnectorConfig.model_fields)
+    lines = []
+    for err in exc.errors(include_url=False):
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        where = field_path(err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{SOURCE}: unknown key {where!r}; known: {known}")
+        elif where and msg.startswith(where) and msg[len(where) : len(where) + 1] in (":", "."):
+            lines.append(f"{SOURCE}.{msg}")  # NOTE: a nested config's own message names it
+        elif where:
+            lines.append(f"{SOURCE}.{where}: {msg}")
+        elif msg.split(":", 1)[0] in known:
+            lines.append(f"{SOURCE}.{msg}")
+        else:
+            lines.append(f"{SOURCE}: {msg}")
+    return "\n".join(lines)
 
 
 def endpoint_file(engine_id: str, rank: int) -> Path:

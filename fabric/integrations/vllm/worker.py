@@ -396,7 +396,7 @@ class FabricWorker:
         c = self.config
         port = c.kv_port + self.tp_rank if c.kv_port and serve else 0
         return TransferConfig(
-            transport=c.transport,  # type: ignore[arg-type]
+            transport=c.transport,
             host=c.host,
             advertise_host=c.advertise_host,
             insecure=c.insecure,
