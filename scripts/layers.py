@@ -46,6 +46,11 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
+TYPE_CHECKING_TESTS = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+"""The ``if`` tests whose body runs for type checkers only (``if not
+TYPE_CHECKING:`` runs at run time: its imports make cycles)."""
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[int, str, bool]]:
     """(line, module, typing only) of every import of a module in ``known`` by ``name``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -53,7 +58,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[int
     typing_only = {
         id(inner)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in TYPE_CHECKING_TESTS
         for inner in ast.walk(ast.Module(body=node.body, type_ignores=[]))
     }
     for node in ast.walk(tree):

@@ -70,3 +70,18 @@ def test_a_cycle_is_found_also_through_a_lazy_import_but_not_a_typing_one(
         },
     )
     assert load().check(root) == ["import cycle: fabric.kv.cuda -> fabric.kv.pack"]
+
+
+def test_an_import_under_if_not_type_checking_runs_and_makes_a_cycle(tmp_path: Path) -> None:
+    root = package(
+        tmp_path,
+        {
+            "kv/__init__.py": "",
+            "kv/layout.py": "from fabric.kv.keys import chunk_keys\n",
+            "kv/keys.py": (
+                "from typing import TYPE_CHECKING\nif not TYPE_CHECKING:\n"
+                "    from fabric.kv.layout import KVLayout\n"
+            ),
+        },
+    )
+    assert load().check(root) == ["import cycle: fabric.kv.keys -> fabric.kv.layout"]
