@@ -3,13 +3,16 @@ the latest per source and summed over sources on ``/metrics``."""
 
 from __future__ import annotations
 
+import ast
 import functools
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from fabric.integrations.vllm.counters import TABLES_KEY, FabricCounters
+import fabric
+from fabric.integrations.vllm.counters import COUNTERS, STRICT_ENV, TABLES_KEY, FabricCounters
 
 
 def test_table_sizes_are_reported_when_they_change_and_summed_over_sources() -> None:
@@ -69,3 +72,43 @@ def test_a_misspelt_counter_is_refused_not_silently_kept() -> None:
     with pytest.raises(ValueError, match="chunk_sent"):
         counters.add(chunk_sent=1)
     assert counters.take()["chunks_sent"] == 1
+
+
+def test_outside_tests_a_misspelt_counter_is_logged_once_and_dropped(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In an engine a ValueError from a vLLM hook or a fabric thread would
+    fail requests: the bug is logged (once) and the rest of the call counted."""
+    monkeypatch.delenv(STRICT_ENV)
+    counters = FabricCounters()
+    for _ in range(3):
+        counters.add(chunks_sent=1, chunk_sent_typo_for_this_test=1)
+    assert counters.take() == {"chunks_sent": 3}
+    logged = [r for r in caplog.records if "chunk_sent_typo_for_this_test" in r.getMessage()]
+    assert len(logged) == 1
+
+
+def test_every_counter_fabric_adds_by_name_is_a_counter() -> None:
+    """Every ``counters.add(name=...)`` (and ``**{"name": ...}``) in fabric/
+    names a counter: a typo in a path no test takes would only be logged."""
+    root = Path(fabric.__file__).parent
+    names = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add"
+                and ast.unparse(node.func.value).endswith("counters")
+            ):
+                for keyword in node.keywords:
+                    if keyword.arg is not None:
+                        names.append((path.name, node.lineno, keyword.arg))
+                    elif isinstance(keyword.value, ast.Dict):
+                        names += [
+                            (path.name, node.lineno, key.value)
+                            for key in keyword.value.keys
+                            if isinstance(key, ast.Constant)
+                        ]
+    assert len(names) > 40  # NOTE: the scan finds them
+    assert [n for n in names if n[2] not in COUNTERS] == []

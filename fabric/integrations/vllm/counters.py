@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STRICT_ENV = "FABRIC_STRICT_COUNTERS"
+"""Set (to anything but empty), :meth:`FabricCounters.add` raises on a name
+that is not a counter; unset, it logs it once and drops it (the tests set it:
+a ValueError inside a vLLM hook or a fabric thread would fail the engine)."""
 
 COUNTERS = {
     "chunks_sent": "chunks pushed to decoders",
@@ -98,6 +107,9 @@ TABLES_KEY = "tables"
 """``take()``'s entry for table sizes: {source: {table: entries}}."""
 
 
+_REPORTED: set[str] = set()  # NOTE: unknown names logged once per process
+
+
 class FabricCounters:
     """Thread-safe counters, latency samples and table sizes, drained by ``take()``.
 
@@ -126,16 +138,28 @@ class FabricCounters:
                 self._tables_changed = True
 
     def add(self, **deltas: int) -> None:
-        """Add to counters named in :data:`COUNTERS`; another name is a bug
-        (ValueError: a misspelt counter would never be exported)."""
+        """Add to counters named in :data:`COUNTERS`. Another name is a bug (a
+        misspelt counter would never be exported): ValueError under
+        ``$FABRIC_STRICT_COUNTERS``, else logged once per name and dropped."""
         unknown = deltas.keys() - COUNTERS.keys()
         if unknown:
-            raise ValueError(f"not fabric counters: {', '.join(sorted(unknown))}")
+            self._unknown(unknown)
+            deltas = {name: delta for name, delta in deltas.items() if name in COUNTERS}
         with self._lock:
             for name, delta in deltas.items():
                 value = self._counts.get(name, 0)
                 assert isinstance(value, int)
                 self._counts[name] = value + delta
+
+    def _unknown(self, names: set[str]) -> None:
+        text = ", ".join(sorted(names))
+        if os.environ.get(STRICT_ENV):
+            raise ValueError(f"not fabric counters: {text}")
+        with self._lock:
+            new = names - _REPORTED
+            _REPORTED.update(new)
+        if new:
+            logger.error("fabric: not counters, dropped (a bug): %s", ", ".join(sorted(new)))
 
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
