@@ -73,8 +73,8 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    out = tmp_path / "stream.txt"
-    reader = _start_stream(f"{url}/v1/completions", body, out)
+    out, go = tmp_path / "stream.txt", tmp_path / "go"
+    reader = _start_stream(f"{url}/v1/completions", body, out, go)
     try:
         assert _wait_streaming(out, reader, 120), "the stream never started"
 
@@ -104,6 +104,7 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
                 f"done: {reader.poll() is not None}, engine alive: {process.alive()}\n"
                 f"{process.log_tail()}"
             ) from exc
+        go.touch()  # NOTE: the reader reads the rest of the stream now
         assert reader.wait(300) == 0, out.read_text()[-2000:]
     finally:
         if reader.poll() is None:
@@ -127,9 +128,18 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
 # busy with the engine) that the health poll after SIGTERM waited 2-19 s for
 # it (curl, timed, got its 503 in 6 ms), and when the engine had drained and
 # stopped before that, the poll met a closed port (the CI failure).
+# It stops reading after the first chunk until the test has sent its
+# requests (the file ``go`` appears): the engine cannot finish sending the
+# stream meanwhile, so it is still running whatever the machine's load (in a
+# full run on a busy machine the test's health poll and request took ~10 s,
+# the engine had streamed all 4,000 tokens, drained and stopped before the
+# request was answered: connection refused). Then it reads on slowly: the
+# stream's end is still in the engine's buffers when the request's call
+# ends, and must reach the client whole all the same.
 _READER = """
-import json, sys
+import json, os, sys, time
 import httpx
+go = sys.argv[4]
 with open(sys.argv[3], "w") as out:
     with httpx.stream("POST", sys.argv[1], json=json.loads(sys.argv[2]), timeout=300) as response:
         out.write(f"status: {response.status_code}\\n")
@@ -137,11 +147,23 @@ with open(sys.argv[3], "w") as out:
         for line in response.iter_lines():
             out.write(line + "\\n")
             out.flush()
+            deadline = time.monotonic() + 300
+            while line.startswith("data: ") and not os.path.exists(go):
+                assert time.monotonic() < deadline, "never told to go on"
+                time.sleep(0.02)
+            time.sleep(float(sys.argv[5]))
 """
+READ_DELAY_S = 0.002
+"""After ``go``, a pause per line: a client reading slower than the engine
+sends, so the stream's end waits in the connection's buffer for a while."""
 
 
-def _start_stream(url: str, body: dict[str, object], out: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", _READER, url, json.dumps(body), str(out)])
+def _start_stream(
+    url: str, body: dict[str, object], out: Path, go: Path
+) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-c", _READER, url, json.dumps(body), str(out), str(go)]
+    argv.append(str(READ_DELAY_S))
+    return subprocess.Popen(argv)
 
 
 def _wait_streaming(out: Path, reader: subprocess.Popen[bytes], timeout_s: float) -> bool:
