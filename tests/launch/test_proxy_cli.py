@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -99,17 +100,33 @@ def test_an_idle_client_connection_is_kept_past_a_clients_5_s_expiry(
     expiry (httpx: 5 s) must not find it closed under its request: with the
     server's own 5 s (uvicorn's default) the close races the request and the
     client reads a reset (seen in a soak as a request without an answer)."""
-    proc, port = _start_proxy(tmp_path, *engines)
-    request = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\nConnection: keep-alive\r\n\r\n"
+    with (
+        _running_proxy(tmp_path, *engines) as port,
+        socket.create_connection(("127.0.0.1", port), timeout=10) as sock,
+    ):
+        sock.sendall(REQUEST)
+        first = _read_answer(sock)
+        time.sleep(6.0)  # NOTE: past uvicorn's default 5 s, within httpx's expiry + 1 s
+        sock.sendall(REQUEST)
+        second = _read_answer(sock)
+
+    assert first.startswith(b"HTTP/1.1 200")
+    assert second.startswith(b"HTTP/1.1 200"), second
+
+
+REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\nConnection: keep-alive\r\n\r\n"
+
+
+@contextlib.contextmanager
+def _running_proxy(
+    tmp_path: Path, p: FakeEngine, d: FakeEngine, proxy: dict[str, object] | None = None
+) -> Iterator[int]:
+    """``fabric proxy`` serving (its port) until the block ends, then stopped."""
+    proc, port = _start_proxy(tmp_path, p, d, proxy)
     try:
         assert proc.stdout is not None
         proc.stdout.readline()
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(request)
-            first = _read_answer(sock)
-            time.sleep(6.0)  # NOTE: past uvicorn's default 5 s, within httpx's expiry + 1 s
-            sock.sendall(request)
-            second = _read_answer(sock)
+        yield port
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -117,9 +134,6 @@ def test_an_idle_client_connection_is_kept_past_a_clients_5_s_expiry(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-    assert first.startswith(b"HTTP/1.1 200")
-    assert second.startswith(b"HTTP/1.1 200"), second
 
 
 def _read_answer(sock: socket.socket) -> bytes:
@@ -161,22 +175,13 @@ def test_proxy_client_keepalive_s_sets_how_long_an_idle_connection_stays(
 ) -> None:
     """``proxy.client_keepalive_s: 1``: an idle client connection is closed
     after about a second (the default keeps it 75 s, test above)."""
-    proc, port = _start_proxy(tmp_path, *engines, proxy={"client_keepalive_s": 1})
-    request = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\nConnection: keep-alive\r\n\r\n"
-    try:
-        assert proc.stdout is not None
-        proc.stdout.readline()
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            sock.sendall(request)
-            first = _read_answer(sock)
-            closed = sock.recv(65536)  # NOTE: blocks until the proxy closes it
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with (
+        _running_proxy(tmp_path, *engines, proxy={"client_keepalive_s": 1}) as port,
+        socket.create_connection(("127.0.0.1", port), timeout=30) as sock,
+    ):
+        sock.sendall(REQUEST)
+        first = _read_answer(sock)
+        closed = sock.recv(65536)  # NOTE: blocks until the proxy closes it
 
     assert first.startswith(b"HTTP/1.1 200")
     assert closed == b""

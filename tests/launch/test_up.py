@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -477,3 +478,15 @@ def test_an_engine_stopping_gets_the_drain_timeout_and_then_some(
     assert status == 0
     assert lines[-1] == "data: [DONE]" and len(lines) == 21  # the engine's drain ran its course
     assert not any(group_members(pid) for pid in started_pids(caplog))
+
+
+def test_fabric_up_does_not_import_vllm() -> None:
+    """fabric up checks each engine's connector settings with the connector's
+    own config, whose package must not bring vLLM in (seconds of import and
+    its log lines ahead of fabric up's own messages)."""
+    code = (
+        "import sys, fabric.cli, fabric.launch.up, fabric.integrations.vllm.config\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)[:5]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
