@@ -26,17 +26,9 @@ import httpx
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENGINE_COLUMNS = ("name", "role", "url", "healthy", "outstanding", "store", "error")
 SUPERVISED_KEYS = ("state", "restarts", "pid")  # columns after healthy, from up.json
-ROW_COLUMNS = {
-    "name": "name",
-    "role": "role",
-    "healthy": "healthy",
-    "state": "state",
-    "restarts": "restarts",
-    "pid": "pid",
-    "outstanding": "busy",
-}
-"""The engine columns drawn in its row, with their heading; the URL, the
-store and an error go on the line below."""
+DETAIL_COLUMNS = ("url", "store", "error")
+"""The engine columns drawn on the line below its row; the others are in the row."""
+HEADINGS = {"outstanding": "busy"}  # NOTE: a column's heading where it is not its name
 DEFAULT_WIDTH = 80
 MIN_WIDTH = 40
 
@@ -124,9 +116,9 @@ def engine_columns(status: dict[str, Any]) -> list[str]:
 def render_plain(status: dict[str, Any], width: int = DEFAULT_WIDTH) -> str:
     """The tables as plain text no wider than ``width`` columns (when names allow).
 
-    Engines: one row of the short columns each (:data:`ROW_COLUMNS`, those
-    of ``fabric up``'s record included), then an indented line with its URL,
-    store and error, wrapped at ``width``. Key/value tables (the shared
+    Engines: one row of the short columns each (those of ``fabric up``'s
+    record included), then an indented line with its URL, store and error
+    (:data:`DETAIL_COLUMNS`), wrapped at ``width``. Key/value tables (the shared
     store, the proxy's counters) are laid out in as many pairs per line as fit.
     """
     parts = []
@@ -145,9 +137,9 @@ def print_status(status: dict[str, Any], url: str) -> None:
 
 
 def _engine_lines(header: list[str], rows: list[list[str]], width: int) -> str:
-    short = [i for i, column in enumerate(header) if column in ROW_COLUMNS]
+    short = [i for i, column in enumerate(header) if column not in DETAIL_COLUMNS]
     shown = [[row[i] for i in short] for row in [header, *rows]]
-    shown[0] = [ROW_COLUMNS[h] for h in shown[0]]
+    shown[0] = [HEADINGS.get(h, h) for h in shown[0]]
     widths = [max(len(r[i]) for r in shown) for i in range(len(short))]
     lines = ["engines"]
     for n, cells in enumerate(shown):

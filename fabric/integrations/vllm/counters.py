@@ -108,6 +108,7 @@ TABLES_KEY = "tables"
 
 
 _REPORTED: set[str] = set()  # NOTE: unknown names logged once per process
+_REPORTED_LOCK = threading.Lock()
 
 
 class FabricCounters:
@@ -152,10 +153,9 @@ class FabricCounters:
                 self._counts[name] = value + delta
 
     def _unknown(self, names: set[str]) -> None:
-        text = ", ".join(sorted(names))
         if os.environ.get(STRICT_ENV):
-            raise ValueError(f"not fabric counters: {text}")
-        with self._lock:
+            raise ValueError(f"not fabric counters: {', '.join(sorted(names))}")
+        with _REPORTED_LOCK:
             new = names - _REPORTED
             _REPORTED.update(new)
         if new:
