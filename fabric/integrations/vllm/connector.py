@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from fabric.errors import ConfigError
+from fabric.integrations.vllm.amx import request_amx_tiles
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.identity import model_identity
@@ -173,6 +174,8 @@ class FabricConnector(KVConnectorBase_V1):
                 counters=counters,
             )
         else:
+            # NOTE: vLLM's CPU attention uses AMX tiles unasked (see amx.py)
+            request_amx_tiles()
             self._worker = FabricWorker(
                 config,
                 produce=produce,
