@@ -121,6 +121,16 @@ class NsClient:
             self._results[arrived["id"]] = arrived
         return self._results.pop(ident)
 
+    def finished(self, ident: int) -> dict[str, Any] | None:
+        """Request ``ident``'s result if it has ended (kept for :meth:`result`), else None."""
+        while True:
+            try:
+                arrived = self._arrived.get_nowait()
+            except queue.Empty:
+                break
+            self._results[arrived["id"]] = arrived
+        return self._results.get(ident)
+
     def call(self, url: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
         """A request, waited for."""
         method = kw.pop("method", "POST" if payload is not None else "GET")

@@ -281,7 +281,7 @@ def test_a_partition_ends_each_request_within_its_bound(
             rig.proxy("/v1/completions"),
             request(prompt, stream=True, max_tokens=STREAM_TOKENS),
         )
-        _wait_streaming(rig)
+        _wait_streaming(rig, ident)
     rig.hosts.cut(host)
     try:
         result = rig.client.result(ident, timeout=OUTCOME_BOUND_S + 30)
@@ -316,16 +316,29 @@ def _wait_computing(rig: Rig, host: str) -> None:
         time.sleep(0.05)
 
 
-def _wait_streaming(rig: Rig) -> None:
-    """Until the decoder generates (its generation token count moved) and
-    still runs a request (the stream has not ended before the cut)."""
+def _wait_streaming(rig: Rig, ident: int) -> None:
+    """Until the decoder generates (its generation token count moved) while
+    the client's stream ``ident`` is still open (it has not ended before the
+    cut). The client says whether its stream is open; the decoder's
+    running-requests gauge only stood in for that (CI once waited 60 s on
+    this with no way to tell a stream that never started from one that
+    ended early: the message now says which, with the answer)."""
     start = rig.metric("hostd", "vllm:generation_tokens_total")
     deadline = time.monotonic() + 60
-    while (
-        rig.metric("hostd", "vllm:generation_tokens_total") < start + 20
-        or rig.metric("hostd", "vllm:num_requests_running") < 1
-    ):
-        assert time.monotonic() < deadline, "the decoder never started generating"
+    seen: list[float] = []
+    while True:
+        seen.append(rig.metric("hostd", "vllm:generation_tokens_total") - start)
+        ended = rig.client.finished(ident)
+        assert ended is None, (
+            "the stream ended before the cut",
+            {k: ended[k] for k in ("status", "error", "elapsed_s", "ttft_s", "body")},
+            len(ended["events"]),
+            ended["events"][-2:],
+            seen[-5:],
+        )
+        if seen[-1] >= 20:
+            return
+        assert time.monotonic() < deadline, ("the decoder never started generating", seen[-5:])
         time.sleep(0.2)
 
 
