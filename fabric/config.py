@@ -215,11 +215,8 @@ class ProxyConfig(_Frozen):
     the stream). ``health_interval_s``:
     period of the background health check (0 = off; failures seen on requests
     still mark engines down). ``max_connections``: pool size of the shared
-    HTTP client, per engine. ``http_pool``: the connection pool of the
-    prefill and decode calls: ``httptools`` (default; a small keep-alive pool
-    on httptools' parser, :mod:`fabric.router.pool`), ``aiohttp`` or
-    ``httpx`` (see :mod:`fabric.router.transport`); each falls back to the
-    next when its package is not installed. ``max_body_bytes``:
+    HTTP client, per engine (the prefill and decode calls go over a small
+    keep-alive pool on httptools' parser, :mod:`fabric.router.pool`). ``max_body_bytes``:
     the largest request body the proxy accepts; a larger one gets a 413
     JSON error as soon as its ``Content-Length`` (or the bytes received so
     far) pass the bound, without being buffered. ``max_answer_bytes``: the
@@ -272,7 +269,6 @@ class ProxyConfig(_Frozen):
     decode_policy: PolicyName | None = None
     disaggregate_min_prompt_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     max_connections: PositiveInt = 1024
-    http_pool: Literal["httptools", "aiohttp", "httpx"] = "httptools"
     max_body_bytes: PositiveInt = 32 * 1024 * 1024
     max_answer_bytes: PositiveInt = 64 * 1024 * 1024
     pool_timeout_s: Seconds | None = None

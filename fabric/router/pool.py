@@ -1,7 +1,7 @@
 """A small HTTP/1.1 keep-alive pool for the engine calls of the PD flow,
-and :func:`open_engines`, which picks the engine client ``proxy.http_pool`` names.
+and :func:`open_engines`, which makes it and the proxy's admin client.
 
-``proxy.http_pool: httptools`` (the default). Each connection is an
+Each connection is an
 ``asyncio.Protocol`` whose bytes go through httptools' C parser (uvicorn's):
 a POST is one ``writelines`` of a pre-built head and the body, and the
 answer arrives through parser callbacks, without any per-request objects
@@ -24,7 +24,7 @@ the body). A body read whole (``read(limit)``) past ``limit`` bytes fails
 with :class:`~fabric.router.transport.AnswerTooLarge` as soon as the
 declared length or the bytes received pass it (nothing more is buffered,
 the connection is dropped). Failures raise httpx's exceptions like the
-other pools: ``ConnectError`` / ``ConnectTimeout``, ``PoolTimeout``,
+rest of the proxy expects: ``ConnectError`` / ``ConnectTimeout``, ``PoolTimeout``,
 ``ReadTimeout``, ``RemoteProtocolError`` (the engine closed the connection
 or sent something that is not HTTP).
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
@@ -52,12 +51,9 @@ import httpx
 
 from fabric.router.transport import (
     KEEPALIVE_S,
-    AiohttpEngines,
-    AiohttpTransport,
     AnswerTooLarge,
     EngineHTTP,
     EngineResponse,
-    HttpxEngines,
     Timeouts,
     check_length,
 )
@@ -85,8 +81,6 @@ class _Target:
 class HttptoolsEngines(EngineHTTP):
     """Engine calls over :class:`_Pool`s, one per (scheme, host, port), each of at
     most ``max_connections`` connections."""
-
-    pool_name = "httptools"
 
     def __init__(self, max_connections: int) -> None:
         self._per_engine = max_connections
@@ -487,34 +481,18 @@ class _Response(EngineResponse):
 
 
 def open_engines(
-    http_pool: str, per_engine: int, max_connections: int, timeout: httpx.Timeout
+    per_engine: int, max_connections: int, timeout: httpx.Timeout
 ) -> tuple[EngineHTTP, httpx.AsyncClient]:
-    """The engine client of ``http_pool`` and an ``httpx.AsyncClient`` for the rest.
+    """The engine client of the PD flow, and a plain ``httpx.AsyncClient`` for
+    the rest (health probes, canaries' admin calls, admin routes).
 
-    ``per_engine`` bounds the httptools pool's connections to each engine;
-    the others share ``max_connections`` (``per_engine`` times the engines).
-
-    The client (health probes, admin routes) runs over aiohttp when it is
-    installed, else over httpx's pool (the caller warns: compare
-    ``engines.pool_name`` with the config).
+    ``per_engine`` bounds the pool's connections to each engine; the httpx
+    client keeps at most ``max_connections`` (``per_engine`` times the engines).
     """
     limits = httpx.Limits(
         max_connections=max_connections, max_keepalive_connections=max_connections
     )
-    aio: AiohttpEngines | None = None
-    with contextlib.suppress(ImportError):
-        aio = AiohttpEngines(max_connections)
-    engines: EngineHTTP | None = aio if http_pool == "aiohttp" else None
-    if http_pool == "httptools":
-        engines = HttptoolsEngines(per_engine)
-    transport: httpx.AsyncBaseTransport
-    if aio is not None:
-        transport = AiohttpTransport(aio, owned=engines is not aio)
-    else:
-        # NOTE: trust_env=False: engine traffic must never go through an
-        # HTTP(S)_PROXY from the environment, and no .netrc lookups per request.
-        transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-    if engines is None:
-        engines = HttpxEngines(transport)
-    client = httpx.AsyncClient(limits=limits, trust_env=False, timeout=timeout, transport=transport)
-    return engines, client
+    # NOTE: trust_env=False: engine traffic must never go through an
+    # HTTP(S)_PROXY from the environment, and no .netrc lookups per request.
+    client = httpx.AsyncClient(limits=limits, trust_env=False, timeout=timeout)
+    return HttptoolsEngines(per_engine), client

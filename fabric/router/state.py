@@ -208,15 +208,7 @@ class ProxyState:
         self.loop = asyncio.get_running_loop()
         size = self.config.max_connections * max(1, len(self.pool.engines))
         timeout = httpx.Timeout(self.config.decode_timeout_s, connect=self.config.connect_timeout_s)
-        self._engines, self._client = open_engines(
-            self.config.http_pool, self.config.max_connections, size, timeout
-        )
-        if self._engines.pool_name != self.config.http_pool:
-            logger.warning(
-                "proxy.http_pool %s is not installed: using %s's (more CPU per request)",
-                self.config.http_pool,
-                self._engines.pool_name,
-            )
+        self._engines, self._client = open_engines(self.config.max_connections, size, timeout)
         return self._client
 
     async def close_client(self) -> None:
@@ -273,8 +265,8 @@ class ProxyState:
         no route) the engine is unreachable and its calls in flight are cut; a
         refused one cuts nothing.
 
-        NOTE: not at once: aiohttp's connect timeout counts the wait for a free
-        pooled connection too (a busy engine).
+        NOTE: not at once: a connect also times out on an engine that is
+        reachable but too busy to accept (its listen backlog full).
         """
         engine.mark_down(describe(exc))
         if isinstance(exc, httpx.ConnectTimeout) and engine not in self._reach_checks:

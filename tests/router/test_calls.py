@@ -34,7 +34,6 @@ from .servers import Proxy, ServerThread, dead_url, full_accept_queue
 from .test_early_handoff import decoder, early_proxy
 from .test_pd_flow import COMPLETION, assert_answered
 
-POOLS = ["httptools", "aiohttp", "httpx"]
 LONG_STREAM = {**COMPLETION, "max_tokens": 100_000, "stream": True}  # 0.05 s a token: hours
 
 
@@ -215,12 +214,11 @@ def assert_became_unreachable(error: dict[str, Any], name: str) -> None:
     assert "became unreachable: test: partitioned" in error["message"], error
 
 
-@pytest.mark.parametrize("http_pool", POOLS)
 def test_a_stream_from_an_unreachable_decoder_ends_with_an_error_event(
-    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str
+    start_engine: StartEngine, start_proxy: StartProxy
 ) -> None:
     p, d = start_engine("prefill"), start_engine("decode", token_delay_s=0.05)
-    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+    proxy = start_proxy([p.url], [d.url])
 
     with (
         httpx.Client(timeout=20, trust_env=False) as client,
@@ -243,26 +241,19 @@ def test_a_stream_from_an_unreachable_decoder_ends_with_an_error_event(
     assert proxy.state.counters.decode_errors == 1
 
 
-@pytest.mark.parametrize(
-    ("http_pool", "early", "stream"),
-    [
-        *((pool, False, False) for pool in POOLS),
-        ("httptools", True, False),
-        ("httptools", True, True),
-    ],
-)
+@pytest.mark.parametrize(("early", "stream"), [(False, False), (True, False), (True, True)])
 def test_a_decode_waiting_on_an_unreachable_decoder_is_a_502(
-    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str, early: bool, stream: bool
+    start_engine: StartEngine, start_proxy: StartProxy, early: bool, stream: bool
 ) -> None:
     """D computes (slowly); or, admitted at dispatch (early handoff), D waits
     for P's word while P computes (slowly). Either way no byte came yet."""
     if early:
         p = start_engine("prefill", delay_s=60)
         d, kv_port = decoder(start_engine)
-        proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)], http_pool=http_pool)
+        proxy = early_proxy(start_proxy, [p.url], [(d, kv_port)])
     else:
         p, d = start_engine("prefill"), start_engine("decode", delay_s=60)
-        proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+        proxy = start_proxy([p.url], [d.url])
 
     answer = post_in_thread(f"{proxy.url}/v1/completions", {**COMPLETION, "stream": stream})
     cut_when_calling(proxy, "decode-0")
@@ -274,12 +265,11 @@ def test_a_decode_waiting_on_an_unreachable_decoder_is_a_502(
     assert proxy.state.counters.early_handoffs == int(early)
 
 
-@pytest.mark.parametrize("http_pool", POOLS)
 def test_a_prefill_on_an_unreachable_prefiller_falls_back(
-    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str
+    start_engine: StartEngine, start_proxy: StartProxy
 ) -> None:
     p, d = start_engine("prefill", delay_s=60), start_engine("decode")
-    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+    proxy = start_proxy([p.url], [d.url])
 
     answer = post_in_thread(f"{proxy.url}/v1/completions", COMPLETION)
     cut_when_calling(proxy, "prefill-0")

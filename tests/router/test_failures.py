@@ -193,12 +193,11 @@ def test_chat_without_messages_is_a_400(
     assert response.json()["error"]["param"] == "messages"
 
 
-@pytest.mark.parametrize("http_pool", ["httptools", "aiohttp", "httpx"])
 def test_client_leaving_mid_stream_releases_the_decoder(
-    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str
+    start_engine: StartEngine, start_proxy: StartProxy
 ) -> None:
     p, d = start_engine("prefill"), start_engine("decode", token_delay_s=0.1)
-    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+    proxy = start_proxy([p.url], [d.url])
     decoder = proxy.state.pool.decoders[0]
     body = {**COMPLETION, "stream": True, "max_tokens": 200}
 
@@ -219,13 +218,12 @@ def test_client_leaving_mid_stream_releases_the_decoder(
     assert decoder.outstanding == 0
 
 
-@pytest.mark.parametrize("http_pool", ["httptools", "aiohttp", "httpx"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_leaving_during_the_prefill_cancels_p_and_never_reaches_d(
-    start_engine: StartEngine, start_proxy: StartProxy, http_pool: str, stream: bool
+    start_engine: StartEngine, start_proxy: StartProxy, stream: bool
 ) -> None:
     p, d = start_engine("prefill", delay_s=2.0), start_engine("decode")
-    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
+    proxy = start_proxy([p.url], [d.url])
     body = {**COMPLETION, "stream": stream}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=0.5)

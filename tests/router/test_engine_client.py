@@ -1,7 +1,7 @@
-"""The proxy behaves the same over each engine pool (httptools, aiohttp, httpx's own).
+"""The proxy's engine client (the httptools pool) end to end: the flows, and
+each failure it raises as the error the rest of the proxy answers.
 
-The other tests run on the default pool (httptools); this one checks that
-every pool gives the same answers and the same errors.
+Kept from when the proxy had three engine clients and this test ran on each.
 """
 
 from __future__ import annotations
@@ -9,24 +9,22 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 
 from .conftest import StartEngine, StartProxy
 from .servers import dead_url
 from .test_pd_flow import COMPLETION, expected_text, sse_events
 
 
-@pytest.mark.parametrize("http_pool", ["httptools", "aiohttp", "httpx"])
-def test_flows_and_failures_on_each_pool(
-    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, http_pool: str
+def test_flows_and_failures_over_the_engine_client(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
 ) -> None:
     p, d = start_engine("prefill"), start_engine("decode")
     slow = start_engine("decode", delay_s=2.0)
     stalling = start_engine("decode", token_delay_s=2.0)
-    proxy = start_proxy([p.url], [d.url], http_pool=http_pool)
-    down = start_proxy([dead_url()], [dead_url()], http_pool=http_pool)
-    timeouts = start_proxy([p.url], [slow.url], http_pool=http_pool, decode_timeout_s=0.3)
-    stall = start_proxy([p.url], [stalling.url], http_pool=http_pool, decode_timeout_s=0.3)
+    proxy = start_proxy([p.url], [d.url])
+    down = start_proxy([dead_url()], [dead_url()])
+    timeouts = start_proxy([p.url], [slow.url], decode_timeout_s=0.3)
+    stall = start_proxy([p.url], [stalling.url], decode_timeout_s=0.3)
 
     plain = client.post(f"{proxy.url}/v1/completions", json=COMPLETION)
     stream = client.post(f"{proxy.url}/v1/completions", json={**COMPLETION, "stream": True})
