@@ -61,8 +61,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
-
 from fabric.errors import ConfigError, FabricError, ProtocolError, ReservationRefused
 from fabric.kv.identity import KeyIdentity
 from fabric.store.chunk_store import ChunkStore
@@ -74,7 +72,6 @@ from fabric.transfer import protocol as proto
 from fabric.transfer.addresses import check_exposure
 from fabric.transfer.client import TransferClient
 from fabric.transfer.config import TransferConfig, Transport, open_data_plane
-from fabric.transfer.dataplane import DataPlane
 from fabric.transfer.node import default_agent_name
 from fabric.transfer.server import TransferServer
 from fabric.transfer.store_client import write_endpoint
@@ -205,7 +202,18 @@ class SharedStore:
         try:
             self.plane.register_pool(self._region.base_address, self._region.nbytes, "cpu")
             self.client = TransferClient(self.store, self.plane, transfer, UNBOUND)
-            self.server = _SharedServer(self, self.store, self.plane, transfer, UNBOUND)
+            self.server = TransferServer(
+                self.store,
+                self.plane,
+                transfer,
+                UNBOUND,
+                handlers={proto.Attach: self._attach_message, proto.Fetch: self._fetch_message},
+                gate=self._gate,
+                release_finished=True,  # NOTE: nobody reads a push into the shared store
+            )
+            self.server.extra_stats.append(
+                lambda: {f"service_{k}": v for k, v in self.counter_values().items()}
+            )
         except BaseException:
             self.plane.close()
             raise
@@ -247,6 +255,23 @@ class SharedStore:
             return {k: int(v) for k, v in dataclasses.asdict(self.counters).items()}
 
     # ------------------------------------------------------------ control loop
+    def _attach_message(self, identity: bytes, msg: proto.Message) -> proto.Message:
+        assert isinstance(msg, proto.Attach)
+        return self.on_attach(msg)
+
+    def _fetch_message(self, identity: bytes, msg: proto.Message) -> proto.Message | None:
+        assert isinstance(msg, proto.Fetch)
+        # NOTE: its lookup reads disk hits back in: off the loop.
+        fetch, received = msg, time.monotonic()
+        return self.server.defer(identity, msg.seq, lambda: self.on_fetch(fetch, received))
+
+    def _gate(self, msg: proto.Message) -> proto.Refused | None:
+        """No Hello before the first Attach gave the store its layout."""
+        if isinstance(msg, proto.Hello) and self.geometry is None:
+            reason = "the shared store has no layout yet: an engine must Attach first"
+            return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, reason)
+        return None
+
     def on_attach(self, msg: proto.Attach) -> proto.Message:
         """Fix the geometry on the first Attach; refuse engines that differ."""
         if self.geometry is None:
@@ -390,53 +415,6 @@ class SharedStore:
         finally:
             self.store.release_slots(slots)
         self.count(fetch_pushes=1, fetched_chunks=len(res.missing))
-
-
-class _SharedServer(TransferServer):
-    """A TransferServer that also answers Attach and Fetch, and refuses
-    Hellos until the store has a layout."""
-
-    def __init__(
-        self,
-        service: SharedStore,
-        store: ChunkStore,
-        plane: DataPlane,
-        config: TransferConfig,
-        fingerprint: str,
-    ) -> None:
-        super().__init__(store, plane, config, fingerprint)
-        self.service = service
-
-    def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message | None:
-        if isinstance(msg, proto.Attach):
-            return self.service.on_attach(msg)
-        if isinstance(msg, proto.Fetch):
-            # NOTE: its lookup reads disk hits back in: off the loop.
-            fetch, received = msg, time.monotonic()
-            return self.defer(identity, msg.seq, lambda: self.service.on_fetch(fetch, received))
-        if isinstance(msg, proto.Hello) and self.service.geometry is None:
-            self.stats.refused += 1
-            reason = "the shared store has no layout yet: an engine must Attach first"
-            return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, reason)
-        return super()._dispatch(identity, msg)
-
-    def _step(self, poller: zmq.Poller, next_expire: float) -> float:
-        next_expire = super()._step(poller, next_expire)
-        self._release_finished()
-        return next_expire
-
-    def _release_finished(self) -> None:
-        """Nobody reads a push into the shared store: once it is finished
-        (verified, failed or expired) its reservation is let go, the verified
-        chunks staying in the store."""
-        with self._cond:
-            done = [rid for rid, prog in self._progress.items() if prog.finished]
-        for rid in done:
-            self.release(rid)
-
-    def snapshot(self) -> dict[str, int]:
-        counters = self.service.counter_values()
-        return super().snapshot() | {f"service_{k}": v for k, v in counters.items()}
 
 
 def serve(config: ServiceConfig, announce: Callable[[str], None] = print) -> int:

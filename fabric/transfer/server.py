@@ -22,7 +22,7 @@ landed chunks, so the loop keeps serving while large chunks are checked.
 
 The loop never runs long blocking work. A request whose answer reads or
 deletes disk files or waits for the disk writer (a Lookup that holds, a
-Pin, a Clear, when the tier has a disk; a subclass's own through
+Pin, a Clear, when the tier has a disk; an application handler's own through
 :meth:`TransferServer.defer`) runs on an :class:`~fabric.transfer.offload.Offload`
 thread; the loop sends its reply when it is done. Two queues, so the
 scheduler's Lookups (and a shared store's Fetches) never wait behind an
@@ -125,6 +125,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+Handler = Callable[[bytes, proto.Message], "proto.Message | None"]
+"""An application's answer to one message type: ``(identity, msg) -> reply``
+(None: handed to :meth:`TransferServer.defer`, which replies later)."""
+
 MAX_REASON_CHARS = 512
 WARN_EVERY_S = 10.0
 ENDED_LINGER_S = 1.0  # an ended reservation's progress, kept for a consumer still polling
@@ -178,8 +182,23 @@ class TransferServer:
         offload: Offload | None = None,
         admin: Offload | None = None,
         close_timeout_s: float = CLOSE_TIMEOUT_S,
+        handlers: Mapping[type[proto.Message], Handler] | None = None,
+        gate: Callable[[proto.Message], proto.Refused | None] | None = None,
+        release_finished: bool = False,
     ) -> None:
+        """``handlers``, ``gate`` and ``release_finished`` let an application
+        serve its own messages beside the transfer protocol (the shared store:
+        :mod:`fabric.shared_store.service`): ``handlers`` answer the message
+        types they name (their reply, or None once they handed the work to
+        :meth:`defer`); ``gate`` may refuse any other message before the
+        server's own handling (counted in ``refused``); with
+        ``release_finished`` a push nobody reads is let go once it is
+        finished (verified, failed or expired), its verified chunks staying
+        in the store."""
         self.store, self.plane, self.config, self.tier = store, plane, config, tier
+        self._handlers: Mapping[type[proto.Message], Handler] = dict(handlers or {})
+        self._gate = gate
+        self._release_finished = release_finished
         # NOTE: the owner's own numbers for Stats (the connector reports its
         # threads' health here, which the proxy's health probe reads).
         self.extra_stats: list[Callable[[], dict[str, int]]] = []
@@ -433,7 +452,15 @@ class TransferServer:
         if now >= next_expire:
             self._expire()
             next_expire = now + self.config.expire_interval_ms / 1000
+        if self._release_finished:
+            self._release_finished_pushes()
         return next_expire
+
+    def _release_finished_pushes(self) -> None:
+        with self._cond:
+            done = [rid for rid, prog in self._progress.items() if prog.finished]
+        for rid in done:
+            self.release(rid)
 
     def _wait(self, poller: zmq.Poller, *, busy: bool) -> dict[zmq.Socket[bytes] | int, int]:
         """Wait for a control message (or offloaded work done) at most one polling period.
@@ -529,6 +556,14 @@ class TransferServer:
 
     def _dispatch(self, identity: bytes, msg: proto.Message) -> proto.Message | None:
         """The reply to ``msg``; None when it was deferred (see ``defer``)."""
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            return handler(identity, msg)
+        if self._gate is not None:
+            refused = self._gate(msg)
+            if refused is not None:
+                self.stats.refused += 1
+                return refused
         if isinstance(msg, proto.Hello):
             return self._on_hello(identity, msg)
         if isinstance(msg, proto.Lookup | proto.Release | proto.Clear | proto.Pin):

@@ -179,6 +179,22 @@ def test_saving_the_same_chunks_again_moves_nothing(make) -> None:
         assert client.stats()["filled"] == 6
 
 
+def test_a_push_into_the_store_is_let_go_once_verified(make) -> None:
+    """Nobody reads a push into the shared store: its reservation and progress
+    entry go once it is verified, and its chunks stay in the store."""
+    service = make("service")
+    a = make("engine")
+    attach(service, a)
+    prompt = tokens(3, seed=6)
+    save(service, a, "a-1", prompt)
+    with StoreClient(service.endpoint) as client:
+        deadline = time.monotonic() + 10
+        while (stats := client.stats())["tables.server_progress"] or stats["reserved"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.02)
+        assert client.lookup(prompt).hit_chunks == 3
+
+
 def test_fetch_pushes_nothing_unless_the_store_holds_more(make) -> None:
     service = make("service")
     a, b = make("engine"), make("engine")
