@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,11 +11,18 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 
 
+COPY_IGNORES = (".git", ".venv", "build", "*.egg-info", "__pycache__", "*.so", ".*_cache")
+
+
 def test_the_wheel_holds_the_package_the_command_and_the_copy_kernel(tmp_path: Path) -> None:
+    # NOTE: from a copy: a build in the tree leaves build/ behind (and stale
+    # modules there would reach a later wheel)
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*COPY_IGNORES))
     built = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"),
-            *("--wheel-dir", str(tmp_path), str(ROOT)),
+            *("--wheel-dir", str(tmp_path), str(source)),
         ],
         capture_output=True,
         text=True,

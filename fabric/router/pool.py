@@ -489,8 +489,12 @@ def open_engines(
     ``per_engine`` bounds the pool's connections to each engine; the httpx
     client keeps at most ``max_connections`` (``per_engine`` times the engines).
     """
+    # NOTE: keepalive_expiry: httpx's default (5 s) is the engines' own idle
+    # timeout; a connection the engine is closing must not be picked (KEEPALIVE_S).
     limits = httpx.Limits(
-        max_connections=max_connections, max_keepalive_connections=max_connections
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections,
+        keepalive_expiry=KEEPALIVE_S,
     )
     # NOTE: trust_env=False: engine traffic must never go through an
     # HTTP(S)_PROXY from the environment, and no .netrc lookups per request.

@@ -190,7 +190,8 @@ class TransferServer:
         serve its own messages beside the transfer protocol (the shared store:
         :mod:`fabric.shared_store.service`): ``handlers`` answer the message
         types they name (their reply, or None once they handed the work to
-        :meth:`defer`); ``gate`` may refuse any other message before the
+        :meth:`defer`; looked up by exact type: the protocol's message
+        structs have no subclasses); ``gate`` may refuse any other message before the
         server's own handling (counted in ``refused``); with
         ``release_finished`` a push nobody reads is let go once it is
         finished (verified, failed or expired), its verified chunks staying

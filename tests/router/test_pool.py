@@ -1,4 +1,4 @@
-"""The httptools engine pool (``proxy.http_pool: httptools``) against scripted servers.
+"""The proxy's engine pool (httptools, :mod:`fabric.router.pool`) against scripted servers.
 
 Each server answers every request it reads with the next scripted reply (raw
 bytes, or a function of the request; a reply saying ``connection: close``

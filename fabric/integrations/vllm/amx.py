@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import platform
 import sys
+
+logger = logging.getLogger(__name__)
 
 ARCH_GET_XCOMP_PERM = 0x1022
 """``arch_prctl`` code that reads the XSAVE features this process may use (``asm/prctl.h``)."""
@@ -32,19 +36,28 @@ def request_amx_tiles() -> bool:
     each spawned child, and the connector's worker side). Where there is no
     AMX, no Linux x86-64 or an older kernel, the call fails harmlessly.
     """
-    if sys.platform != "linux" or platform.machine() != "x86_64":
+    if not _x86_64_linux():
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         answer = libc.syscall(SYS_ARCH_PRCTL_X86_64, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
     except (OSError, AttributeError):
         return False
+    if answer != 0 and _cpu_has_amx():
+        # NOTE: e.g. a thread's signal stack too small for the AMX state: the
+        # first attention step will die of SIGILL, so say why beforehand.
+        errno = ctypes.get_errno()
+        logger.warning(
+            "fabric: this CPU has AMX but Linux refused this process its tiles (%s); "
+            "vLLM's bfloat16 CPU attention will die of SIGILL",
+            os.strerror(errno),
+        )
     return bool(answer == 0)
 
 
 def amx_tiles_permitted() -> bool:
     """Whether this process may use AMX tile data now (``ARCH_GET_XCOMP_PERM``)."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
+    if not _x86_64_linux():
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -53,3 +66,20 @@ def amx_tiles_permitted() -> bool:
     except (OSError, AttributeError):
         return False
     return answer == 0 and bool(mask.value & (1 << XFEATURE_XTILEDATA))
+
+
+def _x86_64_linux() -> bool:
+    """A 64-bit process on Linux x86-64 (the syscall number is 64-bit only)."""
+    return (
+        sys.platform == "linux"
+        and platform.machine() == "x86_64"
+        and ctypes.sizeof(ctypes.c_void_p) == 8
+    )
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(" amx_tile" in line for line in info if line.startswith("flags"))
+    except OSError:
+        return False
