@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,6 +75,7 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
         "stream_options": {"include_usage": True},
     }
     out, go = tmp_path / "stream.txt", tmp_path / "go"
+    held = _HeldRequest(url, "/v1/completions", {**SHORT, "model": SERVED_MODEL_NAME})
     reader = _start_stream(f"{url}/v1/completions", body, out, go)
     try:
         assert _wait_streaming(out, reader, 120), "the stream never started"
@@ -105,8 +107,10 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
                 f"{process.log_tail()}"
             ) from exc
         go.touch()  # NOTE: the reader reads the rest of the stream now
+        held_status, held_answer = held.finish()
         assert reader.wait(300) == 0, out.read_text()[-2000:]
     finally:
+        held.close()
         if reader.poll() is None:
             reader.kill()
             reader.wait()
@@ -114,6 +118,9 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
     status = process.wait(120)
 
     assert health == 503
+    # NOTE: in flight at SIGTERM (its body was still coming): served
+    assert held_status == 200, held_answer
+    assert json.loads(held_answer)["usage"]["completion_tokens"] == SHORT["max_tokens"]
     assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
     choices = [c["choices"][0] for c in chunks if c.get("choices")]
     assert choices[-1]["finish_reason"] == "length"  # finished, not aborted
@@ -123,19 +130,73 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
     assert "fabric: drained; stopping" in process.log_path.read_text()
 
 
+SHORT = {"prompt": "A request still sending its body", "max_tokens": 5, "temperature": 0}
+SHORT |= {"ignore_eos": True}
+
+
+class _HeldRequest:
+    """A POST whose headers and half its body are sent now, the rest on
+    :meth:`finish`: in flight from the server's point of view (its handler
+    waits for the body) for as long as the test wants.
+
+    It keeps the drain going until the test has polled the engine, whatever
+    the machine's load: the stream alone did not. In a full run with both
+    cores busy the engine wrote all 4,000 tokens into the paused reader's
+    socket buffers (about 1 MB, which the kernel took) 13 s after SIGTERM,
+    drained and stopped; the test, starved that long, got its health 503
+    as the drain ended and then "connection refused" on its POST. With a
+    25 s sleep after SIGTERM (a starved test, on purpose) the test without
+    this request fails so every time, and passes with it.
+    """
+
+    def __init__(self, url: str, path: str, body: dict[str, object]) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        payload = json.dumps(body).encode()
+        self._rest = payload[len(payload) // 2 :]
+        self._sock = socket.create_connection((host, int(port)), timeout=60)
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\nconnection: close\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+        )
+        self._sock.sendall(head.encode() + payload[: len(payload) // 2])
+
+    def finish(self) -> tuple[int, bytes]:
+        """Send the rest of the body; the answer's status and body (read to its end)."""
+        self._sock.sendall(self._rest)  # NOTE: "connection: close": read to the end
+        data = b""
+        while chunk := self._sock.recv(65536):
+            data += chunk
+        head, _, answer = data.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if b"transfer-encoding: chunked" in head.lower():
+            answer = _unchunk(answer)
+        return status, answer
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _unchunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out, data = out + data[:size], data[size + 2 :]
+    return out
+
+
 # NOTE: the stream is read in a process of its own. Read by a thread of this
 # process, its reader held the GIL so much (a chunk every ~2 ms, both cores
 # busy with the engine) that the health poll after SIGTERM waited 2-19 s for
 # it (curl, timed, got its 503 in 6 ms), and when the engine had drained and
 # stopped before that, the poll met a closed port (the CI failure).
 # It stops reading after the first chunk until the test has sent its
-# requests (the file ``go`` appears): the engine cannot finish sending the
-# stream meanwhile, so it is still running whatever the machine's load (in a
-# full run on a busy machine the test's health poll and request took ~10 s,
-# the engine had streamed all 4,000 tokens, drained and stopped before the
-# request was answered: connection refused). Then it reads on slowly: the
-# stream's end is still in the engine's buffers when the request's call
-# ends, and must reach the client whole all the same.
+# requests (the file ``go`` appears), then reads on slowly: the stream's end
+# waits in the connection's buffers, and must reach the client whole all the
+# same. (That pause does not keep the engine busy: the kernel's buffers take
+# the whole stream. The held request does, see ``_HeldRequest``.)
 _READER = """
 import json, os, sys, time
 import httpx
