@@ -1,4 +1,4 @@
-"""GPU check of the fused pack/unpack kernels (csrc/): bit-exactness and GB/s.
+"""GPU check of the fused pack/unpack kernels (fabric/kv/csrc/): bit-exactness and GB/s.
 
 Run on a machine with a CUDA device (``benchmarks/gpu_check.sh`` sets up the
 environment and calls this). Steps:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the fused pack/unpack kernels (csrc/), for a lent GPU machine.
+# GPU check of the fused pack/unpack kernels (fabric/kv/csrc/), for a lent GPU machine.
 #
 # Fresh machine, so this script brings what it needs:
 #   1. a python with CUDA torch: $PYTHON, python3 or python if theirs is a CUDA

@@ -1,4 +1,4 @@
-"""Fused CUDA pack/unpack (``csrc/``) behind :class:`fabric.kv.kernels.DeviceKernels`.
+"""Fused CUDA pack/unpack (``fabric/kv/csrc/``) behind :class:`fabric.kv.kernels.DeviceKernels`.
 
 Which implementation copies a request's blocks (:func:`choose_implementation`)::
 
@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 Implementation = Literal["cpu", "cuda-kernels", "torch-index"]
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+"""The kernels' sources, shipped in the package (an installed wheel can JIT-build them)."""
 SOURCES = ("pack_binding.cpp", "pack_kernels.cu")
 CUDA_FLAGS = ("-O3", "--expt-relaxed-constexpr")
 AOT_MODULE = "fabric.kv._cuda_pack"
@@ -165,7 +166,7 @@ def launch_table(views: list[torch.Tensor], ids: np.ndarray) -> tuple[torch.Tens
 
 
 class CudaKernels:
-    """Pack/unpack with the fused ``csrc/`` kernels on a side stream.
+    """Pack/unpack with the fused ``fabric/kv/csrc/`` kernels on a side stream.
 
     ``last_event`` is recorded after each launch; wait on it before anything
     outside CUDA stream order (NIXL) reads a packed chunk. With

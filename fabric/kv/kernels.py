@@ -2,7 +2,7 @@
 
 :class:`DeviceKernels` is what :mod:`fabric.kv.pack` calls for a cache that is
 not on the CPU; :class:`TorchIndexKernels` is the portable implementation
-(torch indexing) and :mod:`fabric.kv.cuda` picks the fused ``csrc/`` kernels
+(torch indexing) and :mod:`fabric.kv.cuda` picks the fused ``fabric/kv/csrc/`` kernels
 where they load.
 """
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class DeviceKernels(Protocol):
-    """Pack/unpack for caches on an accelerator (the csrc/ kernels plug in here)."""
+    """Pack/unpack for caches on an accelerator (the fabric/kv/csrc/ kernels plug in here)."""
 
     def pack(self, views: list[torch.Tensor], ids: np.ndarray, dst: torch.Tensor) -> None:
         """Gather blocks ``ids`` of each segment view into chunk bytes ``dst``."""

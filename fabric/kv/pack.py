@@ -15,7 +15,7 @@ CPU tensors (the point of this module: torch's CPU ``index_select`` manages
 If the C extension was not built, a Python loop of torch slice ``copy_`` calls
 does the same copies (correct, slower) and a warning is logged once;
 :func:`backend` says which one runs. Tensors on an accelerator go to
-:class:`DeviceKernels` chosen per device type: the fused kernels of ``csrc/``
+:class:`DeviceKernels` chosen per device type: the fused kernels of ``fabric/kv/csrc/``
 for CUDA when they load (:mod:`fabric.kv.cuda`), else torch indexing.
 
 ``unpack(..., checksum=, nbytes=)`` verifies the chunk at use, fused with the
@@ -464,7 +464,7 @@ def _chunk_view(buffer: torch.Tensor, layout: KVLayout, num_blocks: int) -> torc
 def device_kernels(device_type: str) -> DeviceKernels:
     """The pack/unpack implementation for caches on ``device_type``.
 
-    CUDA caches get the fused ``csrc/`` kernels when the extension loads, any
+    CUDA caches get the fused ``fabric/kv/csrc/`` kernels when the extension loads, any
     other accelerator (or CUDA without it) torch indexing: see :mod:`fabric.kv.cuda`.
     """
     return kernels_for(device_type)

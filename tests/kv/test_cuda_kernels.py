@@ -1,4 +1,4 @@
-"""csrc/ fused pack/unpack: nvcc build, dispatch, kernel address math, GPU round trips."""
+"""fabric/kv/csrc/ fused pack/unpack: nvcc build, dispatch, kernel address math, GPU round trips."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from fabric.kv.pack import segment_views
 
 pack_mod = importlib.import_module("fabric.kv.pack")  # fabric.kv.pack is also a function
 REPO = Path(__file__).resolve().parents[2]
-CSRC = REPO / "csrc"
+CSRC = REPO / "fabric" / "kv" / "csrc"
 # NOTE: sm_80 (A100) and sm_90 (H100/H200, the machine this project is lent):
 # two archs keep the build near 2 s.
 NVCC_FLAGS = [
@@ -75,7 +75,7 @@ def _cuda_include() -> Path | None:
 def test_binding_builds_only_against_cuda_torch() -> None:
     if torch.version.cuda is None:
         pytest.skip(
-            "csrc/pack_binding.cpp links against torch's CUDA libraries; this torch is "
+            "fabric/kv/csrc/pack_binding.cpp links against torch's CUDA libraries; this torch is "
             f"{torch.__version__} without CUDA (the syntax check below still runs)"
         )
     if not torch.cuda.is_available():
@@ -336,3 +336,13 @@ def test_gpu_pack_api_dispatches_to_fused_kernels() -> None:
     want = torch.empty_like(chunk)
     TorchIndexKernels().pack(segment_views(caches, layout), np.array([9, 1, 2, 30]), want)
     assert torch.equal(chunk, want)
+
+
+def test_the_jit_build_finds_its_sources_inside_the_package() -> None:
+    """``fabric.kv.cuda`` builds from ``CSRC_DIR``: inside the package, so an
+    installed wheel (which ships them, tests/test_packaging.py) can build too."""
+    from fabric.kv import cuda
+
+    package = Path(cuda.__file__).resolve().parent
+    assert cuda.CSRC_DIR.is_relative_to(package)
+    assert all((cuda.CSRC_DIR / name).is_file() for name in cuda.SOURCES)
