@@ -21,6 +21,7 @@ is left reserved or quarantined.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -281,6 +282,10 @@ def test_a_partition_ends_each_request_within_its_bound(
     try:
         result = rig.client.result(ident, timeout=OUTCOME_BOUND_S + 30)
         assert result["elapsed_s"] < OUTCOME_BOUND_S, result["elapsed_s"]
+        if phase == "decode":
+            # NOTE: D cut, the stream cannot end whole: one that did ended before the cut
+            cut_short = [e for e in result["events"] if isinstance(e, dict) and "error" in e]
+            assert cut_short or result["status"] != 200, "the stream ended before the cut"
         _check_outcome(rig, prompt, result, STREAM_TOKENS if phase == "decode" else MAX_TOKENS)
         time.sleep(max(0.0, seconds - result["elapsed_s"]))
     finally:
@@ -330,7 +335,7 @@ def _start_stream_to_cut(rig: Rig, seed: int) -> tuple[list[int], int]:
             return prompt, ident
         # NOTE: only a whole, correct stream is replaced; anything else fails here
         whole = early["status"] == 200 and early["error"] is None and not early["errors"]
-        whole = whole and early["last"][-1:] == ["[DONE]"]
+        whole = whole and early["last"][-1:] == ["[DONE]"] and early["tokens"] == STREAM_TOKENS
         assert whole, ("a stream ended badly before the cut", early)
         ended.append(early)
     raise AssertionError(("every stream ended before the cut", ended))
@@ -357,6 +362,10 @@ def _wait_streaming(rig: Rig, ident: int) -> dict[str, Any] | None:
             summary = {k: ended[k] for k in ("status", "error", "elapsed_s", "ttft_s", "body")}
             errors = [e for e in ended["events"] if isinstance(e, dict) and "error" in e]
             summary |= {"events": len(ended["events"]), "errors": errors[-1:]}
+            summary["tokens"] = 0
+            if ended["status"] == 200 and not errors:
+                with contextlib.suppress(KeyError, ValueError):  # NOTE: not a stream
+                    summary["tokens"] = len(tokens(ended)[0])
             return summary | {"last": ended["events"][-2:]}
         if seen[-1] >= 20:
             return None

@@ -76,7 +76,11 @@ def test_sigterm_finishes_the_stream_refuses_new_work_then_exits(
     }
     out, go = tmp_path / "stream.txt", tmp_path / "go"
     held = _HeldRequest(url, "/v1/completions", {**SHORT, "model": SERVED_MODEL_NAME})
-    reader = _start_stream(f"{url}/v1/completions", body, out, go)
+    try:
+        reader = _start_stream(f"{url}/v1/completions", body, out, go)
+    except BaseException:
+        held.close()
+        raise
     try:
         assert _wait_streaming(out, reader, 120), "the stream never started"
 
@@ -166,6 +170,7 @@ class _HeldRequest:
         data = b""
         while chunk := self._sock.recv(65536):
             data += chunk
+        assert data.startswith(b"HTTP/1.1 "), f"the held request's answer: {data[:500]!r}"
         head, _, answer = data.partition(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
         if b"transfer-encoding: chunked" in head.lower():
