@@ -15,19 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from fabric.integrations.vllm.amx import cpu_has_amx
+
 ROOT = Path(__file__).parents[2]
 ATTENTION = Path(__file__).with_name("amx_attention.py")
 
 
-def _has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_tile" in flags
-
-
-pytestmark = pytest.mark.skipif(not _has_amx(), reason="this CPU has no AMX tiles")
+pytestmark = pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX tiles")
 
 
 def _python(*code_or_args: str) -> subprocess.CompletedProcess[str]:

@@ -36,14 +36,10 @@ def request_amx_tiles() -> bool:
     each spawned child, and the connector's worker side). Where there is no
     AMX, no Linux x86-64 or an older kernel, the call fails harmlessly.
     """
-    if not _x86_64_linux():
+    answer = _arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    if answer is None:
         return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        answer = libc.syscall(SYS_ARCH_PRCTL_X86_64, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    except (OSError, AttributeError):
-        return False
-    if answer != 0 and _cpu_has_amx():
+    if answer != 0 and cpu_has_amx():
         # NOTE: e.g. a thread's signal stack too small for the AMX state: the
         # first attention step will die of SIGILL, so say why beforehand.
         errno = ctypes.get_errno()
@@ -52,20 +48,34 @@ def request_amx_tiles() -> bool:
             "vLLM's bfloat16 CPU attention will die of SIGILL",
             os.strerror(errno),
         )
-    return bool(answer == 0)
+    return answer == 0
 
 
 def amx_tiles_permitted() -> bool:
     """Whether this process may use AMX tile data now (``ARCH_GET_XCOMP_PERM``)."""
-    if not _x86_64_linux():
+    mask = ctypes.c_uint64(0)
+    answer = _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.byref(mask))
+    return answer == 0 and bool(mask.value & (1 << XFEATURE_XTILEDATA))
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles (``amx_tile`` in ``/proc/cpuinfo``)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(" amx_tile" in line for line in info if line.startswith("flags"))
+    except OSError:
         return False
+
+
+def _arch_prctl(code: int, arg: object) -> int | None:
+    """``arch_prctl(code, arg)``'s return value; None where there is no such call."""
+    if not _x86_64_linux():
+        return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mask = ctypes.c_uint64(0)
-        answer = libc.syscall(SYS_ARCH_PRCTL_X86_64, ARCH_GET_XCOMP_PERM, ctypes.byref(mask))
+        return int(libc.syscall(SYS_ARCH_PRCTL_X86_64, code, arg))
     except (OSError, AttributeError):
-        return False
-    return answer == 0 and bool(mask.value & (1 << XFEATURE_XTILEDATA))
+        return None
 
 
 def _x86_64_linux() -> bool:
@@ -75,11 +85,3 @@ def _x86_64_linux() -> bool:
         and platform.machine() == "x86_64"
         and ctypes.sizeof(ctypes.c_void_p) == 8
     )
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return any(" amx_tile" in line for line in info if line.startswith("flags"))
-    except OSError:
-        return False
