@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -124,31 +125,64 @@ def test_decoder_recomputes_when_no_kv_arrives(cluster: Cluster) -> None:
     assert "vLLM recomputes the prompt" in log
 
 
+LEAVE_MAX_TOKENS = 3000
+LEAVE_TRIES = 3
+
+
 def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
     """The proxy drops D's stream when the client goes; vLLM aborts the request.
 
-    Signal: D's generated-token counter stops well short of the 3,000 tokens
-    the request asked for (vLLM's running gauge lags too much to test).
+    Signal: D's generated-token counter, read as soon as the client has left,
+    moves little after that (vLLM's running gauge lags too much to test); a
+    D that kept the request would go on to its 3,000 tokens.
+
+    NOTE: a try where D had generated half the answer or more by then has
+    too little left to tell an abort apart; it is repeated, up to 3 tries.
+    Seen on a busy machine: the proxy's process got no CPU for 12 s (a
+    separate sampler process stalled as long), while D, pinned to its own
+    core, generated all 3,000 tokens before the proxy relayed the first.
     """
     d_url = cluster.decode.base_url
-    before = metric(d_url, "vllm:generation_tokens_total")
-    payload = body(prompt_ids(300, seed=3000), stream=True) | {"max_tokens": 3000}
-    with (
-        httpx.Client(timeout=60, trust_env=False) as client,
-        client.stream("POST", cluster.proxy.url("/v1/completions"), json=payload) as response,
-    ):
-        chunks = response.iter_raw()
-        assert next(chunks).startswith(b"data: ")
-        chunks.close()
+    generated = partial(metric, d_url, "vllm:generation_tokens_total")
+    at_leave: list[float] = []
+    for attempt in range(LEAVE_TRIES):
+        before = generated()
+        prompt = prompt_ids(300, seed=3000 + attempt)
+        payload = body(prompt, stream=True) | {"max_tokens": LEAVE_MAX_TOKENS}
+        with (
+            httpx.Client(timeout=60, trust_env=False) as client,
+            client.stream("POST", cluster.proxy.url("/v1/completions"), json=payload) as response,
+        ):
+            chunks = response.iter_raw()
+            assert next(chunks).startswith(b"data: ")
+            chunks.close()
+        at_leave.append(generated() - before)
+        if at_leave[-1] < LEAVE_MAX_TOKENS / 2:
+            break
+        _wait_until_stable(generated)
+    else:
+        pytest.fail(
+            f"in {LEAVE_TRIES} tries D had generated half its answer or more when the client "
+            f"left (tokens by then: {at_leave}): nothing left to test"
+        )
+    after_leave = _wait_until_stable(generated) - before - at_leave[-1]
+    assert after_leave < LEAVE_MAX_TOKENS / 2, (
+        f"D generated {after_leave:g} tokens after the client left "
+        f"({at_leave[-1]:g} before): not aborted"
+    )
+
+
+def _wait_until_stable(read: Callable[[], float], quiet_s: float = 3, bound_s: float = 30) -> float:
+    """``read()``'s value once it stayed the same for ``quiet_s``."""
     last, stable_since = -1.0, time.monotonic()
-    deadline = time.monotonic() + 30
-    while time.monotonic() - stable_since < 3:
-        assert time.monotonic() < deadline, "D kept generating after the client left"
-        now = metric(d_url, "vllm:generation_tokens_total")
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() - stable_since < quiet_s:
+        assert time.monotonic() < deadline, f"still moving after {bound_s} s: {last:g}"
+        now = read()
         if now != last:
             last, stable_since = now, time.monotonic()
         time.sleep(0.2)
-    assert last - before < 1500  # aborted, not run to its 3,000 tokens
+    return last
 
 
 def test_prefiller_killed_the_proxy_falls_back_to_the_decoder(cluster: Cluster) -> None:
