@@ -305,8 +305,8 @@ def _serve(ns: argparse.Namespace) -> int:
             from fabric.launch.up import UpOptions
             from fabric.launch.up import main as up_main
 
-            restart = RestartPolicy(ns.restart_backoff_s, ns.restart_backoff_max_s)
-            options = UpOptions(ns.drain_timeout_s, restart, host=ns.host)
+            restart = RestartPolicy(initial_s=ns.restart_backoff_s, max_s=ns.restart_backoff_max_s)
+            options = UpOptions(drain_timeout_s=ns.drain_timeout_s, restart=restart, host=ns.host)
             return up_main(ns.config, options=options)
         from fabric.config import load_topology
         from fabric.router.serve import run_proxy

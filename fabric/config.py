@@ -44,9 +44,10 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fabric.errors import ConfigError
+from fabric.settings import Settings, field_path, validating_whole
 
 Role = Literal["prefill", "decode", "both"]
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
@@ -57,13 +58,7 @@ PolicyName = Literal["round_robin", "least_outstanding", "cache_aware"]
 LOCAL_HOST = "127.0.0.1"
 
 
-class _Frozen(BaseModel):
-    """Base of every config model: immutable, and unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class HostConfig(_Frozen):
+class HostConfig(Settings):
     """A machine of a topology that spans hosts (an entry of ``hosts:``).
 
     ``address``: where the other hosts reach it (an IPv4 address or a DNS
@@ -106,7 +101,7 @@ class HostConfig(_Frozen):
         return is_loopback(self.address) and is_loopback(self.bind_host)
 
 
-class EngineConfig(_Frozen):
+class EngineConfig(Settings):
     """One engine of the topology.
 
     ``url``: an engine that already runs (``fabric up`` only waits for it).
@@ -203,7 +198,7 @@ class EngineConfig(_Frozen):
         return {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[self.role]
 
 
-class ProxyConfig(_Frozen):
+class ProxyConfig(Settings):
     """The PD proxy: where it listens, its timeouts and its policy.
 
     ``host``: the address it listens on; in a topology with ``hosts:``, the
@@ -281,7 +276,7 @@ class ProxyConfig(_Frozen):
     admin_token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class TopologyConnectorConfig(_Frozen):
+class TopologyConnectorConfig(Settings):
     """A topology's ``connector:`` section: the fabric connector's settings
     for every engine it starts (each engine's own, after its role and port,
     is :class:`fabric.integrations.vllm.config.ConnectorConfig`).
@@ -374,7 +369,7 @@ class TopologyConnectorConfig(_Frozen):
         return {**out, **self.extra}
 
 
-class SharedStoreConfig(_Frozen):
+class SharedStoreConfig(Settings):
     """The host's shared store that ``fabric up`` starts before the engines.
 
     ``fabric store serve`` with ``mem_gib`` of memory, an optional disk tier
@@ -398,7 +393,7 @@ NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?$"
 
 
-class K8sPodConfig(_Frozen):
+class K8sPodConfig(Settings):
     """Size and placement of one kind of pod (``k8s.engine``, ``k8s.engines.NAME``,
     ``k8s.proxy``).
 
@@ -440,7 +435,7 @@ class K8sProxyConfig(K8sPodConfig):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
 
 
-class K8sConfig(_Frozen):
+class K8sConfig(Settings):
     """What ``fabric k8s`` renders for a cluster (the ``k8s:`` section).
 
     ``image``: an image with fabric and vLLM that the operator builds
@@ -485,7 +480,7 @@ class K8sConfig(_Frozen):
         return self.engine.model_copy(update=update)
 
 
-class TopologyConfig(_Frozen):
+class TopologyConfig(Settings):
     """A whole PD deployment: engines, proxy, connector and a work directory.
 
     Engine entries may omit ``role`` (taken from the list they are in),
@@ -617,7 +612,8 @@ def parse_topology(data: Any, source: str = "<topology>") -> TopologyConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
     try:
-        return TopologyConfig.model_validate(data)
+        with validating_whole():
+            return TopologyConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from exc
 
@@ -630,14 +626,6 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         where = field_path(err["loc"])
         lines.append(f"{source}: {where}: {msg}" if where else f"{source}: {msg}")
     return "\n".join(lines)
-
-
-def field_path(loc: tuple[int | str, ...]) -> str:
-    """``("decode", 0, "port")`` -> ``decode[0].port``."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 def _engine_defaults(

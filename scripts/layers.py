@@ -2,7 +2,7 @@
 
 The package is layered, one way::
 
-    fabric, errors -> kv -> store -> transfer -> config ->
+    fabric, errors -> settings -> kv -> store -> transfer -> config ->
     {integrations, shared_store, router, testing} -> launch -> bench -> cli
 
 A module may import its own package's modules and those of lower layers,
@@ -24,6 +24,7 @@ from pathlib import Path
 
 LAYERS: list[tuple[str, ...]] = [
     ("", "errors"),
+    ("settings",),
     ("kv",),
     ("store",),
     ("transfer",),

@@ -32,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import xxhash
+from pydantic import model_validator
 
-from fabric.errors import ConfigError
 from fabric.kv import KVLayout, pack
+from fabric.settings import Settings
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,8 +49,7 @@ if TYPE_CHECKING:
 PIECE_BYTES = 1 << 20  # NOTE: about one core's L2 here (1 MiB of 2 MiB over 2 cores)
 
 
-@dataclass(frozen=True)
-class FullPathOptions:
+class FullPathOptions(Settings):
     """How the full path runs; recorded with every result.
 
     ``pipeline``: pack on a worker thread while the main thread writes.
@@ -66,11 +65,13 @@ class FullPathOptions:
     unpack_threads: int = 1
     piece_bytes: int = PIECE_BYTES
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> FullPathOptions:
         if self.unpack_when not in ("landed", "verified"):
-            raise ConfigError(f"unpack_when: {self.unpack_when!r} (landed, verified)")
+            raise ValueError(f"unpack_when: {self.unpack_when!r} (landed, verified)")
         if self.pack_threads < 1 or self.unpack_threads < 1 or self.piece_bytes < 1:
-            raise ConfigError("pack_threads, unpack_threads and piece_bytes must be >= 1")
+            raise ValueError("pack_threads, unpack_threads and piece_bytes must be >= 1")
+        return self
 
 
 def layer_groups(layout: KVLayout, num_blocks: int, piece_bytes: int) -> list[tuple[int, int]]:

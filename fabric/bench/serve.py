@@ -25,7 +25,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,15 +33,16 @@ import numpy as np
 if TYPE_CHECKING:
     import httpx
 
+from pydantic import Field, model_validator
+
 from fabric.bench.serve_workload import Prompt, WorkloadConfig, arrival_times
-from fabric.errors import ConfigError
+from fabric.settings import Settings
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 MAX_ERRORS_KEPT = 5
 
 
-@dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig(Settings):
     """Where to send and how: endpoint, generation length, streaming, concurrency."""
 
     url: str = "http://127.0.0.1:8000"
@@ -52,17 +53,19 @@ class ServeConfig:
     concurrency: int | None = None
     ignore_eos: bool = False
     timeout_s: float = 300.0
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
         if self.endpoint not in ENDPOINTS:
-            raise ConfigError(f"endpoint: {self.endpoint!r} is not one of {ENDPOINTS}")
+            raise ValueError(f"endpoint: {self.endpoint!r} is not one of {ENDPOINTS}")
         if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if self.concurrency is not None and self.concurrency < 1:
-            raise ConfigError(f"concurrency: must be >= 1, got {self.concurrency}")
+            raise ValueError(f"concurrency: must be >= 1, got {self.concurrency}")
         if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"url: expected http(s)://HOST:PORT, got {self.url!r}")
+            raise ValueError(f"url: expected http(s)://HOST:PORT, got {self.url!r}")
+        return self
 
     @property
     def chat(self) -> bool:
@@ -254,7 +257,7 @@ def summarize(config: ServeConfig, results: list[RequestResult], wall: float) ->
     first = min((r.sent_at for r in results), default=0.0)
     span = max(end - first, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
-    config_doc = asdict(config)
+    config_doc = config.model_dump()
     config_doc["workload"]["input_tokens"] = str(config.workload.input_tokens)
     return {
         "benchmark": "serve",

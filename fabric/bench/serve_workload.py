@@ -26,7 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import model_validator
+
 from fabric.errors import ConfigError
+from fabric.settings import Settings
 
 _WORD_TEXT = """
 the of and to in is you that it he was for on are as with his they at be this have
@@ -70,8 +73,7 @@ class LengthSpec:
         return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
 
 
-@dataclass(frozen=True)
-class WorkloadConfig:
+class WorkloadConfig(Settings):
     """What to send: how many prompts, how long, how much shared, how fast."""
 
     num_requests: int = 100
@@ -80,13 +82,15 @@ class WorkloadConfig:
     rate: float | None = None
     seed: int = 0
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> WorkloadConfig:
         if self.num_requests < 1:
-            raise ConfigError(f"num_requests: must be >= 1, got {self.num_requests}")
+            raise ValueError(f"num_requests: must be >= 1, got {self.num_requests}")
         if not 0.0 <= self.shared_prefix <= 1.0:
-            raise ConfigError(f"shared_prefix: a fraction in [0, 1], got {self.shared_prefix}")
+            raise ValueError(f"shared_prefix: a fraction in [0, 1], got {self.shared_prefix}")
         if self.rate is not None and self.rate <= 0:
-            raise ConfigError(f"rate: requests/s must be > 0, got {self.rate}")
+            raise ValueError(f"rate: requests/s must be > 0, got {self.rate}")
+        return self
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def run_sweep(
         "format": FORMAT_VERSION,
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": config.to_json(),
-        "full_path": asdict(run.options),
+        "full_path": run.options.model_dump(),
         "machine": machine,
         "loadavg_end": list(os.getloadavg()),
         "elapsed_s": round(time.monotonic() - started, 1),

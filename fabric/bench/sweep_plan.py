@@ -19,8 +19,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import model_validator
+
 from fabric.bench.geometry import PRESETS
 from fabric.errors import ConfigError
+from fabric.settings import Settings
 
 TRANSPORTS = ("nixl", "tcp")
 MEMORY_KINDS = ("dram", "vram")
@@ -65,8 +68,7 @@ class SweepPoint:
         )
 
 
-@dataclass(frozen=True)
-class Grid:
+class Grid(Settings):
     """The cartesian product of the values of each axis."""
 
     geometries: tuple[str, ...] = tuple(PRESETS)
@@ -76,15 +78,17 @@ class Grid:
     memories: tuple[str, ...] = MEMORY_KINDS
     progress: tuple[bool, ...] = (False, True)
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> Grid:
         for name in self.geometries:
             if name not in PRESETS:
-                raise ConfigError(f"geometry: unknown preset {name!r} (known: {sorted(PRESETS)})")
+                raise ValueError(f"geometry: unknown preset {name!r} (known: {sorted(PRESETS)})")
         _check_values("transport", self.transports, TRANSPORTS)
         _check_values("memory", self.memories, MEMORY_KINDS)
         for name, values in (("chunk tokens", self.chunk_tokens), ("batch", self.batches)):
             if not values or any(v <= 0 for v in values):
-                raise ConfigError(f"{name}: needs positive values, got {list(values)}")
+                raise ValueError(f"{name}: needs positive values, got {list(values)}")
+        return self
 
     def points(self) -> Iterable[SweepPoint]:
         axes = (
@@ -101,8 +105,7 @@ class Grid:
             yield SweepPoint(g, m, p, t, c, b)
 
 
-@dataclass(frozen=True)
-class SweepConfig:
+class SweepConfig(Settings):
     """Everything that decides a sweep's points and how each is measured.
 
     ``headline_reps``: timed runs at the headline point (Llama-3-8B, 256-token
@@ -119,25 +122,69 @@ class SweepConfig:
     paths: tuple[str, ...] = PATHS
     quick: bool = False
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> SweepConfig:
         _check_values("path", self.paths, PATHS)
         if self.reps < 1 or self.tokens < self.block_size:
-            raise ConfigError("reps must be >= 1 and tokens >= block_size")
+            raise ValueError("reps must be >= 1 and tokens >= block_size")
         if self.tokens % self.block_size:
-            raise ConfigError(f"tokens {self.tokens} is not a multiple of {self.block_size}")
+            raise ValueError(f"tokens {self.tokens} is not a multiple of {self.block_size}")
+        return self
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
 
 QUICK = SweepConfig(
     grids=(
-        Grid(("llama3-8b",), CHUNK_TOKENS, (1,), ("nixl",), ("dram",), (False,)),
-        Grid(("llama3-8b",), (64, 256), (1,), ("tcp",), ("dram",), (False,)),
-        Grid(("llama3-8b",), (64,), (4,), ("nixl",), ("dram",), (False,)),
-        Grid(("llama3-8b",), (256,), (1,), ("nixl",), ("vram",), (False,)),
-        Grid(("tiny",), (16, 256), (1,), ("nixl",), ("dram",), (False,)),
-        Grid(("deepseek-mla",), (256,), (1,), ("nixl",), ("dram",), (False,)),
+        Grid(
+            geometries=("llama3-8b",),
+            chunk_tokens=CHUNK_TOKENS,
+            batches=(1,),
+            transports=("nixl",),
+            memories=("dram",),
+            progress=(False,),
+        ),
+        Grid(
+            geometries=("llama3-8b",),
+            chunk_tokens=(64, 256),
+            batches=(1,),
+            transports=("tcp",),
+            memories=("dram",),
+            progress=(False,),
+        ),
+        Grid(
+            geometries=("llama3-8b",),
+            chunk_tokens=(64,),
+            batches=(4,),
+            transports=("nixl",),
+            memories=("dram",),
+            progress=(False,),
+        ),
+        Grid(
+            geometries=("llama3-8b",),
+            chunk_tokens=(256,),
+            batches=(1,),
+            transports=("nixl",),
+            memories=("vram",),
+            progress=(False,),
+        ),
+        Grid(
+            geometries=("tiny",),
+            chunk_tokens=(16, 256),
+            batches=(1,),
+            transports=("nixl",),
+            memories=("dram",),
+            progress=(False,),
+        ),
+        Grid(
+            geometries=("deepseek-mla",),
+            chunk_tokens=(256,),
+            batches=(1,),
+            transports=("nixl",),
+            memories=("dram",),
+            progress=(False,),
+        ),
     ),
     reps=3,
     quick=True,

@@ -377,7 +377,7 @@ def run(args: SideArgs, reps: int, progress_modes: list[bool]) -> dict[str, Any]
     return {
         "benchmark": "transfer",
         "args": asdict(args),
-        "full_path": asdict(FullPathOptions()),
+        "full_path": FullPathOptions().model_dump(),
         "reps": reps,
         "machine": machine_info(),
         "memcpy_gbps": nbytes / memcpy / 1e9,

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from fabric.config import EngineConfig, K8sConfig, TopologyConfig
 from fabric.errors import ConfigError
 from fabric.launch.up import store_endpoint_file, with_shared_store
+from fabric.settings import Settings, validating_whole
 
 DEFAULT_PORT = 8100
 DEFAULT_KV_PORT = 8101
@@ -44,8 +45,7 @@ RESERVED_SUFFIXES = ("proxy", "topology")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-@dataclass(frozen=True)
-class K8sOptions:
+class K8sOptions(Settings):
     """``fabric k8s``'s flags: ``namespace`` and ``image`` override the
     ``k8s:`` section's; ``secret``: the connector's secret value, rendered as
     a Secret (None: the Secret ``k8s.secret_name`` must exist);
@@ -54,8 +54,8 @@ class K8sOptions:
 
     namespace: str | None = None
     image: str | None = None
-    secret: str | None = field(default=None, repr=False)
-    admin_token: str | None = field(default=None, repr=False)
+    secret: str | None = Field(default=None, repr=False)
+    admin_token: str | None = Field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,8 @@ def _settings(topology: TopologyConfig, options: K8sOptions) -> K8sConfig:
     if not update:
         return base
     try:
-        return K8sConfig.model_validate(base.model_dump(exclude_unset=True) | update)
+        with validating_whole():
+            return K8sConfig.model_validate(base.model_dump(exclude_unset=True) | update)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         flag = f"--{first['loc'][0]}"

@@ -57,7 +57,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fabric.errors import ConfigError
+from pydantic import model_validator
+
+from fabric.settings import Settings
 
 if TYPE_CHECKING:
     from fabric.launch.process import ManagedProcess
@@ -79,8 +81,7 @@ class ChildState(enum.Enum):
     STOPPED = "stopped"  # drained on purpose and exited; not restarted
 
 
-@dataclass(frozen=True)
-class RestartPolicy:
+class RestartPolicy(Settings):
     """Backoff of restarts: ``initial_s`` doubling to ``max_s``, reset after
     ``reset_after_s`` up; ``restart_drained``: restart engines drained on purpose too."""
 
@@ -89,16 +90,18 @@ class RestartPolicy:
     reset_after_s: float = 60.0
     restart_drained: bool = False
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> RestartPolicy:
         if not self.initial_s > 0:
-            raise ConfigError(f"--restart-backoff-s: must be > 0, got {self.initial_s}")
+            raise ValueError(f"--restart-backoff-s: must be > 0, got {self.initial_s}")
         if not self.max_s >= self.initial_s:
-            raise ConfigError(
+            raise ValueError(
                 f"--restart-backoff-max-s: must be >= --restart-backoff-s ({self.initial_s}), "
                 f"got {self.max_s}"
             )
         if not self.reset_after_s > 0:
-            raise ConfigError(f"reset_after_s: must be > 0, got {self.reset_after_s}")
+            raise ValueError(f"reset_after_s: must be > 0, got {self.reset_after_s}")
+        return self
 
 
 @dataclass(frozen=True)

@@ -90,12 +90,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import httpx
+from pydantic import Field, model_validator
 
 from fabric.config import (
     EngineConfig,
@@ -129,6 +129,7 @@ from fabric.launch.running import (
 )
 from fabric.launch.secret import with_secret
 from fabric.launch.supervisor import Child, RestartPolicy
+from fabric.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +142,7 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-@dataclass(frozen=True)
-class UpOptions:
+class UpOptions(Settings):
     """``fabric up``'s own settings (its command-line flags).
 
     ``drain_timeout_s``: how long a SIGTERM waits for requests in flight, in
@@ -154,12 +154,14 @@ class UpOptions:
     """
 
     drain_timeout_s: float | None = None
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
     host: str | None = None
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> UpOptions:
         if self.drain_timeout_s is not None and not self.drain_timeout_s >= 0:
-            raise ConfigError(f"--drain-timeout-s: must be >= 0, got {self.drain_timeout_s}")
+            raise ValueError(f"--drain-timeout-s: must be >= 0, got {self.drain_timeout_s}")
+        return self
 
     def drain_timeout(self, topology: TopologyConfig) -> float:
         """The drain timeout in effect for ``topology``."""

@@ -61,8 +61,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
 from fabric.errors import ConfigError, FabricError, ProtocolError, ReservationRefused
 from fabric.kv.identity import KeyIdentity
+from fabric.settings import Settings
 from fabric.store.chunk_store import ChunkStore
 from fabric.store.disk import DiskTier
 from fabric.store.pool import ChunkPool
@@ -71,7 +74,7 @@ from fabric.store.tier import TieredStore
 from fabric.transfer import protocol as proto
 from fabric.transfer.addresses import check_exposure
 from fabric.transfer.client import TransferClient
-from fabric.transfer.config import TransferConfig, Transport, open_data_plane
+from fabric.transfer.config import Port, TransferConfig, Transport, open_data_plane
 from fabric.transfer.node import default_agent_name
 from fabric.transfer.server import TransferServer
 from fabric.transfer.store_client import write_endpoint
@@ -81,8 +84,7 @@ logger = logging.getLogger(__name__)
 UNBOUND = "unbound"  # the fingerprint of a store no engine has attached to yet
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
+class ServiceConfig(Settings):
     """What ``fabric store serve`` takes.
 
     ``mem_bytes``: the memory tier (all of it registered with the data plane
@@ -95,28 +97,24 @@ class ServiceConfig:
     the control channel like the engines' (they need the same one).
     """
 
-    mem_bytes: int
+    mem_bytes: PositiveInt
     host: str = "127.0.0.1"
-    port: int = 0
+    port: Port = 0
     advertise_host: str | None = None
     insecure: bool = False
     transport: Transport = "auto"
     disk_path: str | None = None
-    disk_gib: float = 16.0
+    disk_gib: PositiveFloat = 16.0
     endpoint_file: str | None = None
-    secret: str | None = dataclasses.field(default=None, repr=False)
-    lease_ms: int = 30_000
-    push_timeout_s: float = 30.0
+    secret: str | None = Field(default=None, repr=False)
+    lease_ms: PositiveInt = 30_000
+    push_timeout_s: PositiveFloat = 30.0
     ucx_net_devices: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.mem_bytes < 1:
-            raise ConfigError(f"mem_bytes: must be >= 1, got {self.mem_bytes}")
-        if self.disk_gib <= 0:
-            raise ConfigError(f"disk_gib: must be > 0, got {self.disk_gib}")
-        if self.push_timeout_s <= 0:
-            raise ConfigError(f"push_timeout_s: must be > 0, got {self.push_timeout_s}")
+    @model_validator(mode="after")
+    def _exposure(self) -> ServiceConfig:
         check_exposure(self.host, self.secret, self.insecure, "host")
+        return self
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
@@ -192,7 +190,7 @@ class SharedStore:
         self._attached: set[str] = set()
         # One slot spanning all the memory until the first Attach carves it.
         self._region = ChunkPool(1, config.mem_bytes)
-        self.store = ChunkStore(StoreConfig(config.mem_bytes, 1), self._region)
+        self.store = ChunkStore(StoreConfig(slot_bytes=config.mem_bytes, num_slots=1), self._region)
         self.disk = (
             DiskTier(config.disk_path, int(config.disk_gib * 2**30)) if config.disk_path else None
         )
@@ -316,7 +314,7 @@ class SharedStore:
         if not geometry.fingerprint:
             raise ConfigError("fingerprint: must not be empty")
         pool = ChunkPool.carve(self._region, geometry.chunk_bytes)
-        store = ChunkStore(StoreConfig(pool.slot_bytes, pool.num_slots), pool)
+        store = ChunkStore(StoreConfig(slot_bytes=pool.slot_bytes, num_slots=pool.num_slots), pool)
         tier = TieredStore(
             store,
             chunk_tokens=geometry.chunk_tokens,

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
-from fabric.errors import ConfigError
+from pydantic import Field
+
+from fabric.settings import Settings
 
 __all__ = [
     "DEFAULT_QUARANTINE_MS",
@@ -37,8 +39,10 @@ class SlotState(enum.Enum):
     QUARANTINED = "quarantined"
 
 
-@dataclass(frozen=True)
-class StoreConfig:
+Count = Annotated[int, Field(strict=True, ge=1)]
+
+
+class StoreConfig(Settings):
     """Configuration of one :class:`~fabric.store.chunk_store.ChunkStore`.
 
     ``quarantine_ms`` is how long an expired, cancelled or corrupt reserved
@@ -51,16 +55,10 @@ class StoreConfig:
     lease of a reservation that does not name one.
     """
 
-    slot_bytes: int
-    num_slots: int
-    quarantine_ms: int = DEFAULT_QUARANTINE_MS
-    default_lease_ms: int = 10000
-
-    def __post_init__(self) -> None:
-        _check_int("slot_bytes", self.slot_bytes, minimum=1)
-        _check_int("num_slots", self.num_slots, minimum=1)
-        _check_int("quarantine_ms", self.quarantine_ms, minimum=0)
-        _check_int("default_lease_ms", self.default_lease_ms, minimum=1)
+    slot_bytes: Count
+    num_slots: Count
+    quarantine_ms: Annotated[int, Field(strict=True, ge=0)] = DEFAULT_QUARANTINE_MS
+    default_lease_ms: Count = 10000
 
 
 @dataclass(frozen=True)
@@ -110,11 +108,3 @@ class StoreStats:
     checksum_failures: int
     expired_reservations: int
     cancelled_reservations: int
-
-
-def _check_int(field: str, value: object, *, minimum: int) -> None:
-    """Raise ConfigError naming ``field`` unless ``value`` is an int >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{field}: expected an int, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{field}: must be >= {minimum}, got {value}")

@@ -46,14 +46,14 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from fabric.settings import Settings
 from fabric.testing.fake_kv import FakeKvPort
 
 DEFAULT_MAX_TOKENS = 16
 CANARY_HEADER = "x-fabric-canary"
 
 
-@dataclass(frozen=True)
-class FakeEngineConfig:
+class FakeEngineConfig(Settings):
     """How a fake engine behaves.
 
     ``delay_s``: wait before answering a generation request (timeouts).

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
-from fabric.errors import ConfigError
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from fabric.settings import Settings
 from fabric.transfer.addresses import advertised_host, check_exposure, check_host
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.protocol import MAX_LEASE_MS, Codec
@@ -14,10 +15,10 @@ if TYPE_CHECKING:
     from fabric.transfer.dataplane import DataPlane
 
 Transport = Literal["auto", "nixl", "tcp", "loopback"]
+Port = Annotated[int, Field(ge=0, le=65535)]
 
 
-@dataclass(frozen=True)
-class TransferConfig:
+class TransferConfig(Settings):
     """Settings shared by the sending and receiving ends.
 
     ``transport``: ``auto`` picks NIXL when it imports, else TCP.
@@ -59,57 +60,39 @@ class TransferConfig:
     injection for tests (:mod:`fabric.transfer.faults`), off by default.
     """
 
+    SECTION: ClassVar[str] = "transfer"
+
     transport: Transport = "auto"
     host: str = "127.0.0.1"
-    port: int = 0
+    port: Port = 0
     advertise_host: str | None = None
     insecure: bool = False
-    max_message_bytes: int = 1 << 20
-    control_timeout_ms: int = 5000
-    lease_ms: int = 10000
-    write_timeout_ms: int = 30_000
-    poll_interval_ms: float = 0.2
-    quiet_poll_interval_ms: float = 1.0
-    idle_poll_interval_ms: float = 5.0
-    expire_interval_ms: float = 50.0
-    peer_idle_s: float = 900.0
+    max_message_bytes: PositiveInt = 1 << 20
+    control_timeout_ms: PositiveInt = 5000
+    lease_ms: Annotated[int, Field(gt=0, le=MAX_LEASE_MS)] = 10000
+    write_timeout_ms: PositiveInt = 30_000
+    poll_interval_ms: PositiveFloat = 0.2
+    quiet_poll_interval_ms: PositiveFloat = 1.0
+    idle_poll_interval_ms: PositiveFloat = 5.0
+    expire_interval_ms: PositiveFloat = 50.0
+    peer_idle_s: PositiveFloat = 900.0
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
-    secret: str | None = field(default=None, repr=False)
-    faults: FaultConfig = field(default_factory=FaultConfig)
+    secret: Annotated[str, Field(min_length=1)] | None = Field(default=None, repr=False)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
 
-    def __post_init__(self) -> None:
-        if self.transport not in ("auto", "nixl", "tcp", "loopback"):
-            raise ConfigError(f"transfer.transport: unknown transport {self.transport!r}")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"transfer.port: {self.port} is not a port number")
+    @model_validator(mode="after")
+    def _consistent(self) -> TransferConfig:
         check_host(self.host, "transfer.host")
         if self.advertise_host is not None:
             advertised_host(self.host, self.advertise_host)  # refuses a wildcard or IPv6
-        for name in ("max_message_bytes", "control_timeout_ms", "lease_ms", "write_timeout_ms"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"transfer.{name}: must be positive")
         if self.quiet_poll_interval_ms < self.poll_interval_ms:
-            raise ConfigError(
-                f"transfer.quiet_poll_interval_ms: {self.quiet_poll_interval_ms} is below "
+            raise ValueError(
+                f"quiet_poll_interval_ms: {self.quiet_poll_interval_ms} is below "
                 f"poll_interval_ms ({self.poll_interval_ms}): the quiet poll is the slower one"
             )
-        for name in (
-            "poll_interval_ms",
-            "quiet_poll_interval_ms",
-            "idle_poll_interval_ms",
-            "expire_interval_ms",
-            "peer_idle_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"transfer.{name}: must be positive")
-        if self.lease_ms > MAX_LEASE_MS:
-            raise ConfigError(f"transfer.lease_ms: {self.lease_ms} is over a day")
-        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
-            raise ConfigError("transfer.secret: must be a non-empty string (or None)")
         check_exposure(self.host, self.secret, self.insecure, "transfer.host")
-        if not isinstance(self.faults, FaultConfig):
-            raise ConfigError("transfer.faults: must be a FaultConfig")
+        return self
 
     def codec(self) -> Codec:
         """The frame codec of this side: its secret and size limit."""

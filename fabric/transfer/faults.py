@@ -31,10 +31,12 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
 
 from fabric.errors import CapacityError, ConfigError
+from fabric.settings import Settings
 
 if TYPE_CHECKING:
     from fabric.store import ChunkStore
@@ -44,8 +46,10 @@ WriteMode = Literal["normal", "drop_write", "drop_notify"]
 _PROBABILITIES = ("drop_write", "drop_notify", "delay", "corrupt", "refuse")
 
 
-@dataclass(frozen=True)
-class FaultConfig:
+Probability = Annotated[float, Field(strict=True)]
+
+
+class FaultConfig(Settings):
     """Probabilities (0..1) of each fault; all zero (the default) is off.
 
     ``delay_ms``: how long a delayed write waits; ``delay`` is the
@@ -53,27 +57,22 @@ class FaultConfig:
     write). ``seed`` seeds the RNG of each side.
     """
 
-    drop_write: float = 0.0
-    drop_notify: float = 0.0
-    delay: float = 1.0
-    delay_ms: float = 0.0
-    corrupt: float = 0.0
-    refuse: float = 0.0
-    seed: int = 0
+    SECTION: ClassVar[str] = "faults"
 
-    def __post_init__(self) -> None:
-        for name in _PROBABILITIES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"faults.{name}: {value!r} is not a probability")
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"faults.{name}: {value} is not in [0, 1]")
-        if isinstance(self.delay_ms, bool) or not isinstance(self.delay_ms, int | float):
-            raise ConfigError(f"faults.delay_ms: {self.delay_ms!r} is not a number")
-        if not 0 <= self.delay_ms <= 600_000:
-            raise ConfigError(f"faults.delay_ms: {self.delay_ms} is not in [0, 600000]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"faults.seed: {self.seed!r} is not an integer")
+    drop_write: Probability = 0.0
+    drop_notify: Probability = 0.0
+    delay: Probability = 1.0
+    delay_ms: Annotated[float, Field(strict=True, ge=0, le=600_000)] = 0.0
+    corrupt: Probability = 0.0
+    refuse: Probability = 0.0
+    seed: Annotated[int, Field(strict=True)] = 0
+
+    @field_validator(*_PROBABILITIES)
+    @classmethod
+    def _probability(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{value:g} is not in [0, 1]")
+        return value
 
     @property
     def enabled(self) -> bool:
@@ -83,15 +82,11 @@ class FaultConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> FaultConfig:
-        """From a JSON/YAML mapping; unknown keys are a ConfigError."""
+        """From a JSON/YAML mapping (None: the default); unknown keys are a ConfigError."""
         if data is None:
             return cls()
         if not isinstance(data, Mapping):
             raise ConfigError(f"faults: expected a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"faults: unknown key(s) {unknown}; known: {sorted(known)}")
         return cls(**data)
 
 

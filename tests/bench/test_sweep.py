@@ -65,7 +65,14 @@ def test_vram_is_planned_when_cuda_is_there() -> None:
 
 
 def test_plan_groups_points_by_receiver_and_runs_nixl_before_tcp() -> None:
-    grid = Grid(("tiny", "llama3-8b"), (16, 256), (1, 4), ("tcp", "nixl"), ("dram",), (True, False))
+    grid = Grid(
+        geometries=("tiny", "llama3-8b"),
+        chunk_tokens=(16, 256),
+        batches=(1, 4),
+        transports=("tcp", "nixl"),
+        memories=("dram",),
+        progress=(True, False),
+    )
     plan = plan_sweep(SweepConfig(grids=(grid,)), has_cuda=no_cuda)
     keys = [key for key, _ in plan.suites()]
     assert len(keys) == len(set(keys)) == 4  # 2 geometries x progress on/off
@@ -77,7 +84,14 @@ def test_plan_groups_points_by_receiver_and_runs_nixl_before_tcp() -> None:
 
 
 def test_plan_skips_batches_longer_than_the_transfer() -> None:
-    grid = Grid(("tiny",), (256, 1024), (1, 4), ("nixl",), ("dram",), (False,))
+    grid = Grid(
+        geometries=("tiny",),
+        chunk_tokens=(256, 1024),
+        batches=(1, 4),
+        transports=("nixl",),
+        memories=("dram",),
+        progress=(False,),
+    )
     plan = plan_sweep(SweepConfig(grids=(grid,), tokens=2048), has_cuda=no_cuda)
     assert SweepPoint("tiny", "dram", False, "nixl", 1024, 4) not in plan.points
     assert [s["reason"] for s in plan.skipped] == ["4 chunks of 1024 tokens exceed 2048 tokens"]
@@ -240,7 +254,14 @@ def test_one_real_point_moves_the_right_bytes(monkeypatch: pytest.MonkeyPatch) -
     from fabric.bench.sweep import run_sweep
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    grid = Grid(("tiny",), (64,), (2,), ("nixl", "tcp"), ("dram",), (False,))
+    grid = Grid(
+        geometries=("tiny",),
+        chunk_tokens=(64,),
+        batches=(2,),
+        transports=("nixl", "tcp"),
+        memories=("dram",),
+        progress=(False,),
+    )
     config = SweepConfig(grids=(grid,), tokens=256, reps=1)
     result = run_sweep(config, plan_sweep(config, has_cuda=no_cuda))
     assert result["errors"] == []

@@ -4,7 +4,6 @@ holds nothing; a control timeout costs no other push its write."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -163,7 +162,7 @@ def slow_control(w: FabricWorker) -> None:
     """Calls time out only after any test has ended: a gated receiver fails
     them when the test says so, never because the test ran slowly."""
     assert w.node is not None
-    w.node.client.config = dataclasses.replace(w.node.client.config, control_timeout_ms=120_000)
+    w.node.client.config = w.node.client.config.model_copy(update={"control_timeout_ms": 120_000})
 
 
 class Tally:

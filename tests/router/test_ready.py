@@ -8,7 +8,6 @@ reported unverified, and retried."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -113,7 +112,7 @@ def test_a_failed_pair_is_reported_not_used_and_retried(
     assert (len(p0.seen), len(p1.seen)) == (0, 4)
     assert proxy.state.counters.fallbacks == 0
 
-    p0.state.config = dataclasses.replace(p0.config, push_fails=False)
+    p0.state.config = p0.config.model_copy(update={"push_fails": False})
     proxy.state.readiness.retry_s = 0.1
     poll(lambda: client.get(f"{proxy.url}/health").status_code == 200, "no retry made it ready")
 
@@ -224,7 +223,7 @@ def test_an_unverified_pair_serves_requests_is_reported_and_retried(
         lambda: client.get(f"{proxy.url}/health") and counters.canaries_unverified > tries,
         "no retry",
     )
-    d.state.config = dataclasses.replace(d.config, fabric_metrics=True)
+    d.state.config = d.config.model_copy(update={"fabric_metrics": True})
     poll(lambda: client.get(f"{proxy.url}/health").status_code == 200, "not verified once fixed")
 
 
@@ -421,7 +420,7 @@ def test_the_health_loop_retries_failed_canaries_in_the_background(
 
     client.get(f"{proxy.url}/health")  # readiness is watched from now on
     poll(lambda: d.state.load_failures >= 2, "failed canary not retried")
-    d.state.config = dataclasses.replace(d.config, load_fails=False)
+    d.state.config = d.config.model_copy(update={"load_fails": False})
     poll(lambda: readiness.ready, "not ready after the decoder was fixed")
 
 

@@ -8,7 +8,6 @@ Real TransferNodes over real ZMQ sockets, plus a hand-driven ZMQ ROUTER
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import socket
 import threading
@@ -225,7 +224,7 @@ def test_calls_to_a_dead_peer_never_block(fake: FakeReceiver) -> None:
         fake.answer_hello()
         link = connecting.result(timeout=10)
         fake.unbind()
-        sender.client.config = dataclasses.replace(sender.client.config, control_timeout_ms=1)
+        sender.client.config = sender.client.config.model_copy(update={"control_timeout_ms": 1})
         failed = []
 
         def hammer() -> None:

@@ -4,29 +4,27 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from fabric.config import field_path
-from fabric.errors import ConfigError
+from fabric.settings import Settings
 from fabric.transfer.addresses import advertised_host, check_exposure
 from fabric.transfer.faults import FaultConfig
 from fabric.transfer.store_client import resolve_endpoint
 
 
-class ConnectorConfig(BaseModel):
+class ConnectorConfig(Settings):
     """What ``--kv-transfer-config '{"kv_connector_extra_config": {...}}'`` sets.
 
     ``kv_port``: where a decoding engine's fabric server binds (0 = free port,
@@ -75,9 +73,8 @@ class ConnectorConfig(BaseModel):
     ``{"corrupt": 1.0}``; off by default.
     """
 
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", coerce_numbers_to_str=True, arbitrary_types_allowed=True
-    )
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+    SECTION: ClassVar[str] = "kv_connector_extra_config"
 
     kv_port: int = Field(default=0, ge=0, le=65535)
     host: str = "127.0.0.1"
@@ -109,16 +106,12 @@ class ConnectorConfig(BaseModel):
     secret_env: str | None = None
     faults: FaultConfig = Field(default_factory=FaultConfig)
 
-    def __init__(self, **values: Any) -> None:
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from exc
-
     @field_validator("faults", mode="before")
     @classmethod
-    def _faults(cls, value: Any) -> FaultConfig:
-        return value if isinstance(value, FaultConfig) else FaultConfig.from_dict(value)
+    def _faults(cls, value: Any) -> Any:
+        if not isinstance(value, FaultConfig | Mapping):
+            raise ValueError(f"expected a mapping, got {type(value).__name__}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> ConnectorConfig:
@@ -175,30 +168,6 @@ class ConnectorConfig(BaseModel):
         and the exposure check that needs it."""
         probe = {k: v for k, v in extra.items() if k not in ("secret", "secret_env")}
         cls.from_extra(probe | {"insecure": True})
-
-
-SOURCE = "kv_connector_extra_config"
-
-
-def _describe(exc: ValidationError) -> str:
-    """``kv_connector_extra_config.FIELD: message`` per error, as the
-    connector always named them (a check across fields names its field first)."""
-    known = sorted(ConnectorConfig.model_fields)
-    lines = []
-    for err in exc.errors(include_url=False):
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        where = field_path(err["loc"])
-        if err["type"] == "extra_forbidden":
-            lines.append(f"{SOURCE}: unknown key {where!r}; known: {known}")
-        elif where and msg.startswith(where) and msg[len(where) : len(where) + 1] in (":", "."):
-            lines.append(f"{SOURCE}.{msg}")  # NOTE: a nested config's own message names it
-        elif where:
-            lines.append(f"{SOURCE}.{where}: {msg}")
-        elif msg.split(":", 1)[0] in known:
-            lines.append(f"{SOURCE}.{msg}")
-        else:
-            lines.append(f"{SOURCE}: {msg}")
-    return "\n".join(lines)
 
 
 def endpoint_file(engine_id: str, rank: int) -> Path:
