@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fabric.integrations.vllm.config import ConnectorConfig
-from fabric.integrations.vllm.metadata import Claim, FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import Claim, FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.kv.spans import chunk_block_counts
 from fabric.transfer import server as server_module
@@ -285,12 +285,12 @@ def test_a_load_whose_push_this_store_refused_fails_at_once(
         d.start_load(FabricMetadata(claims=claims, loads=[plan] if planned == "before" else []))
         caplog.set_level(logging.WARNING)
         counts = chunk_block_counts(150, 64, 16)
-        saves, start = [], 0
+        packs, start = [], 0
         for index, n in enumerate(counts):
-            saves.append(SaveChunk("p-full", index, SRC[start : start + n]))
+            packs.append(PackChunk("p-full", index, SRC[start : start + n]))
             start += n
         sends = [SendPlan("p-full", "t-full", d.node.endpoint, other, counts)]
-        p.save(FabricMetadata(sends=sends, saves=saves))
+        p.pack_step(FabricMetadata(sends=sends, packs=packs))
         if planned == "after":
             deadline = time.monotonic() + 10
             while server.refusal("t-full") is None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fabric.errors import TransferError
-from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.transfer import server as server_module
@@ -74,12 +74,12 @@ class Beat:
 def push(p: FabricWorker, endpoint: str, tid: str) -> None:
     """P computes and pushes the 150-token prompt as transfer ``tid``."""
     counts = chunk_block_counts(150, 64, 16)
-    saves, start = [], 0
+    packs, start = [], 0
     for index, n in enumerate(counts):
-        saves.append(SaveChunk("p-req", index, SRC[start : start + n]))
+        packs.append(PackChunk("p-req", index, SRC[start : start + n]))
         start += n
-    p.save(
-        FabricMetadata(sends=[SendPlan("p-req", tid, endpoint, tokens(150), counts)], saves=saves)
+    p.pack_step(
+        FabricMetadata(sends=[SendPlan("p-req", tid, endpoint, tokens(150), counts)], packs=packs)
     )
 
 
@@ -163,7 +163,7 @@ def test_after_done_the_missing_chunks_are_bounded_from_the_prefills_end(
                 load(d, "t-short")
                 # NOTE: P reserves but never computes its chunks
                 sends = [SendPlan("p-req", "t-short", d.node.endpoint, tokens(150), counts)]
-                p.save(FabricMetadata(sends=sends))
+                p.pack_step(FabricMetadata(sends=sends))
                 time.sleep(2.5)  # past load_timeout_s from the load's start
                 assert results_now(d) == (set(), set())
             caplog.set_level(logging.WARNING)

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from fabric.integrations.vllm import worker as worker_module
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.connector import FabricConnector
-from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, PackChunk, SendPlan
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from tests.integrations.test_vllm_worker import BS, CT, caches
 
@@ -86,12 +86,12 @@ def test_chunks_are_packed_before_the_next_forward_rewrites_freed_blocks(
     for name in ("pack", "pack_checksummed"):
         monkeypatch.setattr(worker_module, name, slowed(getattr(worker_module, name)))
     worker = connector._worker
-    assert worker is not None and worker._saver is not None
+    assert worker is not None and worker._packer is not None
     src = list(range(0, 4 * CB))
     computed = [layer[src].clone() for layer in worker.kv_caches]
-    saves = [SaveChunk("r1", i, src[i * CB : (i + 1) * CB]) for i in range(4)]
+    packs = [PackChunk("r1", i, src[i * CB : (i + 1) * CB]) for i in range(4)]
     sends = [SendPlan("r1", None, None, TOKENS, [CB] * 4)]
-    step(connector, FabricMetadata(sends=sends, saves=saves), lambda: None, set())
+    step(connector, FabricMetadata(sends=sends, packs=packs), lambda: None, set())
 
     def forward_of_the_request_that_got_r1s_blocks() -> None:
         for layer in worker.kv_caches:

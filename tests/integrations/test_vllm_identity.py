@@ -23,7 +23,7 @@ from fabric.integrations.vllm.identity import (
     request_identity,
     weights_digest,
 )
-from fabric.integrations.vllm.metadata import FabricMetadata, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import FabricScheduler
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.kv.identity import BASE, KeyIdentity
@@ -89,7 +89,7 @@ def test_inputs_fabric_cannot_key_bypass_it(req: VReq) -> None:
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     s.update_state_after_alloc(req, list(range(19)), 0)
     meta = s.build_connector_meta(Out(scheduled_new_reqs=[NewReq("a", (list(range(19)),), 0)]))
-    assert tier.calls == [] and meta.sends == [] and meta.saves == []
+    assert tier.calls == [] and meta.sends == [] and meta.packs == []
     assert s.counters.take()["bypassed_requests"] == 1
     pd = dict(do_remote_prefill=True, transfer_id="t", num_tokens=300, chunk_tokens=CT)
     req.kv_transfer_params = pd
@@ -127,9 +127,9 @@ def test_same_tokens_with_another_salt_or_adapter_miss_the_store(tmp_path: Path)
     w = make(seed=99)
     try:
         salted = KeyIdentity(cache_salt="tenant-A")
-        saves = [SaveChunk("r1", i, list(range(i * CB, (i + 1) * CB))) for i in range(4)]
+        packs = [PackChunk("r1", i, list(range(i * CB, (i + 1) * CB))) for i in range(4)]
         plan = SendPlan("r1", None, None, TOKENS[: 4 * CT], [CB] * 4, salted)
-        w.save(FabricMetadata(sends=[plan], saves=saves))
+        w.pack_step(FabricMetadata(sends=[plan], packs=packs))
         w.before_step()
         config = ConnectorConfig(chunk_tokens=CT, lookup_timeout_ms=2000)
         client = WorkerTierClient(config, tp_size=1, engine_id=w.engine_id)

@@ -21,7 +21,7 @@ import torch
 
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.connector import FabricConnector
-from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.kv import chunk_keys, pack_checksummed
@@ -54,12 +54,12 @@ def pair() -> Iterator[tuple[FabricWorker, FabricWorker]]:
 
 def step_meta(endpoint: str, req: str = "p-req", transfer: str = "t1") -> FabricMetadata:
     counts = chunk_block_counts(NUM_TOKENS, CT, BS)
-    saves, start = [], 0
+    packs, start = [], 0
     for index, n in enumerate(counts):
-        saves.append(SaveChunk(req, index, SRC[start : start + n]))
+        packs.append(PackChunk(req, index, SRC[start : start + n]))
         start += n
     sends = [SendPlan(req, transfer, endpoint, tokens(NUM_TOKENS), counts)]
-    return FabricMetadata(sends=sends, saves=saves)
+    return FabricMetadata(sends=sends, packs=packs)
 
 
 def begin_step(
@@ -87,13 +87,13 @@ def forward(p: FabricWorker, meta: FabricMetadata, order: list[str] | None = Non
         if name in p._named_caches:
             i = names.index(name)
             p.kv_caches[i][SRC] = new[i]
-        p.save_layer(name, meta)
+        p.pack_layer(name, meta)
 
 
 def run_and_load(p: FabricWorker, d: FabricWorker, meta: FabricMetadata) -> None:
     """The step on P (forward, wait_for_save), then D loads; D holds P's KV."""
     forward(p, meta)
-    p.save(meta)
+    p.pack_step(meta)
     p.flush()
     load(d)
     assert_same_kv(p, d)
@@ -125,15 +125,15 @@ def test_the_chunks_are_packed_during_the_forward_and_the_decoder_gets_the_final
     new = final_kv(p)
     for i, name in enumerate(names[:-1]):  # NOTE: the forward up to its last layer
         p.kv_caches[i][SRC] = new[i]
-        p.save_layer(name, meta)
+        p.pack_layer(name, meta)
     p.flush()
     # NOTE: layers 0 .. LAYERS-2 of every chunk are packed before the step ends
     assert p.layered is not None and len(p.layered._parts) == 3
     for (_, index), (_, part) in p.layered._parts.items():
         assert part.layers_done == LAYERS - 1, index
     p.kv_caches[-1][SRC] = new[-1]
-    p.save_layer(names[-1], meta)
-    p.save(meta)
+    p.pack_layer(names[-1], meta)
+    p.pack_step(meta)
     p.get_results(set())
     p.flush()
     load(d)
@@ -154,14 +154,14 @@ def test_a_group_is_packed_only_once_every_layer_before_it_was_saved(
     p.before_step()
     new = final_kv(p)
     p.kv_caches[1][SRC] = new[1]
-    p.save_layer(names[1], meta)
-    p.save_layer("draft.layers.0.attn", meta)
+    p.pack_layer(names[1], meta)
+    p.pack_layer("draft.layers.0.attn", meta)
     p.flush()
     assert p.layered is not None and not p.layered._parts  # NOTE: layer 0 not saved yet
     for i in (0, 2):
         p.kv_caches[i][SRC] = new[i]
-        p.save_layer(names[i], meta)
-    p.save(meta)
+        p.pack_layer(names[i], meta)
+    p.pack_step(meta)
     p.flush()
     load(d)
     assert_same_kv(p, d)
@@ -176,7 +176,7 @@ def test_a_chunk_present_by_the_steps_end_gives_its_slot_back(
     p, d = pair
     assert d.node is not None
     one, two = step_meta(d.node.endpoint), step_meta(d.node.endpoint, "p-req2", "t2")
-    meta = FabricMetadata(sends=one.sends + two.sends, saves=one.saves + two.saves)
+    meta = FabricMetadata(sends=one.sends + two.sends, packs=one.packs + two.packs)
     free_before = p.store.stats().free
     p.before_step()
     run_and_load(p, d, meta)
@@ -229,7 +229,7 @@ def test_without_async_save_the_forward_thread_packs_the_groups() -> None:
         meta = step_meta(d.node.endpoint)
         p.before_step()
         forward(p, meta)
-        p.save(meta)
+        p.pack_step(meta)
         load(d)
         assert_same_kv(p, d)
         assert p.counters.take()["chunks_packed_layerwise"] == 3
@@ -244,7 +244,7 @@ def test_layer_wise_packing_is_off_where_it_does_not_apply(extra: dict[str, int]
     p = worker(produce=True, consume=False, seed=1, **extra)
     try:
         assert p.layered is None
-        p.save_layer("layer.0", step_meta("tcp://127.0.0.1:1"))  # NOTE: a no-op
+        p.pack_layer("layer.0", step_meta("tcp://127.0.0.1:1"))  # NOTE: a no-op
     finally:
         p.shutdown()
 
@@ -271,7 +271,7 @@ def test_group_ends() -> None:
     assert group_ends(32, 8) == [4, 8, 12, 16, 20, 24, 28, 32]
     assert group_ends(3, 8) == [1, 2, 3]
     assert group_ends(10, 3) == [4, 7, 10]
-    assert layered_module.LayeredSaves is not None
+    assert layered_module.LayeredPacks is not None
 
 
 def many_layer_worker(num_layers: int, **extra: object) -> FabricWorker:
@@ -317,13 +317,13 @@ def test_hooks_in_any_order_never_pack_a_layer_before_its_hook(
         for i in order:
             p.kv_caches[i][SRC] = new[i]
             hooked.add(i)
-            p.save_layer(names[i], meta)
+            p.pack_layer(names[i], meta)
             p.flush()
-        p.save(meta)
+        p.pack_step(meta)
         p.flush()
         assert p.counters.take()["chunks_packed_layerwise"] == 3
         assert p.layout is not None
-        for chunk, key in zip(meta.saves, p_keys(p), strict=True):
+        for chunk, key in zip(meta.packs, p_keys(p), strict=True):
             [slot] = p.store.acquire([key])
             want = torch.zeros(p.layout.chunk_nbytes(len(chunk.block_ids)), dtype=torch.uint8)
             pack_checksummed(p.kv_caches, p.layout, chunk.block_ids, want)
@@ -349,7 +349,7 @@ def test_a_forward_that_raised_keeps_and_pushes_nothing(
     p, d, meta = begin_step(pair)
     new = final_kv(p)
     p.kv_caches[0][SRC] = new[0]
-    p.save_layer(next(iter(p._named_caches)), meta)
+    p.pack_layer(next(iter(p._named_caches)), meta)
     p.abandon(meta, "the step's forward raised RuntimeError")
     p.flush()
     assert p.store.stats().filled == 0
@@ -364,7 +364,7 @@ def test_wait_for_save_while_the_forward_raises_abandons_the_step() -> None:
     """vLLM's mixin calls wait_for_save in a finally around the forward."""
     calls: list[tuple[str, object]] = []
     worker_double = SimpleNamespace(
-        save=lambda meta: calls.append(("save", meta)),
+        pack_step=lambda meta: calls.append(("pack_step", meta)),
         abandon=lambda meta, why: calls.append(("abandon", why)),
     )
     connector = FabricConnector.__new__(FabricConnector)
@@ -378,7 +378,7 @@ def test_wait_for_save_while_the_forward_raises_abandons_the_step() -> None:
         finally:
             connector.wait_for_save()
     connector.wait_for_save()
-    assert calls == [("abandon", "the step's forward raised RuntimeError"), ("save", meta)]
+    assert calls == [("abandon", "the step's forward raised RuntimeError"), ("pack_step", meta)]
 
 
 def test_a_hook_that_fails_never_raises_into_the_forward(
@@ -394,7 +394,7 @@ def test_a_hook_that_fails_never_raises_into_the_forward(
         def broken(*_: object) -> None:
             raise RuntimeError("injected")
 
-        monkeypatch.setattr(layered_module.LayeredSaves, "prepare", broken)
+        monkeypatch.setattr(layered_module.LayeredPacks, "prepare", broken)
         meta = step_meta(d.node.endpoint)
         begins: list[str] = []
         assert p.sender is not None
@@ -404,7 +404,7 @@ def test_a_hook_that_fails_never_raises_into_the_forward(
         )
         p.before_step()
         forward(p, meta)  # NOTE: does not raise
-        p.save(meta)
+        p.pack_step(meta)
         load(d)
         assert_same_kv(p, d)
         assert begins == ["p-req"]  # NOTE: begun once, by the first group
@@ -429,7 +429,7 @@ def test_a_push_is_begun_once_when_its_groups_are_packed_early(
     meta = step_meta(d.node.endpoint)
     p.before_step()
     forward(p, meta)
-    p.save(meta)
+    p.pack_step(meta)
     p.flush()
     load(d)
     assert begins == ["p-req"]

@@ -1,4 +1,4 @@
-"""Scheduler side of the reuse tier: lookups, LocalLoads, saves, releases."""
+"""Scheduler side of the reuse tier: lookups, LocalLoads, packs, releases."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_computed_full_chunks_are_saved_without_a_push() -> None:
     [plan] = meta.sends
     assert (plan.transfer_id, plan.endpoint, plan.chunk_blocks) == (None, None, [4, 4])
     assert len(plan.token_ids) == 2 * CT
-    assert [(c.index, c.block_ids) for c in meta.saves] == [(0, blocks[:4]), (1, blocks[4:8])]
+    assert [(c.index, c.block_ids) for c in meta.packs] == [(0, blocks[:4]), (1, blocks[4:8])]
     assert s.request_finished(req) is None  # save only: no kv_transfer_params
 
 
@@ -132,7 +132,7 @@ def test_prefiller_with_a_store_hit_still_pushes_every_chunk() -> None:
     s.update_state_after_alloc(req, blocks, CT)
     meta = s.build_connector_meta(Out([NewReq("r1", (blocks,), CT)], Cached(), {"r1": 86}))
     assert [p.transfer_id for p in meta.sends] == ["t1"]
-    assert [c.index for c in meta.saves] == [0, 1, 2]  # chunk 0 comes from the store
+    assert [c.index for c in meta.packs] == [0, 1, 2]  # chunk 0 comes from the store
     assert len(meta.local_loads) == 1
     assert s.request_finished(req)["transfer_id"] == "t1"
 
@@ -151,7 +151,7 @@ def test_no_tier_means_no_lookup_and_no_save() -> None:
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     s.update_state_after_alloc(req, [], 0)
     meta = s.build_connector_meta(Out([NewReq("r1", (list(range(19)),), 0)], Cached(), {"r1": 300}))
-    assert not meta.sends and not meta.saves
+    assert not meta.sends and not meta.packs
 
 
 # ---------------------------------------------------------------- answers across steps

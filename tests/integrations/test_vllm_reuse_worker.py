@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fabric.integrations.vllm.config import ConnectorConfig
-from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, PackChunk, SendPlan
 from fabric.integrations.vllm.tier_client import WorkerTierClient
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.transfer import protocol as proto
@@ -47,8 +47,10 @@ def worker(tmp_path: Path) -> Iterator[FabricWorker]:
 
 def save_prompt(w: FabricWorker, rid: str, blocks: list[int]) -> None:
     counts = [CB] * 4
-    saves = [SaveChunk(rid, i, blocks[i * CB : (i + 1) * CB]) for i in range(4)]
-    w.save(FabricMetadata(sends=[SendPlan(rid, None, None, TOKENS[: 4 * CT], counts)], saves=saves))
+    packs = [PackChunk(rid, i, blocks[i * CB : (i + 1) * CB]) for i in range(4)]
+    w.pack_step(
+        FabricMetadata(sends=[SendPlan(rid, None, None, TOKENS[: 4 * CT], counts)], packs=packs)
+    )
     w.before_step()  # the next step: joins the packing (async_save)
 
 
@@ -244,13 +246,13 @@ def test_async_save_packs_before_the_next_forward_overwrites_the_blocks(
     step's ``before_step`` (vLLM's ``handle_preemptions``) joins it: blocks
     rewritten after that (a finished request's blocks handed to another) do
     not reach the store."""
-    assert worker._saver is not None
+    assert worker._packer is not None
     src = list(range(0, 16))
     original = [layer[src].clone() for layer in worker.kv_caches]
     counts = [CB] * 4
-    saves = [SaveChunk("r1", i, src[i * CB : (i + 1) * CB]) for i in range(4)]
+    packs = [PackChunk("r1", i, src[i * CB : (i + 1) * CB]) for i in range(4)]
     sends = [SendPlan("r1", None, None, TOKENS[: 4 * CT], counts)]
-    worker.save(FabricMetadata(sends=sends, saves=saves))
+    worker.pack_step(FabricMetadata(sends=sends, packs=packs))
     worker.get_results({"r1"})  # the request finished in the same step
     worker.before_step()
     for layer in worker.kv_caches:  # the next forward writes the freed blocks

@@ -80,12 +80,12 @@ def test_prefiller_saves_chunks_as_steps_complete_them() -> None:
     meta = s.build_connector_meta(Out([NewReq("r1", (blocks[:7],), 0)], Cached(), {"r1": 100}))
     assert [p.transfer_id for p in meta.sends] == ["t1"]
     assert meta.sends[0].chunk_blocks == [4, 4, 2]
-    assert [(c.index, c.block_ids) for c in meta.saves] == [(0, blocks[:4])]
+    assert [(c.index, c.block_ids) for c in meta.packs] == [(0, blocks[:4])]
     # step 2 computes the remaining 50: chunks 1 and 2 (partial)
     cached = Cached(["r1"], set(), [(blocks[7:],)], [100])
     meta = s.build_connector_meta(Out([], cached, {"r1": 50}))
     assert meta.sends == []
-    assert [(c.index, c.block_ids) for c in meta.saves] == [(1, blocks[4:8]), (2, blocks[8:10])]
+    assert [(c.index, c.block_ids) for c in meta.packs] == [(1, blocks[4:8]), (2, blocks[8:10])]
     params = s.request_finished(req)
     assert params == {
         "do_remote_prefill": True,
@@ -101,10 +101,10 @@ def test_preempted_prefill_continues_with_new_blocks() -> None:
     req = prefill_req(128)
     s.update_state_after_alloc(req, [], 0)
     meta = s.build_connector_meta(Out([NewReq("r1", ([1, 2, 3, 4, 5],), 0)], Cached(), {"r1": 64}))
-    assert [c.index for c in meta.saves] == [0]
+    assert [c.index for c in meta.packs] == [0]
     resumed = Cached(["r1"], {"r1"}, [([9, 8, 7, 6, 5, 4, 3, 2],)], [0])
     meta = s.build_connector_meta(Out([], resumed, {"r1": 128}))
-    assert [(c.index, c.block_ids) for c in meta.saves] == [(1, [5, 4, 3, 2])]
+    assert [(c.index, c.block_ids) for c in meta.packs] == [(1, [5, 4, 3, 2])]
 
 
 def test_unfinished_push_returns_no_params() -> None:
@@ -120,7 +120,7 @@ def test_prefill_without_endpoint_pushes_nothing() -> None:
     req = Req("r1", list(range(10)), {"do_remote_decode": True})
     s.update_state_after_alloc(req, [], 0)
     meta = s.build_connector_meta(Out([NewReq("r1", ([1],), 0)], Cached(), {"r1": 10}))
-    assert meta.sends == [] and meta.saves == []
+    assert meta.sends == [] and meta.packs == []
 
 
 def decode_req(n: int, **params: Any) -> Req:

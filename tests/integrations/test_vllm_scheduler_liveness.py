@@ -743,7 +743,7 @@ def test_every_table_is_empty_once_every_request_ended_however_it_ended() -> Non
         config, BS, produce=True, consume=True, tier=FakeTier(2), shared=shared_store
     )
     e = Engine(s)
-    done = Req("done", list(range(150)))  # a store hit; saves its chunks; finishes
+    done = Req("done", list(range(150)))  # a store hit; packs its chunks; finishes
     waiting = Req("waiting", list(range(300)))  # a shared fetch; aborted before it got blocks
     fallback = decode_req("fallback", 200)  # its pushed KV never arrives: recomputed
     shared = Req("shared", list(range(300)))  # its shared fetch fails to load: recomputed

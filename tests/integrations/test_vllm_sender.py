@@ -16,7 +16,7 @@ import torch
 from fabric.integrations.vllm import sender as sender_module
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
-from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.sender import (
     FIRST_BACKOFF_S,
@@ -122,7 +122,7 @@ def prompt(n: int) -> list[int]:
 def push(p: FabricWorker, req: str, endpoint: str, tokens: list[int]) -> None:
     """What the connector does for a prefill of ``tokens`` pushed to ``endpoint``."""
     send = SendPlan(req, f"t-{req}", endpoint, tokens, chunk_block_counts(len(tokens), CT, BS))
-    p.save(FabricMetadata(sends=[send], saves=[SaveChunk(req, 0, [3, 4, 5, 6])]))
+    p.pack_step(FabricMetadata(sends=[send], packs=[PackChunk(req, 0, [3, 4, 5, 6])]))
     p.before_step()  # NOTE: joins the pack, as the next engine step does
     p.get_results({req})  # the prefill is done: vLLM reports it finished
 

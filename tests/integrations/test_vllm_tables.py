@@ -21,7 +21,7 @@ import pytest
 
 from fabric.errors import ChecksumMismatch
 from fabric.integrations.vllm import loader as loader_module
-from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.transfer import server as server_module
@@ -79,12 +79,12 @@ def send(
     """P's step: announce ``tid`` to D and pack (push) its first ``chunks`` chunks."""
     assert d.node is not None
     counts = chunk_block_counts(num_tokens, CT, 16)
-    saves, start = [], 0
+    packs, start = [], 0
     for index, n in enumerate(counts[:chunks]):
-        saves.append(SaveChunk(req, index, SRC[start : start + n]))
+        packs.append(PackChunk(req, index, SRC[start : start + n]))
         start += n
     plan = SendPlan(req, tid, d.node.endpoint, prompt(tid, num_tokens), counts)
-    p.save(FabricMetadata(sends=[plan], saves=saves))
+    p.pack_step(FabricMetadata(sends=[plan], packs=packs))
     p.before_step()
 
 

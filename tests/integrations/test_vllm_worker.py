@@ -17,7 +17,7 @@ import torch
 from fabric.errors import ConfigError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import TABLES_KEY
-from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, SaveChunk, SendPlan
+from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import ENGINE_IDLE_POLL_MS, FabricWorker, rank_endpoint
 from tests.transfer.patterns import loop_wakeups
@@ -74,19 +74,19 @@ def tokens(num_tokens: int) -> list[int]:
 
 def push(p: FabricWorker, endpoint: str, num_tokens: int, src_blocks: list[int]) -> None:
     counts = chunk_block_counts(num_tokens, CT, BS)
-    saves, start = [], 0
+    packs, start = [], 0
     for index, n in enumerate(counts):
-        saves.append(SaveChunk("p-req", index, src_blocks[start : start + n]))
+        packs.append(PackChunk("p-req", index, src_blocks[start : start + n]))
         start += n
     sends = [SendPlan("p-req", "t1", endpoint, tokens(num_tokens), counts)]
-    p.save(FabricMetadata(sends=sends, saves=saves))
+    p.pack_step(FabricMetadata(sends=sends, packs=packs))
 
 
 def assert_the_next_push_loads(p: FabricWorker, d: FabricWorker, transfer_id: str) -> None:
     """After a failure: the next request between the same pair is served normally."""
     assert d.node is not None
     sends = [SendPlan("p2", transfer_id, d.node.endpoint, tokens(64), [4])]
-    p.save(FabricMetadata(sends=sends, saves=[SaveChunk("p2", 0, [3, 4, 5, 6])]))
+    p.pack_step(FabricMetadata(sends=sends, packs=[PackChunk("p2", 0, [3, 4, 5, 6])]))
     plan = LoadPlan("d2", transfer_id, 0, [14, 15, 16, 17], 64, tokens(64))
     d.start_load(FabricMetadata(loads=[plan]))
     assert wait_results(d) == ({"d2"}, set())
@@ -139,7 +139,7 @@ def test_missing_chunks_time_out_and_free_the_reservation(
     assert d.node is not None
     counts = chunk_block_counts(150, CT, BS)
     # announce the transfer (reserve) but never compute its chunks
-    p.save(
+    p.pack_step(
         FabricMetadata(sends=[SendPlan("p-req", "t2", d.node.endpoint, list(range(150)), counts)])
     )
     d.start_load(
@@ -162,10 +162,10 @@ def test_prefiller_reuses_a_chunk_it_already_packed(
     assert wait_results(d) == ({"d1"}, set())
     filled_before = p.store.stats().filled
     counts = chunk_block_counts(64, CT, BS)
-    p.save(
+    p.pack_step(
         FabricMetadata(
             sends=[SendPlan("p2", "t3", d.node.endpoint, list(range(64)), counts)],
-            saves=[SaveChunk("p2", 0, [3, 4, 5, 6])],
+            packs=[PackChunk("p2", 0, [3, 4, 5, 6])],
         )
     )
     d.start_load(FabricMetadata(loads=[LoadPlan("d2", "t3", 0, [14, 15, 16, 17], 64, tokens(64))]))

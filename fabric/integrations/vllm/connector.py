@@ -212,7 +212,7 @@ class FabricConnector(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         if self._worker is not None and self.has_connector_metadata():
-            self._worker.save_layer(layer_name, self._fabric_meta())
+            self._worker.pack_layer(layer_name, self._fabric_meta())
 
     def wait_for_save(self) -> None:
         """Pack and push what the step computed, unless its forward raised.
@@ -231,7 +231,7 @@ class FabricConnector(KVConnectorBase_V1):
             why = f"the step's forward raised {type(failed).__name__}"
             self._worker.abandon(self._fabric_meta(), why)
             return
-        self._worker.save(self._fabric_meta())
+        self._worker.pack_step(self._fabric_meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -46,7 +46,7 @@ then. A forward that raised is abandoned
 only (:func:`fabric.kv.layerwise.supported`), no microbatching: on an
 accelerator the forward is only enqueued when the hook runs.
 
-Threads: :meth:`LayeredSaves.layer_saved` runs on the forward thread and
+Threads: :meth:`LayeredPacks.layer_packed` runs on the forward thread and
 touches only the hook state (an exception there is caught by the worker,
 never raised into the forward); :meth:`prepare`, :meth:`pack`,
 :meth:`take` and :meth:`end` run on the pack thread (or inline without ``async_save``), one
@@ -67,14 +67,14 @@ if TYPE_CHECKING:
     import torch
 
     from fabric.integrations.vllm.counters import FabricCounters
-    from fabric.integrations.vllm.metadata import FabricMetadata, SaveChunk
+    from fabric.integrations.vllm.metadata import FabricMetadata, PackChunk
     from fabric.kv import KVLayout
     from fabric.store import ChunkStore
 
 logger = logging.getLogger(__name__)
 
 
-class LayeredSaves:
+class LayeredPacks:
     """Layer-wise packing of the chunks each step completes (see the module docstring)."""
 
     def __init__(
@@ -101,10 +101,10 @@ class LayeredSaves:
         self._meta: FabricMetadata | None = None
         self._parts: dict[tuple[str, int], tuple[int, LayerwisePack]] = {}
 
-    def layer_saved(self, layer_name: str, meta: FabricMetadata) -> int | None:
+    def layer_packed(self, layer_name: str, meta: FabricMetadata) -> int | None:
         """``save_kv_layer(layer_name)`` of the step ``meta``: the number of
         layers to pack now when a group just became complete, else None."""
-        if not self.ends or (not meta.saves and not meta.sends):
+        if not self.ends or (not meta.packs and not meta.sends):
             return None
         index = self._index.get(layer_name)
         if index is None:
@@ -120,12 +120,12 @@ class LayeredSaves:
             self._next += 1
         return due
 
-    def prepare(self, meta: FabricMetadata, key_of: Callable[[SaveChunk], bytes | None]) -> None:
+    def prepare(self, meta: FabricMetadata, key_of: Callable[[PackChunk], bytes | None]) -> None:
         """Take a slot for each chunk of ``meta`` that needs packing (``key_of``:
         its key, None when it is not to be saved); pack thread."""
         self.end()  # NOTE: a step that never reached wait_for_save gives its slots back
         self._meta = meta
-        for chunk in meta.saves:
+        for chunk in meta.packs:
             key = key_of(chunk)
             if key is None or (chunk.req_id, chunk.index) in self._parts:
                 continue
@@ -157,7 +157,7 @@ class LayeredSaves:
                 del self._parts[key]
                 self.store.abort(slot)
 
-    def take(self, chunk: SaveChunk) -> tuple[int, LayerwisePack] | None:
+    def take(self, chunk: PackChunk) -> tuple[int, LayerwisePack] | None:
         """The slot and pack begun for ``chunk`` (the caller finishes or aborts it)."""
         return self._parts.pop((chunk.req_id, chunk.index), None)
 

@@ -38,7 +38,7 @@ class SendPlan:
 
 
 @dataclass
-class SaveChunk:
+class PackChunk:
     """Prefiller: chunk ``index`` of a request is computed as of this step;
     pack ``block_ids`` into the store and push it."""
 
@@ -97,7 +97,7 @@ class LocalLoad:
 @dataclass
 class FabricMetadata(KVConnectorMetadata):
     sends: list[SendPlan] = field(default_factory=list)
-    saves: list[SaveChunk] = field(default_factory=list)
+    packs: list[PackChunk] = field(default_factory=list)
     loads: list[LoadPlan] = field(default_factory=list)
     local_loads: list[LocalLoad] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # holds never loaded

@@ -1,15 +1,15 @@
 """Scheduler side of the FabricConnector (runs in vLLM's EngineCore).
 
 Prefiller (request carries ``do_remote_decode``): every step, chunks whose
-tokens are all computed once the step has run become ``SaveChunk``s; the
+tokens are all computed once the step has run become ``PackChunk``s; the
 worker packs them after that step (on its pack thread, joined before the
 next forward) and pushes them while the rest of the prompt is still
 computing. Nothing holds vLLM's blocks past the next forward, so
 ``request_finished`` never delays a free.
 
     prompt:   | chunk 0 | chunk 1 | chunk 2 |c3|    (chunk_tokens each)
-    step 1:   [ computed ][....]                  -> save chunk 0
-    step 2:             [ computed.............]  -> save chunks 1, 2, 3
+    step 1:   [ computed ][....]                  -> pack chunk 0
+    step 2:             [ computed.............]  -> pack chunks 1, 2, 3
 
 Decoder (request carries ``do_remote_prefill`` + ``transfer_id``): every
 prompt token beyond the local prefix hit is reported as loadable
@@ -21,12 +21,12 @@ scheduler asks its worker's store how many leading full chunks it holds
 (``TierClient.ask``, which also holds them for this request); those
 tokens load synchronously (a ``LocalLoad`` unpacked before the forward pass)
 and vLLM computes only the rest. The full chunks the engine computes are
-packed into its store as they complete (save-only ``SendPlan``), so the next
+packed into its store as they complete (keep-only ``SendPlan``), so the next
 prompt with the same prefix finds them.
 
     prompt:   | chunk 0 | chunk 1 | chunk 2 |c3|
     store:    [ held    ][ held   ]             -> LocalLoad chunks 0, 1
-    vLLM:                          [ computes      ] -> save chunk 2
+    vLLM:                          [ computes      ] -> pack chunk 2
 
 Shared store (``shared_store``): when the engine's own store holds less than
 the usable prefix, the scheduler asks the host's shared store to fetch the
@@ -40,7 +40,7 @@ request; a failed load makes vLLM recompute.
     prompt:   | chunk 0 | chunk 1 | chunk 2 | chunk 3 |c4|
     store:    [ held    ]                               -> released
     shared:   [ held    ][ held   ][ held   ]           -> Fetch: chunks 1, 2 pushed
-    vLLM:     (waits for the load)                  [ computes ] -> save chunk 3
+    vLLM:     (waits for the load)                  [ computes ] -> pack chunk 3
 
 Asking never waits across a step (see
 :mod:`fabric.integrations.vllm.tier_client`): a lookup or fetch is sent on
@@ -112,7 +112,7 @@ from fabric.integrations.vllm.metadata import (
     FabricMetadata,
     LoadPlan,
     LocalLoad,
-    SaveChunk,
+    PackChunk,
     SendPlan,
 )
 from fabric.integrations.vllm.tier_client import OVERRUN_S  # NOTE: such an ask is counted
@@ -209,7 +209,7 @@ class SharedTier(Protocol):
 @dataclass
 class _Sending:
     req_id: str
-    transfer_id: str | None  # None: save only (reuse tier), nothing pushed
+    transfer_id: str | None  # None: keep only (reuse tier), nothing pushed
     endpoint: str | None
     token_ids: list[int]
     chunk_blocks: list[int]
@@ -286,7 +286,7 @@ class FabricScheduler:
     # ------------------------------------------------------------ identity
     def identity(self, request: RequestLike) -> KeyIdentity | None:
         """The request's key identity (computed once); None: fabric cannot key
-        it, so it bypasses fabric (no lookup, no save, no load; counted)."""
+        it, so it bypasses fabric (no lookup, no pack, no load; counted)."""
         rid = request.request_id
         if rid in self._identities:
             return self._identities[rid]
@@ -576,13 +576,13 @@ class FabricScheduler:
         if rid in self._sending:
             return
         if (self.produce or self.tier is not None) and self.identity(request) is None:
-            return  # NOTE: bypassed: nothing saved or pushed; a decoder computes it
+            return  # NOTE: bypassed: nothing kept or pushed; a decoder computes it
         if self.produce and params.get("do_remote_decode"):
-            self._track_send(request, params)
+            self._track_push(request, params)
         elif self.tier is not None:
-            self._track_save(request)
+            self._track_keep(request)
 
-    def _track_save(self, request: RequestLike) -> None:
+    def _track_keep(self, request: RequestLike) -> None:
         """Pack the prompt's full chunks into the store as they are computed."""
         tokens = list(request.prompt_token_ids or [])
         full = len(tokens) // self.config.chunk_tokens
@@ -593,7 +593,7 @@ class FabricScheduler:
                 request.request_id, None, None, tokens, counts, self._known_identity(request)
             )
 
-    def _track_send(self, request: RequestLike, params: dict[str, Any]) -> None:
+    def _track_push(self, request: RequestLike, params: dict[str, Any]) -> None:
         transfer_id, endpoint = params.get("transfer_id"), params.get("decode_kv_endpoint")
         if not isinstance(transfer_id, str) or not isinstance(endpoint, str):
             logger.warning(
@@ -675,7 +675,7 @@ class FabricScheduler:
             block_ids = send.block_ids[start : start + send.chunk_blocks[index]]
             if len(block_ids) < send.chunk_blocks[index]:
                 return  # blocks not allocated yet (cannot happen once computed)
-            meta.saves.append(SaveChunk(send.req_id, index, block_ids))
+            meta.packs.append(PackChunk(send.req_id, index, block_ids))
             send.next_chunk += 1
 
     # ------------------------------------------------------------ tables

@@ -1,4 +1,4 @@
-"""Worker side of the host's shared store (``shared_store``): attach, then save to it.
+"""Worker side of the host's shared store (``shared_store``): attach, then push to it.
 
 At start the worker attaches (tells the store its layout fingerprint, chunk
 geometry and its own control endpoint: the store fetches only into engines

@@ -22,7 +22,7 @@ Hook order this relies on (vLLM 0.32, one ``execute_model`` per step)::
     forward                    writes KV into this step's blocks; after each
                                attention layer ``save_kv_layer``
                                (``vllm/model_executor/layers/attention/
-                               kv_transfer_utils.py:54-57``): save_layer()
+                               kv_transfer_utils.py:54-57``): pack_layer()
                                hands finished layer groups to the pack thread
                                (:mod:`fabric.integrations.vllm.layered`)
     wait_for_save              mixin.py:91-92
@@ -64,7 +64,7 @@ threads', its server's, store's and tier's; gauged every step through
 ``FabricCounters.set_tables`` and live in the server's ``Stats`` as
 ``tables.<name>``) empty themselves however a request ends:
 
-- ``_keys``, ``_save_only`` and ``_shared_chunks`` (a request being saved)
+- ``_keys``, ``_keep_only`` and ``_shared_chunks`` (a request being packed)
   go with its last chunk, when packing it fails, or when vLLM names it
   finished. vLLM names every request it finishes -- done, stopped or
   aborted -- exactly once, in the ``finished_req_ids`` of the next step:
@@ -80,7 +80,7 @@ threads', its server's, store's and tier's; gauged every step through
 - Loads end by bounded waits, or at once when their request is named
   finished (:class:`~fabric.integrations.vllm.loader.Loader`); vLLM keeps
   an aborted request's blocks until its load is reported.
-- ``_load_errors`` is drained every step (``mixin.py:100``); ``_saving``
+- ``_load_errors`` is drained every step (``mixin.py:100``); ``_packing``
   holds only futures not yet done.
 - Slot refs go back on every error path: a failed pack aborts its slot, a
   chunk handed to a push thread is released by it, a store hit is released
@@ -100,7 +100,7 @@ from typing import TYPE_CHECKING, Any
 from fabric.errors import CapacityError, ChecksumMismatch, ConfigError
 from fabric.integrations.vllm.config import endpoint_file
 from fabric.integrations.vllm.counters import FabricCounters
-from fabric.integrations.vllm.layered import LayeredSaves
+from fabric.integrations.vllm.layered import LayeredPacks
 from fabric.integrations.vllm.loader import Loader, unpack_slot
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
@@ -116,7 +116,7 @@ if TYPE_CHECKING:
     import torch
 
     from fabric.integrations.vllm.config import ConnectorConfig
-    from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, SaveChunk, SendPlan
+    from fabric.integrations.vllm.metadata import FabricMetadata, LocalLoad, PackChunk, SendPlan
 
 logger = logging.getLogger(__name__)
 
@@ -185,17 +185,17 @@ class FabricWorker:
                 f"only (this engine has {tp_size})"
             )
         self._keys: dict[str, list[bytes]] = {}
-        self._save_only: set[str] = set()
+        self._keep_only: set[str] = set()
         self._load_errors: set[int] = set()
         self._tier_seen: dict[str, int] = {}
         self._shared_chunks: dict[str, int] = {}  # request -> full chunks it shares
-        # NOTE: one thread, so saves and the bookkeeping of finished requests
-        # run in the order the steps produced them (see ``save``).
-        self._saver = (
+        # NOTE: one thread, so packs and the bookkeeping of finished requests
+        # run in the order the steps produced them (see ``pack_step``).
+        self._packer = (
             ThreadPoolExecutor(1, thread_name_prefix="fabric-pack") if config.async_save else None
         )
-        self._saving: list[Future[None]] = []
-        self.layered: LayeredSaves | None = None
+        self._packing: list[Future[None]] = []
+        self.layered: LayeredPacks | None = None
         self._sends_begun: FabricMetadata | None = None  # pack thread: the step begun early
         self._joined = False  # before_step joined the pack thread this step
 
@@ -320,17 +320,17 @@ class FabricWorker:
                 groups,
             )
             return
-        self.layered = LayeredSaves(self.store, self._named_caches, layout, groups, self.counters)
+        self.layered = LayeredPacks(self.store, self._named_caches, layout, groups, self.counters)
 
     def own_table_sizes(self) -> dict[str, int]:
         """Entries in the per-request tables of this worker, its load thread
         and its push threads (name -> entries)."""
         sizes = {
             "worker_keys": len(self._keys),
-            "worker_save_only": len(self._save_only),
+            "worker_keep_only": len(self._keep_only),
             "worker_shared_chunks": len(self._shared_chunks),
             "worker_load_errors": len(self._load_errors),
-            "worker_saving": sum(not f.done() for f in list(self._saving)),
+            "worker_packing": sum(not f.done() for f in list(self._packing)),
         }
         if self.layered is not None:
             sizes |= self.layered.table_sizes()
@@ -534,7 +534,7 @@ class FabricWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def save(self, meta: FabricMetadata) -> None:
+    def pack_step(self, meta: FabricMetadata) -> None:
         """Pack the chunks this step completed (and start their pushes).
 
         With ``async_save`` the packing runs on the ``fabric-pack`` thread
@@ -548,12 +548,12 @@ class FabricWorker:
         (on vLLM's stream): the pack thread first waits for an event recorded
         on that stream here, so it packs the KV the step computed.
         """
-        if not meta.sends and not meta.saves:
+        if not meta.sends and not meta.packs:
             return
-        if self._saver is None:
-            self._save_now(meta)
+        if self._packer is None:
+            self._pack_now(meta)
         else:
-            self._submit(self._save_after, (meta, self._forward_done()))
+            self._submit(self._pack_after, (meta, self._forward_done()))
 
     def _forward_done(self) -> Any:
         """A CUDA event recorded on the caller's stream (None for CPU caches)."""
@@ -566,16 +566,16 @@ class FabricWorker:
         event.record(torch.cuda.current_stream(first.device))
         return event
 
-    def _save_after(self, job: tuple[FabricMetadata, Any]) -> None:
+    def _pack_after(self, job: tuple[FabricMetadata, Any]) -> None:
         meta, forward_done = job
         if forward_done is not None:
             forward_done.synchronize()
-        self._save_now(meta)
+        self._pack_now(meta)
 
-    def _save_now(self, meta: FabricMetadata) -> None:
+    def _pack_now(self, meta: FabricMetadata) -> None:
         """Begin the step's pushes and pack its chunks; an exception fails the
         request it served (its push is given up, so the decoder recomputes at
-        once) and the rest of the step is still saved. Pushes a layer group
+        once) and the rest of the step is still packed. Pushes a layer group
         began during the forward are not begun again, and chunks it partly
         packed are finished (:mod:`~fabric.integrations.vllm.layered`)."""
         begun = self._sends_begun is meta
@@ -584,22 +584,22 @@ class FabricWorker:
             for plan in meta.sends:
                 self._guarded(plan.req_id, self._begin, plan)
         try:
-            for chunk in meta.saves:
-                self._guarded(chunk.req_id, self._save_chunk, chunk)
+            for chunk in meta.packs:
+                self._guarded(chunk.req_id, self._pack_chunk, chunk)
         finally:
             if self.layered is not None:
                 self.layered.end()
 
-    def save_layer(self, layer_name: str, meta: FabricMetadata) -> None:
+    def pack_layer(self, layer_name: str, meta: FabricMetadata) -> None:
         """``save_kv_layer``: once a layer group of the step is saved, hand
         its packing to the pack thread (see :mod:`~fabric.integrations.vllm.layered`)."""
         if self.layered is None:
             return
         try:
-            upto = self.layered.layer_saved(layer_name, meta)
+            upto = self.layered.layer_packed(layer_name, meta)
             if upto is None:
                 return
-            if self._saver is None:
+            if self._packer is None:
                 self._pack_layers((meta, upto))
             else:
                 self._submit(self._pack_layers, (meta, upto))
@@ -610,7 +610,7 @@ class FabricWorker:
             logger.exception("fabric: packing layers up to %s failed", layer_name)
 
     def _pack_layers(self, job: tuple[FabricMetadata, int]) -> None:
-        """The first group of a step begins its pushes (once: ``_save_now``
+        """The first group of a step begins its pushes (once: ``_pack_now``
         then does not) and takes its slots."""
         meta, upto = job
         assert self.layered is not None
@@ -618,14 +618,14 @@ class FabricWorker:
             for plan in meta.sends:
                 self._guarded(plan.req_id, self._begin, plan)
             self._sends_begun = meta
-            self.layered.prepare(meta, self._key_to_save)
+            self.layered.prepare(meta, self._key_to_pack)
         self.layered.pack(meta, upto)
 
     def abandon(self, meta: FabricMetadata, why: str) -> None:
         """``wait_for_save`` while the step's forward raised: its chunks hold
         layers never computed, so nothing of it is packed, kept or pushed;
         the pushes of its requests fail (their decoders recompute)."""
-        if self._saver is None:
+        if self._packer is None:
             self._abandon((meta, why))
         else:
             self._submit(self._abandon, (meta, why))
@@ -635,20 +635,20 @@ class FabricWorker:
         self._sends_begun = None
         if self.layered is not None:
             self.layered.end()
-        requests = {plan.req_id for plan in meta.sends} | {c.req_id for c in meta.saves}
+        requests = {plan.req_id for plan in meta.sends} | {c.req_id for c in meta.packs}
         for rid in requests:
-            self._drop_saving(rid)  # NOTE: its later chunks are not saved either
+            self._drop_packing(rid)  # NOTE: its later chunks are not packed either
             if self.sender is not None:
                 self.sender.fail(rid, why)
         logger.error("fabric: %s: the chunks of %d request(s) dropped", why, len(requests))
 
-    def _drop_saving(self, req_id: str) -> None:
-        """Forget ``req_id``'s keys: no later chunk of it is saved."""
+    def _drop_packing(self, req_id: str) -> None:
+        """Forget ``req_id``'s keys: no later chunk of it is packed."""
         self._keys.pop(req_id, None)
-        self._save_only.discard(req_id)
+        self._keep_only.discard(req_id)
         self._shared_chunks.pop(req_id, None)
 
-    def _key_to_save(self, chunk: SaveChunk) -> bytes | None:
+    def _key_to_pack(self, chunk: PackChunk) -> bytes | None:
         keys = self._keys.get(chunk.req_id)
         return keys[chunk.index] if keys is not None and chunk.index < len(keys) else None
 
@@ -658,16 +658,16 @@ class FabricWorker:
         except Exception as exc:
             self.counters.add(thread_errors=1)
             logger.exception("fabric: packing for request %s failed", req_id)
-            self._drop_saving(req_id)  # NOTE: its later chunks are skipped
+            self._drop_packing(req_id)  # NOTE: its later chunks are skipped
             if self.sender is not None:
                 self.sender.fail(req_id, f"packing failed: {type(exc).__name__}: {exc}")
 
     def _submit(self, fn: Callable[[Any], None], arg: Any) -> None:
-        assert self._saver is not None
-        self._saving = [f for f in self._saving if not f.done()]
-        future = self._saver.submit(fn, arg)
+        assert self._packer is not None
+        self._packing = [f for f in self._packing if not f.done()]
+        future = self._packer.submit(fn, arg)
         future.add_done_callback(self._saved)
-        self._saving.append(future)
+        self._packing.append(future)
 
     def _saved(self, future: Future[None]) -> None:
         """A failed save is logged and counted; the engine keeps serving and
@@ -680,9 +680,9 @@ class FabricWorker:
     def flush(self) -> None:
         """Wait until every save handed over so far is done (packed, handed
         to the push threads)."""
-        saving, self._saving = self._saving, []
-        if saving:
-            wait(saving)
+        packing, self._packing = self._packing, []
+        if packing:
+            wait(packing)
 
     def _begin(self, plan: SendPlan) -> None:
         assert self.layout is not None
@@ -698,7 +698,7 @@ class FabricWorker:
             self._shared_chunks[plan.req_id] = full
             self.shared.begin(plan.req_id, keys[:full])
         if plan.endpoint is None or plan.transfer_id is None:
-            self._save_only.add(plan.req_id)
+            self._keep_only.add(plan.req_id)
             return
         if self.sender is None:
             raise ConfigError("a push reached a worker that does not produce KV")
@@ -708,24 +708,24 @@ class FabricWorker:
         except ConfigError as exc:
             logger.warning("fabric push %s: %s; the decoder recomputes", plan.req_id, exc)
             self.counters.add(push_failures=1)
-            self._save_only.add(plan.req_id)  # still kept for reuse here
+            self._keep_only.add(plan.req_id)  # still kept for reuse here
             return
         self.sender.begin(PushJob(plan.req_id, plan.transfer_id, endpoint, keys, nbytes))
 
-    def _save_chunk(self, chunk: SaveChunk) -> None:
+    def _pack_chunk(self, chunk: PackChunk) -> None:
         keys = self._keys.get(chunk.req_id)
         if keys is None:
             return
         try:
-            if chunk.req_id in self._save_only:
-                self._save_local(chunk, keys)
+            if chunk.req_id in self._keep_only:
+                self._keep_local(chunk, keys)
             else:
                 self._push_chunk(chunk, keys)
         finally:
             if chunk.index == len(keys) - 1:  # NOTE: its last chunk: nothing more to save
-                self._drop_saving(chunk.req_id)
+                self._drop_packing(chunk.req_id)
 
-    def _push_chunk(self, chunk: SaveChunk, keys: list[bytes]) -> None:
+    def _push_chunk(self, chunk: PackChunk, keys: list[bytes]) -> None:
         """Pack a computed chunk (unless the store has it) and hand it to the push thread."""
         assert self.sender is not None
         key = keys[chunk.index]
@@ -744,7 +744,7 @@ class FabricWorker:
             self.sender.chunk(chunk.req_id, chunk.index, slots[0])  # NOTE: it owns the ref now
             self._share(chunk.req_id, chunk.index, key)
 
-    def _pack_new(self, chunk: SaveChunk, key: bytes) -> int:
+    def _pack_new(self, chunk: PackChunk, key: bytes) -> int:
         """Pack ``chunk`` into a new slot committed as ``key`` (finishing the
         layer-wise pack begun during the forward, if one was); CapacityError
         when no slot is free. Returns the chunk's bytes."""
@@ -800,7 +800,7 @@ class FabricWorker:
             self.store.release_slots(slots)
             raise
 
-    def _save_local(self, chunk: SaveChunk, keys: list[bytes]) -> None:
+    def _keep_local(self, chunk: PackChunk, keys: list[bytes]) -> None:
         """Reuse tier: pack a computed chunk into the store unless it is there."""
         assert self.layout is not None
         key = keys[chunk.index]
@@ -836,9 +836,9 @@ class FabricWorker:
         still reaches vLLM at once, a new request waits at most that long.
         """
         if finished_req_ids:
-            if self._saver is None:
+            if self._packer is None:
                 self._forget(finished_req_ids)
-            else:  # after the saves of the same step, on the same thread
+            else:  # after the packs of the same step, on the same thread
                 self._submit(self._forget, set(finished_req_ids))
             if self.loader is not None:
                 self.loader.finished(set(finished_req_ids))
@@ -857,12 +857,12 @@ class FabricWorker:
         if self.shared is not None and finished_req_ids:
             self.shared.finished(finished_req_ids)
         for rid in finished_req_ids:
-            self._drop_saving(rid)
+            self._drop_packing(rid)
 
     def shutdown(self) -> None:
         self.flush()
-        if self._saver is not None:
-            self._saver.shutdown(wait=True)
+        if self._packer is not None:
+            self._packer.shutdown(wait=True)
         if self.loader is not None:
             self.loader.close()
         if self.sender is not None:
