@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fabric.bench import parse_config
 from fabric.bench.serve import ENDPOINTS, ServeConfig, run_serve_bench
 from fabric.bench.serve_workload import (
     HttpTokenCounter,
@@ -25,7 +26,6 @@ from fabric.bench.serve_workload import (
     WorkloadConfig,
     build_prompts,
 )
-from fabric.errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -85,12 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run, print a table (and the JSON path), end with one JSON line; 1 if any request failed."""
     from rich.console import Console
 
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    try:
-        config = config_from_args(ns)
-    except ConfigError as exc:
-        parser.error(str(exc))
+    ns, config = parse_config(build_parser(), argv, config_from_args)
     counter = HttpTokenCounter(ns.tokenizer_url, config.model) if ns.tokenizer_url else None
     try:
         prompts = build_prompts(config.workload, counter)

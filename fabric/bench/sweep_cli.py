@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fabric.bench import parse_config
 from fabric.bench.fullpath import FullPathOptions
 from fabric.bench.geometry import PRESETS
 from fabric.bench.sweep_plan import (
@@ -116,12 +117,7 @@ def main(argv: list[str] | None = None, results_dir: Path = Path("benchmarks/res
     from fabric.bench.sweep import run_sweep
     from fabric.bench.sweep_plan import plan_sweep
 
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    try:
-        config = config_from_args(ns)
-    except ConfigError as exc:
-        parser.error(str(exc))
+    ns, config = parse_config(build_parser(), argv, config_from_args)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     console = Console()
     if not console.is_terminal:

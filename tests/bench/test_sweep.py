@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fabric.bench import sweep_cli
+from fabric.bench import serve_cli, sweep_cli
 from fabric.bench.geometry import PRESETS, cache_shape, paged_cache, preset
 from fabric.bench.plot import PlotUnavailable, plot_sweep, series
 from fabric.bench.sweep import headline
@@ -136,6 +136,22 @@ def test_quick_refuses_axis_options() -> None:
     ns = sweep_cli.build_parser().parse_args(["--quick", "--geometry", "tiny"])
     with pytest.raises(ConfigError, match="--geometry"):
         sweep_cli.config_from_args(ns)
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "message"),
+    [
+        (sweep_cli.main, ["--quick", "--geometry", "tiny"], "--quick runs a fixed plan"),
+        (serve_cli.main, ["--max-tokens", "0"], "max_tokens: must be >= 1"),
+    ],
+)
+def test_a_bad_option_exits_2_with_usage_and_the_message(
+    main: Any, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: ") and message in err
 
 
 def test_default_output_is_a_dated_pair_in_the_results_dir(tmp_path: Path) -> None:
