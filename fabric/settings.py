@@ -17,9 +17,10 @@ field it blames (``"lease_ms: ..."``); a helper that names its field in
 full (``"transfer.host: ..."``) keeps its message. A topology file is
 validated whole instead (:func:`fabric.config.load_topology`: the file's
 name, then the field's path, inside :func:`validating_whole`), with the
-same :func:`field_path`. A type inside another (``faults`` inside a
-transfer's settings) leaves its errors to the outer one, which names the
-whole path.
+same :func:`field_path`; ``model_validate`` outside :func:`validating_whole`
+wraps the ``ConfigError`` in a ``ValidationError``, so call it inside. A
+type inside another (``faults`` inside a transfer's settings) leaves its
+errors to the outer one, which names the whole path.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ _WHOLE: ContextVar[bool] = ContextVar("fabric_settings_whole", default=False)
 class Settings(BaseModel):
     """Base of every configuration type (see the module docstring)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NOTE: pydantic's errors quote the input (a dict of every value given,
+    # secrets included): the chained error would put them in a traceback
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     SECTION: ClassVar[str] = ""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,3 +115,25 @@ def test_within_validating_whole_the_pydantic_error_comes_through() -> None:
         TransferConfig(port=-1)
     with pytest.raises(ConfigError):  # and only within it
         TransferConfig(port=-1)
+
+
+SECRET = "-".join(("hunter2", "s3cret"))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: ConnectorConfig(lookup_timeout_ms=5, lookup_deadline_ms=1, secret=SECRET),
+        lambda: TransferConfig(port=-1, secret=SECRET),
+    ],
+)
+def test_a_secret_never_reaches_the_error_or_its_traceback(build: Callable[[], object]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build()
+    shown = "".join(traceback.format_exception(caught.value))
+    assert SECRET not in shown  # NOTE: the source lines shown name it SECRET
+    assert "lookup_deadline_ms: 1 is below" in shown or "transfer.port: Input" in shown
+
+
+def test_faults_null_is_the_default() -> None:
+    assert ConnectorConfig(faults=None).faults == FaultConfig()

@@ -30,12 +30,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from fabric.errors import CapacityError, ConfigError
+from fabric.errors import CapacityError
 from fabric.settings import Settings
 
 if TYPE_CHECKING:
@@ -79,15 +79,6 @@ class FaultConfig(Settings):
         """Whether any fault can fire."""
         drops = self.drop_write or self.drop_notify or self.corrupt or self.refuse
         return bool(drops or (self.delay and self.delay_ms))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> FaultConfig:
-        """From a JSON/YAML mapping (None: the default); unknown keys are a ConfigError."""
-        if data is None:
-            return cls()
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"faults: expected a mapping, got {type(data).__name__}")
-        return cls(**data)
 
 
 class FaultInjector:

@@ -109,6 +109,8 @@ class ConnectorConfig(Settings):
     @field_validator("faults", mode="before")
     @classmethod
     def _faults(cls, value: Any) -> Any:
+        if value is None:
+            return FaultConfig()
         if not isinstance(value, FaultConfig | Mapping):
             raise ValueError(f"expected a mapping, got {type(value).__name__}")
         return value
