@@ -132,9 +132,11 @@ LEAVE_TRIES = 3
 def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
     """The proxy drops D's stream when the client goes; vLLM aborts the request.
 
-    Signal: D's generated-token counter, read as soon as the client has left,
-    moves little after that (vLLM's running gauge lags too much to test); a
-    D that kept the request would go on to its 3,000 tokens.
+    Signals: D's generated-token counter, read as soon as the client has
+    left, moves little after that (vLLM's running gauge lags too much to
+    test), and D never finishes the request at its length (an aborted
+    request is not counted in ``vllm:request_success_total``; one D kept
+    would be, with ``finished_reason="length"``: 3,000 tokens, ``ignore_eos``).
 
     NOTE: a try where D had generated half the answer or more by then has
     too little left to tell an abort apart; it is repeated, up to 3 tries.
@@ -144,9 +146,10 @@ def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
     """
     d_url = cluster.decode.base_url
     generated = partial(metric, d_url, "vllm:generation_tokens_total")
+    ran_out = partial(metric, d_url, "vllm:request_success_total", finished_reason="length")
     at_leave: list[float] = []
     for attempt in range(LEAVE_TRIES):
-        before = generated()
+        before, ran_out_before = generated(), ran_out()
         prompt = prompt_ids(300, seed=3000 + attempt)
         payload = body(prompt, stream=True) | {"max_tokens": LEAVE_MAX_TOKENS}
         with (
@@ -170,6 +173,7 @@ def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
         f"D generated {after_leave:g} tokens after the client left "
         f"({at_leave[-1]:g} before): not aborted"
     )
+    assert ran_out() == ran_out_before, "D finished the request at its length: not aborted"
 
 
 def _wait_until_stable(read: Callable[[], float], quiet_s: float = 3, bound_s: float = 30) -> float:
