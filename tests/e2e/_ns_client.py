@@ -12,7 +12,9 @@ start while one runs) and writes one JSON result per line on stdout::
 
 ``events``: a stream's ``data:`` payloads, parsed (``[DONE]`` as the string);
 ``ttft_s``: until the first event (a stream) or the answer (otherwise);
-``error``: the transport error that ended the call, if one did.
+``error``: the transport error that ended the call, if one did;
+``ended_at``: when it ended, on ``time.monotonic()`` (one clock for every
+process of the machine, whatever their namespace).
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def _run(command: dict[str, Any], out: threading.Lock) -> None:
                 result["ttft_s"] = time.monotonic() - started
     except Exception as exc:  # NOTE: reported, not raised: the test decides
         result["error"] = f"{type(exc).__name__}: {exc}"
-    result["elapsed_s"] = time.monotonic() - started
+    result["ended_at"] = (
+        time.monotonic()
+    )  # NOTE: CLOCK_MONOTONIC is the machine's, not the namespace's
+    result["elapsed_s"] = result["ended_at"] - started
     with out:
         print(json.dumps(result), flush=True)
 
