@@ -284,21 +284,25 @@ def test_a_partition_ends_each_request_within_its_bound(
         cut_at = time.monotonic()
         try:
             result = rig.client.result(ident, timeout=OUTCOME_BOUND_S + 30)
-            if phase == "decode" and _whole(result) and result["ended_at"] <= cut_at:
-                missed.append(
-                    _summary(result) | {"ended_s_before_cut": cut_at - result["ended_at"]}
+            # NOTE: ended_at is when the client had read it all: bytes already
+            # past hostd's port still flow after the cut (hence the slack)
+            too_late = result["ended_at"] <= cut_at + CUT_SLACK_S
+            missed_it = phase == "decode" and _whole(result) and too_late
+            if not missed_it:
+                assert result["elapsed_s"] < OUTCOME_BOUND_S, result["elapsed_s"]
+                if phase == "decode":
+                    # NOTE: D cut while the stream was open: it cannot end whole
+                    assert not _whole(result), ("the stream ended whole after the cut", missed)
+                _check_outcome(
+                    rig, prompt, result, STREAM_TOKENS if phase == "decode" else MAX_TOKENS
                 )
-                continue  # NOTE: healed in finally; another stream is cut
-            assert result["elapsed_s"] < OUTCOME_BOUND_S, result["elapsed_s"]
-            if phase == "decode":
-                # NOTE: D cut while the stream was open: it cannot end whole
-                assert not _whole(result), ("the stream ended whole after the cut", missed)
-            _check_outcome(rig, prompt, result, STREAM_TOKENS if phase == "decode" else MAX_TOKENS)
-            time.sleep(max(0.0, seconds - result["elapsed_s"]))
-            break
+                time.sleep(max(0.0, seconds - result["elapsed_s"]))
         finally:
             rig.hosts.cut(host, cut=False)
-            rig.wait_healthy()
+        rig.wait_healthy()
+        if not missed_it:
+            break
+        missed.append(_summary(result) | {"ended_s_after_cut": result["ended_at"] - cut_at})
     else:
         raise AssertionError(("every stream ended before its cut took effect", missed))
     after = served_over_fabric(rig, prompt_ids(1000, seed=5000 + seconds + len(phase)))
@@ -334,7 +338,13 @@ CUT_TRIES = 3
 """Decode partitions tried: a stream that still ended whole before the cut
 took effect (the machine stalled the test between its check and the cut:
 seen on a busy machine, D pinned to its own core generating the rest of
-the answer meanwhile) is healed and another one is cut."""
+the answer meanwhile) is healed and another one is cut. A cut that does
+not stop streams still fails: each try ends whole, too late or not."""
+
+CUT_SLACK_S = 5.0
+"""A whole stream the client finished reading this long after the cut still
+counts as ended before it (its bytes had left hostd; a stalled client reads
+them later). An open stream the cut missed runs ~15 s more."""
 
 
 def _whole(result: dict[str, Any]) -> bool:
@@ -413,6 +423,8 @@ def _check_outcome(
     clear error: a JSON error answer or a stream that ends with an error
     event. A stream that just stops is neither."""
     errors = [e for e in result["events"] if isinstance(e, dict) and "error" in e]
+    broke_off = result["status"] == 200 and result["error"] and not result["events"]
+    assert not broke_off, ("the answer broke off with no error event", result["error"])
     if result["status"] == 200 and not errors:
         if result["events"]:
             assert result["events"][-1] == "[DONE]", (result["error"], result["events"][-3:])

@@ -174,6 +174,8 @@ def test_client_leaving_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
         f"({at_leave[-1]:g} before): not aborted"
     )
     assert ran_out() == ran_out_before, "D finished the request at its length: not aborted"
+    exported = httpx.get(d_url + "/metrics", timeout=30).text
+    assert "vllm:request_success_total{" in exported  # NOTE: else both reads were 0
 
 
 def _wait_until_stable(read: Callable[[], float], quiet_s: float = 3, bound_s: float = 30) -> float:

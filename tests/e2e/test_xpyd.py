@@ -130,20 +130,34 @@ def test_40_concurrent_mixed_requests_correct_and_spread_over_both_p_and_d(xpyd:
     """
     requests = workload(seed=1)
     want = reference(xpyd.prefill[0], requests)
-    loads_before = [metric(d.base_url, "vllm:fabric_loads_ok_total") for d in xpyd.decode]
-    sent_before = [metric(p.base_url, "vllm:fabric_chunks_sent_total") for p in xpyd.prefill]
-    got = run_concurrently(xpyd.proxy, requests)
-    exact = [assert_same_up_to_near_tie(g, w) for g, w in zip(got, want, strict=True)]
-    assert sum(exact) >= NUM_REQUESTS * 3 // 4, f"{exact.count(False)} outputs flipped"
-    loads = [
-        metric(d.base_url, "vllm:fabric_loads_ok_total") - b
-        for d, b in zip(xpyd.decode, loads_before, strict=True)
-    ]
-    sent = [
-        metric(p.base_url, "vllm:fabric_chunks_sent_total") - b
-        for p, b in zip(xpyd.prefill, sent_before, strict=True)
-    ]
-    assert min(loads) > 0 and min(sent) > 0, (loads, sent)
+    unspread = []
+    for _ in range(BURST_TRIES):
+        xpyd.wait_ready()  # NOTE: every pair checked, so the policy may use each
+        loads_before = [metric(d.base_url, "vllm:fabric_loads_ok_total") for d in xpyd.decode]
+        sent_before = [metric(p.base_url, "vllm:fabric_chunks_sent_total") for p in xpyd.prefill]
+        got = run_concurrently(xpyd.proxy, requests)
+        exact = [assert_same_up_to_near_tie(g, w) for g, w in zip(got, want, strict=True)]
+        assert sum(exact) >= NUM_REQUESTS * 3 // 4, f"{exact.count(False)} outputs flipped"
+        loads = [
+            metric(d.base_url, "vllm:fabric_loads_ok_total") - b
+            for d, b in zip(xpyd.decode, loads_before, strict=True)
+        ]
+        sent = [
+            metric(p.base_url, "vllm:fabric_chunks_sent_total") - b
+            for p, b in zip(xpyd.prefill, sent_before, strict=True)
+        ]
+        if min(loads) > 0 and min(sent) > 0:
+            return
+        unspread.append((loads, sent))
+    raise AssertionError(("not spread over both P and both D", unspread))
+
+
+BURST_TRIES = 2
+"""Bursts tried: seen once in a full run, every prefill of a burst went to
+one prefiller while the proxy routed none to the other (a stall on the
+shared machine: a store call to an engine got no answer meanwhile); each
+burst starts once the proxy is ready, and a policy that never uses one
+engine fails both."""
 
 
 def healthy(proxy: Proxy, engine: str) -> bool:
