@@ -135,56 +135,32 @@ class SweepConfig(Settings):
         return self.model_dump()
 
 
+def _quick_grid(
+    geometry: str,
+    chunk_tokens: tuple[int, ...],
+    batch: int = 1,
+    transport: str = "nixl",
+    memory: str = "dram",
+) -> Grid:
+    """One geometry, one batch, transport and memory, NIXL's progress thread off."""
+    return Grid(
+        geometries=(geometry,),
+        chunk_tokens=chunk_tokens,
+        batches=(batch,),
+        transports=(transport,),
+        memories=(memory,),
+        progress=(False,),
+    )
+
+
 QUICK = SweepConfig(
     grids=(
-        Grid(
-            geometries=("llama3-8b",),
-            chunk_tokens=CHUNK_TOKENS,
-            batches=(1,),
-            transports=("nixl",),
-            memories=("dram",),
-            progress=(False,),
-        ),
-        Grid(
-            geometries=("llama3-8b",),
-            chunk_tokens=(64, 256),
-            batches=(1,),
-            transports=("tcp",),
-            memories=("dram",),
-            progress=(False,),
-        ),
-        Grid(
-            geometries=("llama3-8b",),
-            chunk_tokens=(64,),
-            batches=(4,),
-            transports=("nixl",),
-            memories=("dram",),
-            progress=(False,),
-        ),
-        Grid(
-            geometries=("llama3-8b",),
-            chunk_tokens=(256,),
-            batches=(1,),
-            transports=("nixl",),
-            memories=("vram",),
-            progress=(False,),
-        ),
-        Grid(
-            geometries=("tiny",),
-            chunk_tokens=(16, 256),
-            batches=(1,),
-            transports=("nixl",),
-            memories=("dram",),
-            progress=(False,),
-        ),
-        Grid(
-            geometries=("deepseek-mla",),
-            chunk_tokens=(256,),
-            batches=(1,),
-            transports=("nixl",),
-            memories=("dram",),
-            progress=(False,),
-        ),
+        _quick_grid("llama3-8b", CHUNK_TOKENS),
+        _quick_grid("llama3-8b", (64, 256), transport="tcp"),
+        _quick_grid("llama3-8b", (64,), batch=4),
+        _quick_grid("llama3-8b", (256,), memory="vram"),
+        _quick_grid("tiny", (16, 256)),
+        _quick_grid("deepseek-mla", (256,)),
     ),
     reps=3,
     quick=True,
