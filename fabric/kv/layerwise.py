@@ -17,25 +17,39 @@ piece's source is hashed right after its copy read it (copies under
 
 CPU caches with the C copy extension only (:func:`supported`): on an
 accelerator the forward is only enqueued when a layer's hook runs.
+
+:class:`LayerwiseUnpack` is the receiving side: a chunk whose layer groups
+land one after another (a prefiller writes each group as it is packed) is
+unpacked into the decoder's blocks a group at a time, every byte of the
+group hashed in the same pass (:func:`~fabric.kv.verify.hash_range_while_copying`),
+so that once the last group is in, the streaming digest is the chunk's and
+nothing is read twice.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import xxhash
 
 from fabric.errors import LayoutError
-from fabric.kv.layout import KVLayout, named_layers
+from fabric.kv.layout import KVLayout, named_layers, segment_table
 from fabric.kv.pack import (
     FUSED_MIN_COPY_BYTES,
     _block_ids,
     _check_buffer,
+    _check_part,
+    _copy,
+    _runs,
+    _stream_kwargs,
+    _unique_block_ids,
     backend,
     copy_hashing,
     copy_plan,
     copy_to_chunk,
 )
+from fabric.kv.verify import hash_range_while_copying, split_at_pieces
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +57,7 @@ if TYPE_CHECKING:
     from fabric.kv.layout import KVCaches
     from fabric.kv.pack import BlockIds
 
-__all__ = ["LayerwisePack", "group_ends", "supported"]
+__all__ = ["LayerwisePack", "LayerwiseUnpack", "group_ends", "layer_bytes", "supported"]
 
 
 def supported(kv_caches: KVCaches) -> bool:
@@ -59,6 +73,12 @@ def group_ends(num_layers: int, groups: int) -> list[int]:
         raise LayoutError(f"group_ends: {num_layers} layers in {groups} groups")
     groups = min(groups, num_layers)
     return sorted({-(-num_layers * (g + 1) // groups) for g in range(groups)})
+
+
+def layer_bytes(layout: KVLayout, chunk_blocks: int) -> int:
+    """Bytes of one layer in a chunk of ``chunk_blocks`` blocks (layers ``a ..
+    b - 1`` are its bytes ``a * n .. b * n - 1``)."""
+    return layout.chunk_nbytes(chunk_blocks) // layout.num_layers
 
 
 class LayerwisePack:
@@ -95,6 +115,11 @@ class LayerwisePack:
         """Layers packed so far (``0 .. num_layers``)."""
         return self._done
 
+    @property
+    def bytes_done(self) -> int:
+        """The chunk's leading bytes packed so far (those of ``layers_done``)."""
+        return self._nbytes * self._done // self._num_layers
+
     def pack_layers(self, upto: int) -> None:
         """Pack layers ``layers_done .. upto - 1``; a no-op when ``upto`` is not past them."""
         if not 0 <= upto <= self._num_layers:
@@ -118,3 +143,97 @@ class LayerwisePack:
         """Pack the layers left; ``(nbytes, checksum)`` of the whole chunk."""
         self.pack_layers(self._num_layers)
         return self._nbytes, self._hasher.intdigest()
+
+
+class LayerwiseUnpack:
+    """Unpack the chunk in ``src`` into blocks ``block_ids`` a layer group at a time.
+
+    ``block_ids`` receive the chunk's blocks ``first ..`` (of ``chunk_blocks``),
+    as :func:`~fabric.kv.pack.unpack`. ``unpack_layers(n)`` hashes the
+    chunk's bytes of layers ``layers_done .. n - 1`` (also those of blocks
+    not copied) and copies each piece into the blocks right after hashing
+    it; ``finish()`` does the layers left and the slot's bytes past the
+    chunk up to ``nbytes`` (what the sender's checksum covers), and returns
+    the digest. The caller compares it: on a mismatch the blocks written
+    hold garbage and must be recomputed (or the chunk unpacked anew).
+    """
+
+    def __init__(
+        self,
+        src: torch.Tensor,
+        kv_caches: KVCaches,
+        layout: KVLayout,
+        block_ids: BlockIds,
+        *,
+        chunk_blocks: int,
+        first: int,
+        nbytes: int,
+    ) -> None:
+        if not supported(kv_caches):
+            raise LayoutError("layer-wise unpacking needs a CPU cache and fabric.kv._copy")
+        ids = _unique_block_ids(block_ids, layout)
+        _check_part(chunk_blocks, first, len(ids))
+        device = named_layers(kv_caches)[0][1].device
+        covered = _check_buffer(src, layout, chunk_blocks, "src", device)
+        if not covered <= nbytes <= src.numel() or src.device.type != "cpu":
+            raise LayoutError(
+                f"a checksum over {nbytes} bytes of a {src.numel()}-byte {src.device} buffer "
+                f"cannot verify a chunk of {covered} bytes (host memory, nbytes >= chunk)"
+            )
+        table = segment_table(kv_caches, layout)
+        runs = _runs(ids, coalesce=table.blocks_adjacent)
+        seg, rows = table.segment_bytes, np.arange(len(table.bases), dtype=np.int64)[:, None]
+        self._offsets = (rows * chunk_blocks + first + runs.chunk_pos) * seg
+        self._cache = table.bases[:, None] + runs.start * table.block_strides[:, None]
+        self._lengths = np.broadcast_to(runs.length * seg, self._offsets.shape)
+        self._rows_per_layer = len(table.bases) // layout.num_layers
+        self._num_layers = layout.num_layers
+        self._layer_bytes = covered // layout.num_layers
+        self._covered, self._nbytes = covered, nbytes
+        self._src = src
+        self._data = src.numpy().data
+        self._hasher = xxhash.xxh3_64()
+        self._done = 0
+
+    @property
+    def layers_done(self) -> int:
+        """Layers unpacked (and hashed) so far (``0 .. num_layers``)."""
+        return self._done
+
+    def unpack_layers(self, upto: int) -> None:
+        """Hash and unpack layers ``layers_done .. upto - 1``; a no-op when
+        ``upto`` is not past them."""
+        if not 0 <= upto <= self._num_layers:
+            raise LayoutError(f"unpack_layers: layer {upto} of {self._num_layers}")
+        if upto <= self._done:
+            return
+        a, b = self._done, upto
+        self._done = upto
+        rows = slice(a * self._rows_per_layer, b * self._rows_per_layer)
+        offsets, cache, lengths = split_at_pieces(
+            self._offsets[rows].ravel(), self._cache[rows].ravel(), self._lengths[rows].ravel()
+        )
+        assert _copy is not None
+        copy_batch = _copy.copy_batch
+        starts = offsets + self._src.data_ptr()
+        stream = _stream_kwargs()
+
+        def copy(i: int, j: int) -> None:
+            copy_batch(cache[i:j], starts[i:j], lengths[i:j], 1, **stream)
+
+        hash_range_while_copying(
+            self._data,
+            self._hasher,
+            a * self._layer_bytes,
+            b * self._layer_bytes,
+            offsets + lengths,
+            copy,
+        )
+
+    def finish(self) -> int:
+        """Unpack the layers left; the xxh3-64 of the source's first ``nbytes``."""
+        self.unpack_layers(self._num_layers)
+        if self._nbytes > self._covered:
+            self._hasher.update(self._data[self._covered : self._nbytes])
+            self._covered = self._nbytes
+        return self._hasher.intdigest()

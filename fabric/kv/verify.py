@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-__all__ = ["PIECE_BYTES", "hash_while_copying", "split_at_pieces"]
+__all__ = ["PIECE_BYTES", "hash_range_while_copying", "hash_while_copying", "split_at_pieces"]
 
 PIECE_BYTES = 512 << 10
 """Bytes hashed before the copies that read them: small enough to still be
@@ -50,13 +50,33 @@ def hash_while_copying(
     """The xxh3-64 of ``data[:nbytes]``; copies ``a .. b - 1`` (``copy(a, b)``)
     are made as soon as their ``ends`` (ascending, at most ``nbytes``) are hashed."""
     hasher = xxhash.xxh3_64()
-    tops = np.minimum(np.arange(1, -(-nbytes // PIECE_BYTES) + 1) * PIECE_BYTES, nbytes)
+    hash_range_while_copying(data, hasher, 0, nbytes, ends, copy)
+    return hasher.intdigest()
+
+
+def hash_range_while_copying(
+    data: memoryview,
+    hasher: xxhash.xxh3_64,
+    start: int,
+    stop: int,
+    ends: np.ndarray,
+    copy: Callable[[int, int], None],
+) -> None:
+    """Feed ``data[start:stop]`` to ``hasher`` piece by piece (pieces on
+    multiples of :data:`PIECE_BYTES`, as :func:`split_at_pieces` cuts the
+    copies); copies ``a .. b - 1`` are made as soon as their ``ends``
+    (ascending, in ``start .. stop``) are hashed. A chunk hashed so in
+    consecutive ranges gets the digest of hashing it whole."""
+    if stop <= start:
+        return
+    first = start // PIECE_BYTES + 1
+    last = -(-stop // PIECE_BYTES)
+    tops = np.minimum(np.arange(first, last + 1, dtype=np.int64) * PIECE_BYTES, stop)
     bounds = np.searchsorted(ends, tops, side="right").tolist()
-    done, start = 0, 0
+    done, at = 0, start
     for top, upto in zip(tops.tolist(), bounds, strict=True):
-        hasher.update(data[start:top])
-        start = top
+        hasher.update(data[at:top])
+        at = top
         if upto > done:
             copy(done, upto)
             done = upto
-    return hasher.intdigest()

@@ -264,8 +264,20 @@ class ChunkStore:
             self._leases.add(lease)
             return lease.snapshot()
 
-    def fill(self, request_id: str, index: int, checksum: int, generation: int) -> None:
+    def fill(
+        self,
+        request_id: str,
+        index: int,
+        checksum: int,
+        generation: int,
+        *,
+        actual: int | None = None,
+    ) -> None:
         """The bytes of key ``index`` of ``request_id`` have landed: verify and index them.
+
+        ``actual``: the digest of the slot's bytes, taken by a caller that
+        hashed them as it used them (a decoder that unpacked the chunk layer
+        group by layer group as its parts landed); they are not hashed again.
 
         On a match the key becomes present (the reservation keeps its ref
         until release). On a mismatch the slot is quarantined, the failure
@@ -282,7 +294,8 @@ class ChunkStore:
                 return
             slot, nbytes = target
             writes = self._slots.slots[slot].writes
-        actual = compute_checksum(self.pool.memoryview(slot, nbytes))
+        if actual is None:
+            actual = compute_checksum(self.pool.memoryview(slot, nbytes))
         with self._lock:
             if self._leases.get(request_id) is not lease:
                 raise ReservationExpired(f"request {request_id!r} ended while being filled")

@@ -72,6 +72,7 @@ class Lease:
             generations=tuple(self.generations),
             already_present=self.already_present,
             expires_at=self.expires_at,
+            nbytes=self.nbytes,
         )
 
 

@@ -79,6 +79,7 @@ class Reservation:
     generations: tuple[int, ...]
     already_present: tuple[bool, ...]
     expires_at: float
+    nbytes: tuple[int, ...] = ()  # the bytes reserved for each key (what its checksum covers)
 
 
 class ChunkDigest(NamedTuple):

@@ -54,7 +54,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -453,14 +453,21 @@ class PeerLink:
         )
 
     def write(
-        self, res: RemoteReservation, indices: Iterable[int], local_slots: Sequence[int]
+        self,
+        res: RemoteReservation,
+        indices: Iterable[int],
+        local_slots: Sequence[int],
+        *,
+        landed: Mapping[int, int] | None = None,
     ) -> PendingPush:
         """WRITE chunks ``indices`` of ``res`` from ``local_slots`` (same order).
 
         Chunks the receiver already has are skipped; the notification names
         the chunks written with their checksums and slot generations.
+        ``landed``: leading bytes of a chunk that :meth:`write_part` wrote
+        from the same local slot, and that completed: only the rest is sent.
         """
-        segments, written, checksums = self._plan(res, indices, local_slots)
+        segments, written, checksums = self._plan(res, indices, local_slots, landed or {})
         if not segments:
             return PendingPush(None, 0)
         fence = _fence(res, written)
@@ -469,6 +476,42 @@ class PeerLink:
             return self._write_with_faults(faults, res, segments, written, checksums, fence)
         notif = self._notif(res, written, checksums)
         self._post_check(res.request_id)
+        handle = self._posted(
+            res.request_id,
+            lambda: self.client.plane.post_write(self.peer_agent, segments, notif, fence),
+        )
+        return self._pending(handle, segments)
+
+    def write_part(
+        self,
+        res: RemoteReservation,
+        index: int,
+        local_slot: int,
+        span: tuple[int, int],
+        layers: int,
+    ) -> PendingPush:
+        """WRITE bytes ``span`` (start, stop) of chunk ``index`` of ``res`` from
+        ``local_slot`` (packed there, not yet committed: no checksum yet),
+        notified as ``WritePart(layers)``: the chunk's leading ``layers``
+        layers are in once it completes. A receiver admits one write into a
+        slot at a time: post the next part, or the chunk's :meth:`write`,
+        once this one completed."""
+        start, stop = span
+        nbytes = res.nbytes[index]
+        if res.already_present[index] or not 0 <= start < stop <= nbytes:
+            raise TransferError(
+                f"chunk {index}: no part {start}..{stop} of {nbytes} bytes to write"
+            )
+        pool = self.client.store.pool
+        if stop > pool.slot_bytes:
+            raise TransferError(f"local slot {local_slot} has no byte {stop - 1}")
+        remote = res.slots[index] * self.remote_slot_bytes
+        segments = [(pool.slot_offset(local_slot) + start, remote + start, stop - start)]
+        notif = self.client.codec.encode(
+            proto.WritePart(res.request_id, index, res.generations[index], layers)
+        )
+        self._post_check(res.request_id)
+        fence = _fence(res, [index])
         handle = self._posted(
             res.request_id,
             lambda: self.client.plane.post_write(self.peer_agent, segments, notif, fence),
@@ -585,9 +628,14 @@ class PeerLink:
             )
 
     def _plan(
-        self, res: RemoteReservation, indices: Iterable[int], local_slots: Sequence[int]
+        self,
+        res: RemoteReservation,
+        indices: Iterable[int],
+        local_slots: Sequence[int],
+        landed: Mapping[int, int],
     ) -> tuple[list[Segment], list[int], list[int]]:
-        """One segment per chunk the receiver lacks, with its index and checksum."""
+        """One segment per chunk the receiver lacks (less its ``landed``
+        leading bytes), with its index and checksum."""
         store = self.client.store
         pool = store.pool
         segments: list[Segment] = []
@@ -601,7 +649,8 @@ class PeerLink:
             if checksum is None or store.slot_nbytes(slot) != nbytes:
                 raise TransferError(f"local slot {slot} does not hold chunk {index}")
             remote = res.slots[index] * self.remote_slot_bytes
-            segments.append((pool.slot_offset(slot), remote, nbytes))
+            skip = min(landed.get(index, 0), nbytes - 1)  # NOTE: a write carries >= 1 byte
+            segments.append((pool.slot_offset(slot) + skip, remote + skip, nbytes - skip))
             written.append(index)
             checksums.append(checksum)
         return segments, written, checksums

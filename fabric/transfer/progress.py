@@ -15,6 +15,11 @@ class RequestProgress:
     filled: set[int] = field(default_factory=set)  # verified and indexed
     failed: set[int] = field(default_factory=set)
     expired: bool = False
+    parts: dict[int, int] = field(default_factory=dict)  # leading layers landed (WritePart)
+    streamed: set[int] = field(default_factory=set)  # verified by the consumer as it unpacks
+    sealed: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Streamed chunks whose WriteDone came: (checksum, generation), for the consumer."""
+    verifying: set[int] = field(default_factory=set)  # the server's verifier hashes them now
 
     @property
     def complete(self) -> bool:

@@ -191,6 +191,19 @@ class WriteDone(msgspec.Struct, tag="write_done", array_like=True, frozen=True):
     checksums: list[U64]
 
 
+class WritePart(msgspec.Struct, tag="write_part", array_like=True, frozen=True):
+    """Data-plane notification: the leading ``layers`` layers of chunk
+    ``index`` of a reservation landed (a prefiller writes each layer group
+    as it packs it, before it knows the chunk's checksum). A hint only: the
+    chunk counts once its ``WriteDone`` came and its checksum matched; a
+    receiver that does not know this message drops it."""
+
+    request_id: RequestId
+    index: Index
+    generation: Count
+    layers: Count
+
+
 class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
     """How many leading full chunks of ``token_ids`` does the store hold?
 
@@ -352,6 +365,7 @@ Message = (
     | Heartbeat
     | Ack
     | WriteDone
+    | WritePart
     | Lookup
     | LookupResult
     | Release

@@ -313,6 +313,33 @@ class TransferServer:
             dirty, self._dirty = self._dirty, set()
             return dirty
 
+    def stream(self, request_id: str, index: int) -> bool:
+        """Let the consumer verify chunk ``index`` of ``request_id`` itself, as
+        it unpacks the chunk's layers while their parts land: the verifier
+        will not hash it, and its WriteDone's checksum is left in the
+        progress's ``sealed`` for :meth:`fill_streamed`. False (nothing
+        changes) when the chunk is verified, failed or being verified now."""
+        with self._cond:
+            prog = self._progress.get(request_id)
+            if prog is None or index not in prog.expected:
+                return False
+            if index in prog.filled or index in prog.failed or index in prog.verifying:
+                return False
+            prog.streamed.add(index)
+            return True
+
+    def fill_streamed(
+        self, request_id: str, index: int, checksum: int, generation: int, actual: int | None
+    ) -> bool:
+        """Index streamed chunk ``index`` (sealed with ``checksum``) whose bytes
+        the consumer hashed to ``actual`` as it used them (None: hash the
+        slot here); whether it verified. A mismatch fails the chunk as the
+        verifier would."""
+        self._fill_one(request_id, index, checksum, generation, actual=actual)
+        with self._cond:
+            prog = self._progress.get(request_id)
+            return prog is not None and index in prog.filled
+
     def prefill_note(self, request_id: str) -> PrefillNote | None:
         """What the proxy last said of the prefill of transfer ``request_id``."""
         with self._cond:
@@ -813,6 +840,14 @@ class TransferServer:
             self.stats.protocol_errors += 1
             self._warn("bad_notif", "dropped notification from %s: %s", peer, exc)
             return
+        if isinstance(msg, proto.WritePart):
+            with self._cond:
+                prog = self._progress.get(msg.request_id)
+                if prog is not None and msg.index in prog.expected:
+                    prog.parts[msg.index] = max(prog.parts.get(msg.index, 0), msg.layers)
+                    self.stats.parts_landed += 1
+                    self._notify(msg.request_id)
+            return
         if not isinstance(msg, proto.WriteDone):
             self.stats.protocol_errors += 1
             return
@@ -892,16 +927,36 @@ class TransferServer:
             for index, checksum, generation in zip(
                 msg.indices, msg.checksums, msg.generations, strict=False
             ):
+                with self._cond:
+                    prog = self._progress.get(msg.request_id)
+                    if prog is not None and index in prog.streamed:
+                        prog.sealed[index] = (checksum, generation)  # NOTE: its consumer hashes
+                        self._notify(msg.request_id)
+                        continue
+                    if prog is not None:
+                        prog.verifying.add(index)
                 try:
                     self._fill_one(msg.request_id, index, checksum, generation)
                 except Exception:
                     self.stats.internal_errors += 1
                     logger.exception("verifying %s chunk %d failed", msg.request_id, index)
+                finally:
+                    if prog is not None:
+                        with self._cond:
+                            prog.verifying.discard(index)
 
-    def _fill_one(self, request_id: str, index: int, checksum: int, generation: int) -> None:
+    def _fill_one(
+        self,
+        request_id: str,
+        index: int,
+        checksum: int,
+        generation: int,
+        *,
+        actual: int | None = None,
+    ) -> None:
         ok = False
         try:
-            self.store.fill(request_id, index, checksum, generation)
+            self.store.fill(request_id, index, checksum, generation, actual=actual)
             ok = True
         except ChecksumMismatch as exc:
             self.stats.checksum_failures += 1

@@ -28,7 +28,9 @@ class ServerStats:
     on prefills that were kept; ``prefill_notes_late``: ones that came after
     the transfer's note was final or released (ignored); ``reserves_late``:
     Reserves refused because the transfer's load had already ended (the
-    consumer released it before its Reserve came).
+    consumer released it before its Reserve came). ``parts_landed``: layer
+    groups of chunks notified as landed (``WritePart``) before their chunk's
+    ``WriteDone``.
     """
 
     hellos: int = 0
@@ -53,3 +55,4 @@ class ServerStats:
     prefill_notes: int = 0
     prefill_notes_late: int = 0
     reserves_late: int = 0
+    parts_landed: int = 0

@@ -117,6 +117,8 @@ def test_early_admitted_requests_equal_colocated(cluster: Cluster) -> None:
     proxy = cluster.proxy()
     before_ok = metric(d_url, "vllm:fabric_loads_ok_total")
     before_layered = metric(p_url, "vllm:fabric_chunks_packed_layerwise_total")
+    before_parts = metric(p_url, "vllm:fabric_parts_sent_total")
+    before_streamed = metric(d_url, "vllm:fabric_chunks_streamed_total")
     words = heard(cluster)
     lengths = [300, 700, 1300, LONG]
     for i, n in enumerate(lengths):
@@ -129,6 +131,12 @@ def test_early_admitted_requests_equal_colocated(cluster: Cluster) -> None:
     chunks = sum(-(-n // 256) for n in lengths)
     assert metric(p_url, "vllm:fabric_chunks_packed_layerwise_total") - before_layered == chunks
     assert metric(d_url, "vllm:fabric_load_failures_total") == 0
+    # NOTE: P wrote the groups it packed during its forwards at once (layer_writes),
+    # and D unpacked some chunks a group at a time as they landed (a chunk whose
+    # last write came before D's loader saw its first is verified whole)
+    assert metric(p_url, "vllm:fabric_parts_sent_total") - before_parts >= chunks
+    assert metric(d_url, "vllm:fabric_chunks_streamed_total") - before_streamed > 0
+    assert metric(d_url, "vllm:fabric_streams_redone_total") == 0
     assert proxy_counter(proxy, "early_handoffs") == len(lengths)
     assert proxy_counter(proxy, "fallbacks") == 0
     # NOTE: D heard the proxy's word: running at dispatch, done after P answered

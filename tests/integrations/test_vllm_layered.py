@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import importlib
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from fabric.errors import TransferError
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.connector import FabricConnector
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
@@ -26,6 +28,7 @@ from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.kv import chunk_keys, pack_checksummed
 from fabric.kv.layerwise import LayerwisePack, group_ends
+from fabric.transfer.nixl_plane import nixl_available
 from tests.integrations.test_vllm_worker import (
     BLOCKS,
     BS,
@@ -433,3 +436,210 @@ def test_a_push_is_begun_once_when_its_groups_are_packed_early(
     p.flush()
     load(d)
     assert begins == ["p-req"]
+
+
+# ------------------------------------------------------------ layer writes
+
+
+def streams(d: FabricWorker) -> dict[int, int]:
+    """Chunk -> layers D's loader unpacked so far of the load ``d-req``."""
+    assert d.loader is not None
+    active = d.loader._active.get("d-req")
+    return {} if active is None else {i: s.layers_done for i, s in active.streams.items()}
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture(params=["loopback", "tcp", "nixl"])
+def wired_pair(request: pytest.FixtureRequest) -> Iterator[tuple[FabricWorker, FabricWorker]]:
+    """The pair over each data plane (TCP admits one write into a slot at a
+    time; NIXL does not see writes land)."""
+    if request.param == "nixl" and not nixl_available():
+        pytest.skip("NIXL is not installed")
+    wire = {"transport": request.param}
+    p = worker(produce=True, consume=False, seed=1, layer_groups=LAYERS, **wire)
+    d = worker(produce=False, consume=True, seed=2, load_timeout_s=5, **wire)
+    yield p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def test_groups_packed_during_the_forward_land_and_are_unpacked_before_the_step_ends(
+    wired_pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """D admitted at dispatch: its load waits while P computes. Every group
+    P packs during the forward is written at once and D unpacks it as it
+    lands (hashed in the same pass); after the step only the last layer is
+    left, and D's chunks are indexed with the digest it took."""
+    p, d, meta = begin_step(wired_pair)
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST, NUM_TOKENS, tokens(150))]))
+    names = list(p._named_caches)
+    new = final_kv(p)
+    for i, name in enumerate(names[:-1]):  # NOTE: the forward up to its last layer
+        p.kv_caches[i][SRC] = new[i]
+        p.pack_layer(name, meta)
+    p.flush()
+    wait_for(lambda: streams(d) == {0: LAYERS - 1, 1: LAYERS - 1, 2: LAYERS - 1}, "streamed")
+    p.kv_caches[-1][SRC] = new[-1]
+    p.pack_layer(names[-1], meta)
+    p.pack_step(meta)
+    p.flush()
+    assert wait_results(d) == ({"d-req"}, set())
+    assert_same_kv(p, d)
+    counts = d.counters.take()
+    assert counts["chunks_streamed"] == 3 and "streams_redone" not in counts
+    assert p.counters.take()["parts_sent"] >= 3
+    assert d.node is not None and d.node.server is not None
+    assert d.node.server.stats.parts_landed >= 3
+    assert d.store.reserved_count() == 0 and d.loader is not None
+    assert d.loader.table_sizes()["loader_active"] == 0
+    # NOTE: indexed as verified: a later load of the same prompt reuses D's chunks
+    assert d.layout is not None
+    keys = chunk_keys(tokens(150), CT, d.layout.fingerprint())
+    assert d.store.lookup(keys) == len(keys) == 3
+    assert_no_slot_held(p)
+
+
+def test_without_layer_writes_a_chunk_is_written_once_packed_whole() -> None:
+    p = worker(produce=True, consume=False, seed=1, layer_groups=LAYERS, layer_writes=False)
+    d = worker(produce=False, consume=True, seed=2, load_timeout_s=5)
+    try:
+        p, d, meta = begin_step((p, d))
+        d.start_load(
+            FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST, NUM_TOKENS, tokens(150))])
+        )
+        forward(p, meta)
+        p.pack_step(meta)
+        p.flush()
+        assert wait_results(d) == ({"d-req"}, set())
+        assert_same_kv(p, d)
+        assert "parts_sent" not in p.counters.take()
+        assert "chunks_streamed" not in d.counters.take()
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def part_then_whole(p: FabricWorker, d: FabricWorker, garbage: bool) -> tuple[int, int]:
+    """P's link writes chunk 0's first layers from a slot of garbage (or of
+    the chunk), then the whole chunk with its checksum; (slot, nbytes) of
+    the chunk on P."""
+    assert d.node is not None and p.node is not None and p.node.client is not None
+    assert p.layout is not None
+    key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
+    slot = p.store.allocate(key)
+    nbytes, checksum = pack_checksummed(
+        p.kv_caches, p.layout, SRC[:4], p.store.pool.slot_view(slot)
+    )
+    p.store.commit(slot, key, nbytes, checksum)
+    junk = p.store.allocate(b"junk" * 4)
+    view = p.store.pool.slot_view(junk)
+    view[:nbytes] = p.store.pool.slot_view(slot)[:nbytes]
+    if garbage:
+        view[:8] ^= 0xFF  # NOTE: layer 0's first bytes
+    link = p.node.client.connect(d.node.endpoint)
+    res = link.reserve("t1", [key], [nbytes])
+    per_layer = nbytes // LAYERS
+    wait_for(lambda: "d-req" in (d.loader._active if d.loader else {}), "the load began")
+    link.write_part(res, 0, junk, (0, per_layer), 1).wait(5)
+    wait_for(lambda: streams(d) == {0: 1}, "layer 0 unpacked")
+    link.write(res, [0], [slot]).wait(5)  # NOTE: whole: from another slot than the part's
+    p.store.abort(junk)
+    return slot, nbytes
+
+
+@pytest.mark.parametrize("garbage", [False, True], ids=["same-bytes", "garbage-part"])
+def test_a_part_that_is_not_the_chunks_is_caught_and_the_chunk_unpacked_again(
+    pair: tuple[FabricWorker, FabricWorker], garbage: bool
+) -> None:
+    """A part's bytes that the whole write then replaced (a chunk packed
+    whole after its layer-wise pack failed): D's streamed digest does not
+    match, so the slot is verified whole and the chunk unpacked again; the
+    blocks hold the chunk's KV, never the part's."""
+    p, d = pair
+    dst = DST[:4]
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, dst, 64, tokens(64))]))
+    part_then_whole(p, d, garbage)
+    assert wait_results(d) == ({"d-req"}, set())
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        for s, t in zip(SRC[:4], dst, strict=True):
+            assert torch.equal(d_layer[t], p_layer[s])
+    counts = d.counters.take()
+    assert counts.get("streams_redone", 0) == (1 if garbage else 0)
+    assert counts["chunks_streamed" if not garbage else "chunks_loaded"] == 1
+
+
+def test_streamed_bytes_corrupted_in_the_decoders_slot_fail_the_load(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """A chunk whose bytes in D's slot do not hash to P's checksum (flipped
+    after they landed, before D read them) is never loaded: the streamed
+    digest fails, the slot fails too, vLLM is told to recompute."""
+    p, d, meta = begin_step(pair)
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST, NUM_TOKENS, tokens(150))]))
+    assert d.loader is not None
+    real_stream = d.loader._stream
+    flipped: list[int] = []
+
+    def corrupt_then_stream(load: object, prog: object, res: object) -> bool:
+        parts = getattr(prog, "parts", {})
+        if parts.get(1) and not flipped:
+            slot = res.slots[1]  # type: ignore[attr-defined]
+            d.store.pool.slot_view(slot)[3] ^= 0x01
+            flipped.append(slot)
+        return real_stream(load, prog, res)  # type: ignore[arg-type]
+
+    d.loader._stream = corrupt_then_stream  # type: ignore[method-assign]
+    names = list(p._named_caches)
+    new = final_kv(p)
+    for i, name in enumerate(names):
+        if i == len(names) - 1:  # NOTE: chunk 1's first layers landed and were read
+            wait_for(lambda: bool(flipped) and streams(d).get(1) == LAYERS - 1, "streamed")
+        p.kv_caches[i][SRC] = new[i]
+        p.pack_layer(name, meta)
+        p.flush()
+    p.pack_step(meta)
+    p.flush()
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    counts = d.counters.take()
+    assert flipped and counts["streams_redone"] == 1 and counts["corrupt_chunks"] == 1
+    assert counts["load_failures"] == 1
+    assert d.store.reserved_count() == 0
+
+
+def test_a_part_write_that_fails_fails_the_push_and_holds_no_slot(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link refuses the second part of a chunk (the receiver went away
+    mid-forward): the push fails (D is told by a Cancel and recomputes),
+    the chunk's slot handed over at the step's end is released, and P's
+    store keeps the chunks for reuse with nothing reserved."""
+    p, d, meta = begin_step(pair)
+    assert p.node is not None and p.node.client is not None and d.node is not None
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST, NUM_TOKENS, tokens(150))]))
+    link = p.node.client.connect(d.node.endpoint)
+    real = link.write_part
+    calls: list[int] = []
+
+    def flaky(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise TransferError("the receiver went away")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(link, "write_part", flaky)
+    forward(p, meta)
+    p.pack_step(meta)
+    p.flush()
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    assert len(calls) >= 2
+    counts = p.counters.take()
+    assert counts["push_failures"] == 1
+    wait_for(lambda: p.store.table_sizes()["store_referenced_slots"] == 0, "released")
+    assert_no_slot_held(p)

@@ -17,6 +17,7 @@ MESSAGES = [
     proto.Heartbeat(5, "req-1", 5000),
     proto.Ack(5, "req-1", True),
     proto.WriteDone("req-1", [0, 1], [2, 3], [2**64 - 1, 0]),
+    proto.WritePart("req-1", 3, 2, 16),
 ]
 
 

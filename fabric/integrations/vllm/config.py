@@ -39,6 +39,10 @@ class ConnectorConfig(Settings):
     in that many groups of layers, each as soon as the forward pass has
     computed it, so only the last group is left to pack when the step ends
     (CPU KV caches, ``pack_threads`` 1; elsewhere packed at the step's end).
+    ``layer_writes``: a prefiller also writes each group it packed during the
+    forward to its decoder at once (the decoder unpacks it as it lands), so
+    only the last group is left to write and unpack after the step; off: a
+    chunk is written once packed whole.
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
@@ -91,6 +95,7 @@ class ConnectorConfig(Settings):
     push_timeout_s: PositiveFloat = 30.0
     pack_threads: PositiveInt = 1
     layer_groups: PositiveInt = 8
+    layer_writes: bool = True
     async_save: bool = True
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None

@@ -21,6 +21,12 @@ COUNTERS = {
     "push_failures": "pushes abandoned (decoder unreachable, refused, timed out)",
     "chunks_loaded": "chunks unpacked into the KV cache",
     "bytes_loaded": "bytes unpacked into the KV cache",
+    "chunks_streamed": "pushed chunks unpacked a layer group at a time as the prefiller's "
+    "parts landed, verified in the same pass (of chunks_loaded)",
+    "streams_redone": "streamed chunks whose bytes did not hash to the prefiller's checksum "
+    "as they were unpacked: the slot verified whole and the chunk unpacked again",
+    "parts_sent": "layer groups of chunks written to decoders while the forward pass still "
+    "computed the later layers (before the chunk's last group)",
     "tokens_loaded": "prompt tokens whose KV arrived over the fabric",
     "loads_ok": "requests whose KV arrived over the fabric",
     "load_failures": "requests whose KV did not arrive: recomputed locally (fallback)",

@@ -20,10 +20,14 @@ and checksum as packing the chunk whole).
     layer 0 .. 3 saved   --submit(4)-->     begin the step's pushes (their
                                             Reserves go out), take a slot
                                             per chunk, pack layers 0-3
-    layer 4 .. 7 saved   --submit(8)-->     pack layers 4-7
+                                            (layer_writes: hand each chunk's
+                                            packed layers to the push threads,
+                                            which write them to the decoder)
+    layer 4 .. 7 saved   --submit(8)-->     pack layers 4-7 (and hand them over)
     ...                                     ...
     wait_for_save        --submit(save)-->  pack layers 28-31, commit, hand
                                             the chunks to the push threads
+                                            (which write the rest of each)
 
 The tokens of a chunk computed in earlier steps were written then (every
 layer), and its blocks are held by the request, so they are final too.
@@ -84,8 +88,10 @@ class LayeredPacks:
         layout: KVLayout,
         groups: int,
         counters: FabricCounters,
+        on_part: Callable[[str, int, int, int, int], None] | None = None,
     ) -> None:
         self.store = store
+        self.on_part = on_part  # (req_id, index, slot, layers, bytes) packed so far
         self.kv_caches = list(kv_caches.values())
         self.layout = layout
         self.counters = counters
@@ -156,6 +162,9 @@ class LayeredPacks:
                 logger.exception("fabric: packing layers of %s chunk %d failed", *key)
                 del self._parts[key]
                 self.store.abort(slot)
+                continue
+            if self.on_part is not None:
+                self.on_part(key[0], key[1], slot, part.layers_done, part.bytes_done)
 
     def take(self, chunk: PackChunk) -> tuple[int, LayerwisePack] | None:
         """The slot and pack begun for ``chunk`` (the caller finishes or aborts it)."""

@@ -94,6 +94,7 @@ from typing import TYPE_CHECKING
 from fabric.errors import ChecksumMismatch
 from fabric.integrations.vllm.metadata import Claim, LoadPlan
 from fabric.kv import chunk_keys, unpack
+from fabric.kv.layerwise import LayerwiseUnpack, supported
 from fabric.kv.spans import ChunkSpan, chunk_block_counts, chunk_spans
 
 if TYPE_CHECKING:
@@ -102,8 +103,9 @@ if TYPE_CHECKING:
     from fabric.integrations.vllm.counters import FabricCounters
     from fabric.kv import KVLayout
     from fabric.store import ChunkStore
+    from fabric.store.records import Reservation
     from fabric.transfer import TransferServer
-    from fabric.transfer.progress import PrefillNote
+    from fabric.transfer.progress import PrefillNote, RequestProgress
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,7 @@ class _Load:
     beat_at: float = 0.0  # when it last extended its reservation's lease
     stepped: bool = False  # stepped once since it started (a new load always is)
     refused: str | None = None  # why its push was refused, seen while it was claimed
+    streams: dict[int, LayerwiseUnpack] = field(default_factory=dict)  # chunks being streamed
 
 
 @dataclass
@@ -205,6 +208,7 @@ class Loader:
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._swept_at = 0.0  # when every active load was last stepped
+        self._streaming = bool(kv_caches) and supported(kv_caches)
         self._thread = threading.Thread(target=self._run, name="fabric-load", daemon=True)
         self._thread.start()
 
@@ -468,6 +472,8 @@ class Loader:
                 self._finish(load, ok=False, why=f"chunk {index} of {tid} at use: {exc}")
                 self.store.discard(load.keys[index])  # NOTE: once the release above let go
                 return
+        if self._streaming and not self._stream(load, prog, res):
+            return
         if len(load.done) == len(load.chunks):
             self._finish(load, ok=True)
         elif overdue := self._overdue(load, note, now, self.load_timeout_s):
@@ -477,6 +483,77 @@ class Loader:
                 f"(landed {sorted(prog.landed)}, verified {sorted(prog.filled)})"
             )
             self._finish(load, ok=False, why=why if overdue is True else f"{overdue}; {why}")
+
+    def _stream(self, load: _Load, prog: RequestProgress, res: Reservation) -> bool:
+        """Unpack the layers of chunks whose parts landed (a prefiller writes
+        each layer group as it packs it, :class:`~fabric.transfer.protocol.
+        WritePart`), hashing them in the same pass; a chunk whose WriteDone
+        came is finished and indexed with that digest (the server's verifier
+        leaves it to us: :meth:`TransferServer.stream`). Its blocks are read
+        by vLLM only once the whole load is reported, so layers unpacked
+        before the chunk verified are never used unverified: a digest that
+        does not match has the slot verified whole and, if it holds the
+        chunk, the chunk unpacked again with verification; if not, the load
+        fails (recomputed). False when the load ended."""
+        tid = load.plan.transfer_id
+        for index, span in load.chunks.items():
+            if index in load.done or res.already_present[index]:
+                continue
+            part = load.streams.get(index)
+            layers = min(prog.parts.get(index, 0), self.layout.num_layers)
+            if part is None:
+                if (
+                    not layers
+                    or res.nbytes[index] < self.layout.chunk_nbytes(span.chunk_blocks)
+                    or not self.server.stream(tid, index)
+                ):
+                    continue  # NOTE: a short reservation fails as the verifier finds it
+                part = LayerwiseUnpack(
+                    self.store.pool.slot_view(res.slots[index]),
+                    self.kv_caches,
+                    self.layout,
+                    list(span.targets),
+                    chunk_blocks=span.chunk_blocks,
+                    first=span.first,
+                    nbytes=res.nbytes[index],
+                )
+                load.streams[index] = part
+            sealed = prog.sealed.get(index)
+            if sealed is None:
+                part.unpack_layers(layers)
+                continue
+            checksum, generation = sealed
+            digest = part.finish()
+            del load.streams[index]
+            if digest == checksum and self.server.fill_streamed(
+                tid, index, checksum, generation, digest
+            ):
+                self.counters.add(chunks_streamed=1)
+                self._loaded(load, index)
+                continue
+            if digest != checksum:
+                self.counters.add(streams_redone=1)
+                logger.info(
+                    "request %s chunk %d: streamed bytes did not verify; again whole",
+                    load.plan.req_id,
+                    index,
+                )
+            if digest != checksum and self.server.fill_streamed(
+                tid, index, checksum, generation, None
+            ):
+                fresh = self.store.reservation(tid)
+                slot = fresh.slots[index] if fresh is not None else res.slots[index]
+                try:
+                    self._unpack(load, index, slot, fetched=True)
+                    continue
+                except ChecksumMismatch as exc:
+                    why = f"chunk {index} of {tid} at use: {exc}"
+            else:
+                why = f"chunk {index} of {tid}: its bytes did not verify (checksum or lease)"
+            self.counters.add(corrupt_chunks=1)
+            self._finish(load, ok=False, why=why)
+            return False
+        return True
 
     @staticmethod
     def _overdue(load: _Load, note: PrefillNote | None, now: float, bound: float) -> bool | str:
@@ -517,6 +594,10 @@ class Loader:
         (ChecksumMismatch: the target blocks hold garbage; vLLM recomputes)."""
         span = load.chunks[index]
         unpack_slot(self.store, slot, self.kv_caches, self.layout, span, load.keys[index])
+        self._loaded(load, index, fetched=fetched)
+
+    def _loaded(self, load: _Load, index: int, *, fetched: bool = True) -> None:
+        span = load.chunks[index]
         load.done.add(index)
         self.counters.add(chunks_loaded=1, bytes_loaded=self.layout.chunk_nbytes(len(span.targets)))
         if load.plan.shared and fetched:

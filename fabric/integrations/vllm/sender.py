@@ -17,6 +17,17 @@ reserves, writes, polls, heartbeats and cancels for that endpoint only::
                   "name:tcp://d1"        "name:tcp://d2"       ...
                   (its jobs: Reserve, WRITE, poll, Heartbeat, Cancel)
 
+With ``layer_writes`` the pack thread also hands over ``part`` events: a
+chunk's leading layers packed during the forward, in a slot not yet
+committed (no ref: the chunk's own ``chunk`` event comes later, or its
+request fails). Once the push has its Reserve, the endpoint's thread writes
+what was packed beyond what it wrote (``PeerLink.write_part``), one write
+per chunk in flight (the receiver admits one write into a slot at a time;
+parts packed meanwhile go in the next one). The chunk's own write then
+sends only the rest, once its last part completed, and only when it comes
+from the same slot (else the whole chunk: the receiver's digest of the
+parts then fails and it verifies the slot whole).
+
 A receiver that accepts the connection and never answers stalls only its
 own thread (each call bounded by the client's control timeout), never the
 pushes to the others, which reach their decoders within its grace.
@@ -116,6 +127,8 @@ PEER_IDLE_S = 60.0
 STALL_S = 1.0
 STALL_PRESSURE = 0.25
 """Below this fraction of allocatable store slots, a stalled receiver's waiting chunks go."""
+PART_POLL_S = 0.001
+"""How often a part in flight is polled while no chunk's last write is (see ``_round``)."""
 MIN_FREE_SLOTS = 8
 """...and below this many allocatable slots, whatever the fraction (small stores)."""
 PROBE_EVERY_S = 1.0
@@ -180,10 +193,33 @@ class PushJob:
     # they were released unwritten (the receiver stalled).
     early: list[_SlotRef] = field(default_factory=list)
     starved: bool = False
+    parts: dict[int, _Part] = field(default_factory=dict)  # chunk -> its parts (endpoint thread)
 
     @property
     def complete(self) -> bool:
         return self.written == len(self.keys) and not self.inflight
+
+    @property
+    def parts_running(self) -> bool:
+        return any(p.pending is not None for p in self.parts.values())
+
+
+@dataclass(eq=False)
+class _Part:
+    """The leading layers of one chunk written before it was packed whole.
+
+    ``slot``: where the prefiller packs it (not committed: no ref is held;
+    its writes only read it); ``landed``: the bytes whose write completed;
+    ``want``: (layers, bytes) packed so far; ``pending``: the one write in
+    flight (a receiver admits one write into a slot at a time) and the
+    ``(layers, bytes)`` it brings; ``final``: the chunk's committed slot
+    (a ref held), its write waiting for ``pending`` to end."""
+
+    slot: int
+    landed: int = 0
+    want: tuple[int, int] = (0, 0)
+    pending: tuple[PendingPush, tuple[int, int], float] | None = None
+    final: int | None = None
 
 
 class _SlotRef:
@@ -311,6 +347,13 @@ class PushSender:
         """Chunk ``index`` is packed in ``slot`` (a ref is held; we release it)."""
         self._events.put(("chunk", (req_id, index, slot)))
 
+    def part(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
+        """Chunk ``index``'s leading ``layers`` layers (its first ``nbytes``
+        bytes) are packed in ``slot``, the rest still to come: written at
+        once when the push has its Reserve (no ref is handed over; the
+        chunk's own ``chunk`` event follows, or its request fails)."""
+        self._events.put(("part", (req_id, index, slot, layers, nbytes)))
+
     def finished(self, req_ids: set[str]) -> None:
         for rid in req_ids:
             self._events.put(("finished", rid))
@@ -380,6 +423,8 @@ class PushSender:
         with self._jobs_lock:
             job = self._jobs.get(str(rid))
         if job is None:  # failed at once, or over: nothing kept for it
+            if kind == "part":
+                return
             if kind == "chunk":
                 assert isinstance(payload, tuple)
                 self.store.release_slots([payload[2]])
@@ -548,7 +593,12 @@ class PushSender:
 
     def _round(self, peer: _Peer) -> None:
         busy = any(job.inflight for job in peer.jobs.values())
-        self._drain(peer, timeout=None if busy else 0.05)
+        parts = not busy and any(job.parts_running for job in peer.jobs.values())
+        # NOTE: parts are written while the forward runs on the same core: a
+        # part's completion is looked at every PART_POLL_S (a new event wakes
+        # the thread at once), not every 50 us, which would take the core
+        # from the forward; a chunk's last write is polled closely.
+        self._drain(peer, timeout=None if busy else PART_POLL_S if parts else 0.05)
         self._progress(peer)
         self._probe(peer)
         if peer.cancelling:
@@ -629,7 +679,9 @@ class PushSender:
             return
         assert isinstance(payload, tuple) and isinstance(payload[0], PushJob)
         job = payload[0]
-        if kind == "chunk":
+        if kind == "part":
+            self._part(job, *payload[1:])
+        elif kind == "chunk":
             assert isinstance(payload[2], _SlotRef)
             slot = payload[2].take()
             if slot is None:  # NOTE: released by the dispatcher: the receiver stalled
@@ -645,6 +697,7 @@ class PushSender:
 
     def _abandon(self, peer: _Peer, job: PushJob, why: str) -> None:
         """Fail ``job`` and forget it, releasing every slot it still holds."""
+        self._drop_parts(job)
         for entry in list(job.inflight):
             with contextlib.suppress(Exception):
                 entry[1].abort()
@@ -716,13 +769,93 @@ class PushSender:
             # (nor its data-plane peer); the next push says Hello again.
             self.client.disconnect(peer.endpoint, link)
 
+    def _part(self, job: PushJob, index: int, slot: int, layers: int, nbytes: int) -> None:
+        """Write what is packed of chunk ``index`` beyond what was written."""
+        res = job.res
+        if job.dropped or job.failed or job.link is None or res is None:
+            return
+        if res.already_present[index] or (index in job.parts and job.parts[index].slot != slot):
+            return
+        part = job.parts.setdefault(index, _Part(slot))
+        if part.final is None and nbytes > part.want[1]:
+            part.want = (layers, nbytes)
+            self._post_part(job, index, part)
+
+    def _post_part(self, job: PushJob, index: int, part: _Part) -> None:
+        """Post the next part of ``index`` (or its final write) unless one runs."""
+        if part.pending is not None or job.failed or job.dropped:
+            return
+        if part.final is not None:
+            slot, part.final = part.final, None
+            self._write(job, index, slot)
+            return
+        layers, nbytes = part.want
+        if nbytes <= part.landed:
+            return
+        assert job.link is not None and job.res is not None
+        started = time.monotonic()
+        try:
+            push = job.link.write_part(job.res, index, part.slot, (part.landed, nbytes), layers)
+        except FabricError as exc:
+            with self._peers_lock:
+                peer = self._peers.get(job.endpoint)
+            if peer is not None:
+                self._peer_failed(peer, exc, started=started, link=job.link)
+            self._fail(job, f"write of a part of chunk {index} failed: {exc}", peer)
+            return
+        part.pending = (push, part.want, started)
+
+    def _progress_parts(self, peer: _Peer, job: PushJob, now: float) -> None:
+        for index, part in list(job.parts.items()):
+            if part.pending is None:
+                continue
+            push, (_, nbytes), started = part.pending
+            try:
+                done = push.done()
+            except FabricError as exc:
+                part.pending = None
+                self._peer_failed(peer, exc, started=started, link=job.link)
+                self._fail(job, f"write of a part of chunk {index} failed: {exc}", peer)
+                continue
+            if done:
+                part.pending, part.landed = None, nbytes
+                self.counters.add(parts_sent=1)
+                self._post_part(job, index, part)
+            elif now - started > self.push_timeout_s:
+                push.abort()
+                part.pending = None
+                timeout = TransferTimeout(f"part write not done in {self.push_timeout_s} s")
+                self._peer_failed(peer, timeout, started=started, link=job.link)
+                self._fail(job, str(timeout), peer)
+        if job.failed:
+            self._drop_parts(job)
+
+    def _drop_parts(self, job: PushJob) -> None:
+        """Abort the parts in flight and release the final writes that waited for them."""
+        parts, job.parts = job.parts, {}
+        for part in parts.values():
+            if part.pending is not None:
+                with contextlib.suppress(Exception):
+                    part.pending[0].abort()
+            if part.final is not None:
+                self.store.release_slots([part.final])
+
     def _write(self, job: PushJob, index: int, slot: int) -> None:
         if job.dropped or job.failed or job.link is None or job.res is None:
             self.store.release_slots([slot])
             return
+        part = job.parts.get(index)
+        if part is not None and part.pending is not None:
+            part.final = slot  # NOTE: posted once the part in flight ended
+            return
+        landed = {}
+        if part is not None:
+            del job.parts[index]
+            if part.slot == slot:
+                landed[index] = part.landed
         started = time.monotonic()
         try:
-            push = job.link.write(job.res, [index], [slot])
+            push = job.link.write(job.res, [index], [slot], landed=landed)
         except Exception as exc:
             self.store.release_slots([slot])  # NOTE: the one release of this slot
             if not isinstance(exc, FabricError):
@@ -747,6 +880,8 @@ class PushSender:
                 self._abandon(peer, job, f"{type(exc).__name__}: {exc}")
 
     def _progress_job(self, peer: _Peer, job: PushJob, now: float) -> None:
+        if job.parts:
+            self._progress_parts(peer, job, now)
         for entry in list(job.inflight):
             _, push, started = entry
             try:
@@ -800,7 +935,9 @@ class PushSender:
                 self._fail(job, "the receiver no longer holds the reservation", peer)
 
     def _maybe_drop(self, peer: _Peer, job: PushJob) -> None:
-        if job.inflight or job.dropped:
+        if job.failed and job.parts:
+            self._drop_parts(job)
+        if job.inflight or job.dropped or job.parts_running:
             return
         if job.complete or job.failed:
             self._drop(peer, job)

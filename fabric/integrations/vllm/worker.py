@@ -320,7 +320,16 @@ class FabricWorker:
                 groups,
             )
             return
-        self.layered = LayeredPacks(self.store, self._named_caches, layout, groups, self.counters)
+        on_part = self._part_packed if self.config.layer_writes else None
+        self.layered = LayeredPacks(
+            self.store, self._named_caches, layout, groups, self.counters, on_part
+        )
+
+    def _part_packed(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
+        """Layers of a chunk packed during the forward: its push writes them
+        now (pack thread; a request only kept here, or unknown, has none)."""
+        if self.sender is not None and req_id in self._keys and req_id not in self._keep_only:
+            self.sender.part(req_id, index, slot, layers, nbytes)
 
     def own_table_sizes(self) -> dict[str, int]:
         """Entries in the per-request tables of this worker, its load thread
