@@ -77,8 +77,11 @@ not being measured out of the way, and checks that it did:
   the start of each round (the record counts threads that had wandered).
 - Busy pollers are set to SCHED_IDLE: a thread of an idle engine that was
   running or waiting to run more than ``--spin-threshold`` (0.25) of a 1-2 s
-  window (its ``schedstat``): NIXL's UCX progress threads (vLLM leaves them
-  on, one per NIXL engine; fabric keeps its own off). Each engine's are set
+  window (its ``schedstat``) and ran more than half of that: NIXL's UCX
+  progress threads (vLLM leaves them on, one per NIXL engine; fabric keeps
+  its own off). A thread that only waited is not one (a run whose tuning
+  window met a busy core took 30 of fabric's engine threads for pollers,
+  the engine's own main thread among them). Each engine's are set
   as soon as it is healthy (they starved the engines still starting) and
   again once all are up; the record names every thread set.
 - SCHED_IDLE alone is not enough: every engine and proxy runs in a session
@@ -1178,17 +1181,18 @@ def thread_name(pid: int, tid: int) -> str:
         return "?"
 
 
-def runnable_ns(pid: int, tid: int) -> int | None:
-    """Nanoseconds the thread ran or waited to run so far (its ``schedstat``).
+def runnable_ns(pid: int, tid: int) -> tuple[int, int] | None:
+    """Nanoseconds the thread ran, and ran or waited to run, so far (its
+    ``schedstat``).
 
-    Without schedstat, its CPU time; None once the thread is gone.
+    Without schedstat, its CPU time for both; None once the thread is gone.
     """
     try:
         on_cpu, waiting, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
-        return int(on_cpu) + int(waiting)
+        return int(on_cpu), int(on_cpu) + int(waiting)
     except (OSError, ValueError):
         ticks = thread_ticks(pid, tid)
-        return None if ticks is None else ticks * 1_000_000_000 // CLOCK_TICKS
+        return None if ticks is None else (ticks * 1_000_000_000 // CLOCK_TICKS,) * 2
 
 
 def pin_threads(runs: Iterable[Running]) -> tuple[dict[int, tuple[Running, int]], int]:
@@ -1216,8 +1220,11 @@ def tune_threads(
 
     A poller is a thread that was running or waiting to run (``schedstat``)
     more than ``threshold`` of a ``window_s`` window while its engine had no
-    work (NIXL's UCX progress threads). A share of the window, not of a core,
-    so pollers that share a core are all found. Threads already set are
+    work (NIXL's UCX progress threads), and ran for more than half of that:
+    a share of the window, not of a core, so pollers that share a core are
+    all found, and one that ran, so threads that only waited (the machine
+    gave the engines' cores to something else meanwhile: an engine still
+    busy, or a stall) are not taken for pollers. Threads already set are
     skipped; a second pass catches threads that appeared meanwhile.
     """
     runs = list(runs)
@@ -1238,15 +1245,16 @@ def tune_threads(
             end = runnable_ns(pid, tid)
             if start is None or end is None:
                 continue
-            share = (end - start) / (window_s * 1e9)
-            if share <= threshold:
+            ran = (end[0] - start[0]) / (window_s * 1e9)
+            share = (end[1] - start[1]) / (window_s * 1e9)
+            if share <= threshold or ran <= threshold / 2:
                 continue
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 run.idle_threads.append((pid, tid))
                 found += 1
                 idled.append({"engine": run.spec.tag, "tid": tid, "comm": thread_name(pid, tid),
-                              "runnable": round(share, 2)})  # fmt: skip
+                              "runnable": round(share, 2), "ran": round(ran, 2)})  # fmt: skip
         if not found:
             break
     return {"threads": len(owners), "moved": moved, "sched_idle": idled}
