@@ -272,12 +272,15 @@ class ChunkStore:
         generation: int,
         *,
         actual: int | None = None,
+        slot: int | None = None,
     ) -> None:
         """The bytes of key ``index`` of ``request_id`` have landed: verify and index them.
 
-        ``actual``: the digest of the slot's bytes, taken by a caller that
-        hashed them as it used them (a decoder that unpacked the chunk layer
-        group by layer group as its parts landed); they are not hashed again.
+        ``actual``: the digest of the bytes of ``slot`` (required with it),
+        taken by a caller that hashed them as it used them (a decoder that
+        unpacked the chunk layer group by layer group as its parts landed);
+        they are not hashed again, and SlotStateError is raised unless
+        ``slot`` is the one the reservation holds for the key.
 
         On a match the key becomes present (the reservation keeps its ref
         until release). On a mismatch the slot is quarantined, the failure
@@ -292,6 +295,11 @@ class ChunkStore:
             target = fill_target(self._slots, lease, index, checksum, generation)
             if target is None:
                 return
+            if actual is not None and target[0] != slot:
+                raise SlotStateError(
+                    f"chunk #{index} of {request_id!r} was hashed in slot {slot}, "
+                    f"its reservation holds slot {target[0]}"
+                )
             slot, nbytes = target
             writes = self._slots.slots[slot].writes
         if actual is None:

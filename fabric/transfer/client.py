@@ -128,6 +128,7 @@ class PendingPush:
         self.nbytes = nbytes
         self._on_finish = on_finish
         self.expires_at = expires_at
+        self.route_epoch = 0  # the link's route epoch it was posted over (PeerLink)
 
     @property
     def running(self) -> bool:
@@ -222,6 +223,7 @@ class PeerLink:
         self._cancels: dict[str, float] = {}
         self._leases_lock = threading.Lock()  # guards _leases and _cancels
         self._route_suspect = False  # reload the data-plane route before the next write
+        self.route_epoch = 0  # bumped by every reload of the route (see ``write``'s ``landed``)
         self._route_used_at = time.monotonic()  # the last write posted, or the last (re)load
         self._writes: weakref.WeakSet[PendingPush] = weakref.WeakSet()  # posted over the route
         try:
@@ -459,14 +461,22 @@ class PeerLink:
         local_slots: Sequence[int],
         *,
         landed: Mapping[int, int] | None = None,
+        landed_epoch: int = -1,
     ) -> PendingPush:
         """WRITE chunks ``indices`` of ``res`` from ``local_slots`` (same order).
 
         Chunks the receiver already has are skipped; the notification names
         the chunks written with their checksums and slot generations.
         ``landed``: leading bytes of a chunk that :meth:`write_part` wrote
-        from the same local slot, and that completed: only the rest is sent.
+        from the same local slot, and that completed over route epoch
+        ``landed_epoch``: only the rest is sent -- unless the route was
+        loaded again since (NIXL may have reported done a write whose bytes
+        never landed on the old route), or is while this write is posted:
+        then the whole chunk goes.
         """
+        indices = list(indices)
+        if landed_epoch != self.route_epoch:
+            landed = None
         segments, written, checksums = self._plan(res, indices, local_slots, landed or {})
         if not segments:
             return PendingPush(None, 0)
@@ -476,11 +486,15 @@ class PeerLink:
             return self._write_with_faults(faults, res, segments, written, checksums, fence)
         notif = self._notif(res, written, checksums)
         self._post_check(res.request_id)
-        handle = self._posted(
-            res.request_id,
-            lambda: self.client.plane.post_write(self.peer_agent, segments, notif, fence),
-        )
-        return self._pending(handle, segments)
+        epoch = self.route_epoch
+
+        def post() -> WriteHandle:
+            whole = segments
+            if landed and self.route_epoch != epoch:  # NOTE: reloaded just now
+                whole = self._plan(res, indices, local_slots, {})[0]
+            return self.client.plane.post_write(self.peer_agent, whole, notif, fence)
+
+        return self._pending(self._posted(res.request_id, post), segments)
 
     def write_part(
         self,
@@ -495,7 +509,9 @@ class PeerLink:
         notified as ``WritePart(layers)``: the chunk's leading ``layers``
         layers are in once it completes. A receiver admits one write into a
         slot at a time: post the next part, or the chunk's :meth:`write`,
-        once this one completed."""
+        once this one completed. A route loaded again while it is posted
+        has the part sent from the chunk's first byte; the result's
+        ``route_epoch`` says over which route it went."""
         start, stop = span
         nbytes = res.nbytes[index]
         if res.already_present[index] or not 0 <= start < stop <= nbytes:
@@ -512,11 +528,18 @@ class PeerLink:
         )
         self._post_check(res.request_id)
         fence = _fence(res, [index])
-        handle = self._posted(
-            res.request_id,
-            lambda: self.client.plane.post_write(self.peer_agent, segments, notif, fence),
-        )
-        return self._pending(handle, segments)
+        epoch = self.route_epoch
+
+        def post() -> WriteHandle:
+            sent = segments
+            if start and self.route_epoch != epoch:  # NOTE: reloaded just now: from byte 0
+                local, far, _ = segments[0]
+                sent = [(local - start, far - start, stop)]
+            return self.client.plane.post_write(self.peer_agent, sent, notif, fence)
+
+        pending = self._pending(self._posted(res.request_id, post), segments)
+        pending.route_epoch = self.route_epoch
+        return pending
 
     def _posted(self, request_id: str, post: Callable[[], WriteHandle]) -> WriteHandle:
         """``post()`` over a route to the receiver that can be trusted.
@@ -579,6 +602,7 @@ class PeerLink:
                 f"{self.endpoint}: its data plane cannot be loaded: {exc}"
             ) from exc
         self._route_suspect, self._route_used_at = False, time.monotonic()
+        self.route_epoch += 1
         if self.peer_agent != old:
             self._forget_leases()
             raise ReservationExpired(

@@ -329,13 +329,21 @@ class TransferServer:
             return True
 
     def fill_streamed(
-        self, request_id: str, index: int, checksum: int, generation: int, actual: int | None
+        self,
+        request_id: str,
+        index: int,
+        sealed: tuple[int, int],
+        hashed: tuple[int, int] | None,
     ) -> bool:
-        """Index streamed chunk ``index`` (sealed with ``checksum``) whose bytes
-        the consumer hashed to ``actual`` as it used them (None: hash the
-        slot here); whether it verified. A mismatch fails the chunk as the
-        verifier would."""
-        self._fill_one(request_id, index, checksum, generation, actual=actual)
+        """Index streamed chunk ``index`` (``sealed``: its WriteDone's checksum
+        and generation) whose bytes the consumer hashed as it used them
+        (``hashed``: the slot and its digest; None: hash the slot here);
+        whether it verified. A mismatch fails the chunk as the verifier
+        would; a digest of a slot the reservation no longer holds for it
+        counts as a late write."""
+        checksum, generation = sealed
+        slot, actual = hashed if hashed is not None else (None, None)
+        self._fill_one(request_id, index, checksum, generation, actual=actual, slot=slot)
         with self._cond:
             prog = self._progress.get(request_id)
             return prog is not None and index in prog.filled
@@ -953,10 +961,11 @@ class TransferServer:
         generation: int,
         *,
         actual: int | None = None,
+        slot: int | None = None,
     ) -> None:
         ok = False
         try:
-            self.store.fill(request_id, index, checksum, generation, actual=actual)
+            self.store.fill(request_id, index, checksum, generation, actual=actual, slot=slot)
             ok = True
         except ChecksumMismatch as exc:
             self.stats.checksum_failures += 1

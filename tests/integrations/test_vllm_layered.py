@@ -643,3 +643,38 @@ def test_a_part_write_that_fails_fails_the_push_and_holds_no_slot(
     assert counts["push_failures"] == 1
     wait_for(lambda: p.store.table_sizes()["store_referenced_slots"] == 0, "released")
     assert_no_slot_held(p)
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["same-route", "route-loaded-again"])
+def test_the_landed_skip_holds_only_over_the_route_the_part_went_over(
+    pair: tuple[FabricWorker, FabricWorker], reloaded: bool
+) -> None:
+    """A chunk's last write skips the bytes its parts wrote -- over the same
+    route only: NIXL can report a write done whose bytes never landed on a
+    route that died, and a route loaded again since has the chunk sent
+    whole. The part's bytes are then lost here (flipped in D's slot): the
+    skip fails the chunk, the whole write verifies."""
+    p, d = pair
+    assert d.node is not None and p.node is not None and p.node.client is not None
+    assert p.layout is not None and d.node.server is not None
+    key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
+    slot = p.store.allocate(key)
+    view = p.store.pool.slot_view(slot)
+    nbytes, checksum = pack_checksummed(p.kv_caches, p.layout, SRC[:4], view)
+    p.store.commit(slot, key, nbytes, checksum)
+    link = p.node.client.connect(d.node.endpoint)
+    res = link.reserve("t1", [key], [nbytes])
+    part = link.write_part(res, 0, slot, (0, nbytes // LAYERS), 1)
+    part.wait(5)
+    reservation = d.store.reservation("t1")
+    assert reservation is not None
+    d.store.pool.slot_view(reservation.slots[0])[:8] ^= 0xFF  # NOTE: the part "never landed"
+    if reloaded:
+        link._reload_agent("test: the route died")
+    landed = {0: nbytes // LAYERS}
+    link.write(res, [0], [slot], landed=landed, landed_epoch=part.route_epoch).wait(5)
+    server = d.node.server
+    wait_for(lambda: (prog := server.progress("t1")) is not None and prog.finished, "verified")
+    prog = server.progress("t1")
+    assert prog is not None
+    assert (prog.filled, prog.failed) == (({0}, set()) if reloaded else (set(), {0}))

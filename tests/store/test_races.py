@@ -89,3 +89,25 @@ def test_duplicate_fill_during_fill(store: ChunkStore, monkeypatch: pytest.Monke
     interleave(monkeypatch, lambda: store.fill("r", 0, value, res.generations[0]))
     store.fill("r", 0, value, res.generations[0])  # the repeat is a no-op
     assert store.stats().filled == 1 and store.stats().checksum_failures == 0
+
+
+def test_a_digest_taken_by_its_user_indexes_only_the_slot_it_was_taken_of(
+    store: ChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fill(actual=, slot=): a decoder that hashed a chunk as it unpacked it
+    (no second hash here); a digest of another slot than the one the
+    reservation holds (the request id reserved anew meanwhile) indexes
+    nothing."""
+    hashed: list[int] = []
+    monkeypatch.setattr(index_module, "compute_checksum", lambda buf: hashed.append(1) or 0)
+    old = store.reserve("r", [key(0)], [SLOT_BYTES])
+    value = write(store, old.slots[0], payload(0))
+    store.cancel("r")
+    new = store.reserve("r", [key(0)], [SLOT_BYTES])
+    assert new.slots[0] != old.slots[0]
+    with pytest.raises(SlotStateError, match="hashed in slot"):
+        store.fill("r", 0, value, new.generations[0], actual=value, slot=old.slots[0])
+    assert not store.contains(key(0))
+    write(store, new.slots[0], payload(0))
+    store.fill("r", 0, value, new.generations[0], actual=value, slot=new.slots[0])
+    assert store.contains(key(0)) and not hashed

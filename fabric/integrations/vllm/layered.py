@@ -89,9 +89,11 @@ class LayeredPacks:
         groups: int,
         counters: FabricCounters,
         on_part: Callable[[str, int, int, int, int], None] | None = None,
+        on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self.store = store
         self.on_part = on_part  # (req_id, index, slot, layers, bytes) packed so far
+        self.on_drop = on_drop  # (req_id, index): that slot went back (after on_part)
         self.kv_caches = list(kv_caches.values())
         self.layout = layout
         self.counters = counters
@@ -161,7 +163,7 @@ class LayeredPacks:
                 self.counters.add(thread_errors=1)
                 logger.exception("fabric: packing layers of %s chunk %d failed", *key)
                 del self._parts[key]
-                self.store.abort(slot)
+                self._give_back(key, slot)
                 continue
             if self.on_part is not None:
                 self.on_part(key[0], key[1], slot, part.layers_done, part.bytes_done)
@@ -175,8 +177,14 @@ class LayeredPacks:
         that failed); pack thread, after a step's chunks were saved."""
         self._meta = None
         parts, self._parts = self._parts, {}
-        for slot, _ in parts.values():
-            self.store.abort(slot)
+        for key, (slot, _) in parts.items():
+            self._give_back(key, slot)
+
+    def _give_back(self, key: tuple[str, int], slot: int) -> None:
+        """Abort ``slot``; parts written from it are void (``on_drop``) first."""
+        if self.on_part is not None and self.on_drop is not None:
+            self.on_drop(*key)
+        self.store.abort(slot)
 
     def reset(self) -> None:
         """Between steps, the pack thread idle: forget the hooks counted, give back slots."""

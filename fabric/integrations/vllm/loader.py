@@ -460,7 +460,8 @@ class Loader:
             self._finish(load, ok=False, why=f"transfer {tid} failed (checksum or lease)")
             return
         ready = [i for i in load.chunks if i not in load.done and self._available(i, prog, res)]
-        if failed and len(load.done) + len(ready) < len(load.chunks):
+        sealed = sum(1 for i in load.streams if i in prog.sealed)  # NOTE: all in, hashed below
+        if failed and len(load.done) + len(ready) + sealed < len(load.chunks):
             # NOTE: what came is kept only when it is all of it
             self._finish(load, ok=False, why=failed)
             return
@@ -522,12 +523,11 @@ class Loader:
             if sealed is None:
                 part.unpack_layers(layers)
                 continue
-            checksum, generation = sealed
+            checksum, _ = sealed
             digest = part.finish()
             del load.streams[index]
-            if digest == checksum and self.server.fill_streamed(
-                tid, index, checksum, generation, digest
-            ):
+            hashed = (res.slots[index], digest)
+            if digest == checksum and self.server.fill_streamed(tid, index, sealed, hashed):
                 self.counters.add(chunks_streamed=1)
                 self._loaded(load, index)
                 continue
@@ -538,9 +538,7 @@ class Loader:
                     load.plan.req_id,
                     index,
                 )
-            if digest != checksum and self.server.fill_streamed(
-                tid, index, checksum, generation, None
-            ):
+            if digest != checksum and self.server.fill_streamed(tid, index, sealed, None):
                 fresh = self.store.reservation(tid)
                 slot = fresh.slots[index] if fresh is not None else res.slots[index]
                 try:

@@ -203,6 +203,11 @@ class PushJob:
     def parts_running(self) -> bool:
         return any(p.pending is not None for p in self.parts.values())
 
+    @property
+    def finals_waiting(self) -> bool:
+        """A chunk's last write waits for its part in flight (polled closely)."""
+        return any(p.final is not None for p in self.parts.values())
+
 
 @dataclass(eq=False)
 class _Part:
@@ -213,13 +218,19 @@ class _Part:
     ``want``: (layers, bytes) packed so far; ``pending``: the one write in
     flight (a receiver admits one write into a slot at a time) and the
     ``(layers, bytes)`` it brings; ``final``: the chunk's committed slot
-    (a ref held), its write waiting for ``pending`` to end."""
+    (a ref held), its write waiting for ``pending`` to end; ``epoch``: the
+    link's route epoch ``landed`` went over (a route loaded again since
+    counts nothing as landed); ``void``: the prefiller gave the slot back
+    (its layer-wise pack failed, or the chunk was present meanwhile):
+    nothing more is written from it and the chunk goes whole."""
 
     slot: int
     landed: int = 0
     want: tuple[int, int] = (0, 0)
     pending: tuple[PendingPush, tuple[int, int], float] | None = None
     final: int | None = None
+    epoch: int = -1
+    void: bool = False
 
 
 class _SlotRef:
@@ -354,6 +365,11 @@ class PushSender:
         chunk's own ``chunk`` event follows, or its request fails)."""
         self._events.put(("part", (req_id, index, slot, layers, nbytes)))
 
+    def part_dropped(self, req_id: str, index: int) -> None:
+        """The slot whose parts of chunk ``index`` were handed over went back
+        to the store: no more writes from it; the chunk is written whole."""
+        self._events.put(("unpart", (req_id, index)))
+
     def finished(self, req_ids: set[str]) -> None:
         for rid in req_ids:
             self._events.put(("finished", rid))
@@ -423,7 +439,7 @@ class PushSender:
         with self._jobs_lock:
             job = self._jobs.get(str(rid))
         if job is None:  # failed at once, or over: nothing kept for it
-            if kind == "part":
+            if kind in ("part", "unpart"):
                 return
             if kind == "chunk":
                 assert isinstance(payload, tuple)
@@ -592,7 +608,7 @@ class PushSender:
                     self.store.release_slots([slot])
 
     def _round(self, peer: _Peer) -> None:
-        busy = any(job.inflight for job in peer.jobs.values())
+        busy = any(job.inflight or job.finals_waiting for job in peer.jobs.values())
         parts = not busy and any(job.parts_running for job in peer.jobs.values())
         # NOTE: parts are written while the forward runs on the same core: a
         # part's completion is looked at every PART_POLL_S (a new event wakes
@@ -681,6 +697,9 @@ class PushSender:
         job = payload[0]
         if kind == "part":
             self._part(job, *payload[1:])
+        elif kind == "unpart":
+            if (part := job.parts.get(payload[1])) is not None:
+                part.void = True
         elif kind == "chunk":
             assert isinstance(payload[2], _SlotRef)
             slot = payload[2].take()
@@ -789,10 +808,12 @@ class PushSender:
             slot, part.final = part.final, None
             self._write(job, index, slot)
             return
-        layers, nbytes = part.want
-        if nbytes <= part.landed:
-            return
         assert job.link is not None and job.res is not None
+        if part.epoch != job.link.route_epoch:
+            part.landed = 0  # NOTE: what went over a route loaded again since may not have landed
+        layers, nbytes = part.want
+        if part.void or nbytes <= part.landed:
+            return
         started = time.monotonic()
         try:
             push = job.link.write_part(job.res, index, part.slot, (part.landed, nbytes), layers)
@@ -818,7 +839,7 @@ class PushSender:
                 self._fail(job, f"write of a part of chunk {index} failed: {exc}", peer)
                 continue
             if done:
-                part.pending, part.landed = None, nbytes
+                part.pending, part.landed, part.epoch = None, nbytes, push.route_epoch
                 self.counters.add(parts_sent=1)
                 self._post_part(job, index, part)
             elif now - started > self.push_timeout_s:
@@ -848,14 +869,14 @@ class PushSender:
         if part is not None and part.pending is not None:
             part.final = slot  # NOTE: posted once the part in flight ended
             return
-        landed = {}
+        landed, epoch = {}, -1
         if part is not None:
             del job.parts[index]
-            if part.slot == slot:
-                landed[index] = part.landed
+            if part.slot == slot and not part.void:
+                landed, epoch = {index: part.landed}, part.epoch
         started = time.monotonic()
         try:
-            push = job.link.write(job.res, [index], [slot], landed=landed)
+            push = job.link.write(job.res, [index], [slot], landed=landed, landed_epoch=epoch)
         except Exception as exc:
             self.store.release_slots([slot])  # NOTE: the one release of this slot
             if not isinstance(exc, FabricError):

@@ -322,7 +322,13 @@ class FabricWorker:
             return
         on_part = self._part_packed if self.config.layer_writes else None
         self.layered = LayeredPacks(
-            self.store, self._named_caches, layout, groups, self.counters, on_part
+            self.store,
+            self._named_caches,
+            layout,
+            groups,
+            self.counters,
+            on_part,
+            self._part_dropped,
         )
 
     def _part_packed(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
@@ -330,6 +336,11 @@ class FabricWorker:
         now (pack thread; a request only kept here, or unknown, has none)."""
         if self.sender is not None and req_id in self._keys and req_id not in self._keep_only:
             self.sender.part(req_id, index, slot, layers, nbytes)
+
+    def _part_dropped(self, req_id: str, index: int) -> None:
+        """The slot a chunk's parts were written from went back to the store."""
+        if self.sender is not None:
+            self.sender.part_dropped(req_id, index)
 
     def own_table_sizes(self) -> dict[str, int]:
         """Entries in the per-request tables of this worker, its load thread
