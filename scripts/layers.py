@@ -2,7 +2,7 @@
 
 The package is layered, one way::
 
-    fabric, errors -> settings -> kv -> store -> transfer -> config ->
+    fabric, errors, threads -> settings -> kv -> store -> transfer -> config ->
     {integrations, shared_store, router, testing} -> launch -> bench -> cli
 
 A module may import its own package's modules and those of lower layers,
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LAYERS: list[tuple[str, ...]] = [
-    ("", "errors"),
+    ("", "errors", "threads"),
     ("settings",),
     ("kv",),
     ("store",),

@@ -50,6 +50,7 @@ from typing import Any
 import zmq
 
 from fabric.errors import FabricError, PeerUnreachable
+from fabric.threads import set_os_name
 from fabric.transfer.store_client import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,10 @@ class StoreCalls:
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                self.max_threads, thread_name_prefix="fabric-proxy-store"
+                self.max_threads,
+                thread_name_prefix="fabric-proxy-store",
+                initializer=set_os_name,
+                initargs=("fabric-pstore",),
             )
         return self._executor
 

@@ -71,6 +71,7 @@ from fabric.store.disk import DiskTier
 from fabric.store.pool import ChunkPool
 from fabric.store.records import StoreConfig
 from fabric.store.tier import TieredStore
+from fabric.threads import thread as named_thread
 from fabric.transfer import protocol as proto
 from fabric.transfer.addresses import check_exposure
 from fabric.transfer.client import TransferClient
@@ -215,7 +216,7 @@ class SharedStore:
         except BaseException:
             self.plane.close()
             raise
-        self._fetcher = threading.Thread(target=self._fetch_loop, name="fabric-fetch", daemon=True)
+        self._fetcher = named_thread(self._fetch_loop, name="fabric-fetch")
 
     @property
     def endpoint(self) -> str:

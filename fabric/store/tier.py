@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING
 from fabric.errors import CapacityError, ConfigError, SlotStateError
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.kv.keys import chunk_keys
+from fabric.threads import thread as named_thread
 
 if TYPE_CHECKING:
     from fabric.store.chunk_store import ChunkStore
@@ -155,9 +156,7 @@ class TieredStore:
         self._thread: threading.Thread | None = None
         if disk is not None:
             store.on_present = self._on_present
-            self._thread = threading.Thread(
-                target=self._write_loop, name="fabric-disk", daemon=True
-            )
+            self._thread = named_thread(self._write_loop, name="fabric-disk")
             self._thread.start()
 
     # ------------------------------------------------------------ lookups

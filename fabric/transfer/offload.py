@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fabric.threads import thread as named_thread
 from fabric.transfer import protocol as proto
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,7 @@ class Offload:
         self._running = 0
         self._closed = False
         self.busy = 0  # submits refused: the queue was full
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-            for i in range(threads)
-        ]
+        self._threads = [named_thread(self._run, name=f"{name}-{i}") for i in range(threads)]
 
     def start(self) -> Offload:
         for thread in self._threads:

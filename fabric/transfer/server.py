@@ -100,6 +100,7 @@ from fabric.errors import (
     SignatureError,
     SlotStateError,
 )
+from fabric.threads import thread as named_thread
 from fabric.transfer import protocol as proto
 from fabric.transfer.addresses import bind_host, warn_if_insecure
 from fabric.transfer.faults import FaultInjector
@@ -245,8 +246,8 @@ class TransferServer:
         self._verify_q: queue.Queue[proto.WriteDone | None] = queue.Queue()
         self._stop = threading.Event()
         self._warned: dict[str, float] = {}
-        self._loop = threading.Thread(target=self._run, name="fabric-server", daemon=True)
-        self._verifier = threading.Thread(target=self._verify, name="fabric-verify", daemon=True)
+        self._loop = named_thread(self._run, name="fabric-server")
+        self._verifier = named_thread(self._verify, name="fabric-verify")
         plane.set_write_guard(StoreWriteGuard(lambda: self.store, self.stats))
         check_quarantine(store, plane, config.write_timeout_ms)
 

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 import msgspec
 
 from fabric.errors import TransportFailed
+from fabric.threads import thread as named_thread
 from fabric.transfer.addresses import advertised_host, bind_host
 from fabric.transfer.dataplane import (
     DataPlane,
@@ -165,7 +166,7 @@ class _PeerSender:
         self.sock: socket.socket | None = None
         self.stopping = False
         self._connect_failed_at = -RETRY_S
-        self.thread = threading.Thread(target=self._run, name=f"tcp-send-{info.name}", daemon=True)
+        self.thread = named_thread(self._run, name=f"tcp-send-{info.name}")
         self.thread.start()
 
     def stop(self) -> None:
@@ -262,7 +263,7 @@ class TcpDataPlane(DataPlane):
         self._conns: list[socket.socket] = []
         self._closed = False
         self.bad_frames = 0
-        self._accepter = threading.Thread(target=self._accept, name="tcp-accept", daemon=True)
+        self._accepter = named_thread(self._accept, name="tcp-accept")
         self._accepter.start()
 
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
@@ -330,7 +331,7 @@ class TcpDataPlane(DataPlane):
                 return
             keep_alive(conn)
             self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            named_thread(self._serve, args=(conn,), name="tcp-recv").start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:

@@ -96,6 +96,7 @@ from fabric.integrations.vllm.metadata import Claim, LoadPlan
 from fabric.kv import chunk_keys, unpack
 from fabric.kv.layerwise import LayerwiseUnpack, supported
 from fabric.kv.spans import ChunkSpan, chunk_block_counts, chunk_spans
+from fabric.threads import thread as named_thread
 
 if TYPE_CHECKING:
     import torch
@@ -209,7 +210,7 @@ class Loader:
         self._stop = threading.Event()
         self._swept_at = 0.0  # when every active load was last stepped
         self._streaming = bool(kv_caches) and supported(kv_caches)
-        self._thread = threading.Thread(target=self._run, name="fabric-load", daemon=True)
+        self._thread = named_thread(self._run, name="fabric-load")
         self._thread.start()
 
     def submit(self, plan: LoadPlan) -> None:

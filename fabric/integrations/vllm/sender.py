@@ -112,6 +112,7 @@ from fabric.errors import (
     ReservationRefused,
     TransferTimeout,
 )
+from fabric.threads import thread as named_thread
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.counters import FabricCounters
@@ -270,7 +271,7 @@ class _Peer:
         self.stopped = self.saturated = False
         self.calling_since = 0.0  # when its current control call began (0: in none)
         self.cancelling: set[PeerLink] = set()  # links with Cancels still to send
-        self.thread = threading.Thread(target=target, args=(self,), name=name, daemon=True)
+        self.thread = named_thread(target, args=(self,), name=name)
 
     @property
     def waiting(self) -> int:
@@ -347,7 +348,7 @@ class PushSender:
         self._peers_lock = threading.Lock()
         self._next_tend = 0.0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = named_thread(self._run, name=name)
         self._thread.start()
 
     # ---------------------------------------------------------- model thread

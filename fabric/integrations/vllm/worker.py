@@ -109,6 +109,7 @@ from fabric.kv.spans import chunk_spans
 from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
 from fabric.store.tier import TieredStore
+from fabric.threads import set_os_name
 from fabric.transfer import TransferConfig, TransferNode, default_agent_name
 from fabric.transfer.store_client import write_endpoint
 
@@ -192,7 +193,14 @@ class FabricWorker:
         # NOTE: one thread, so packs and the bookkeeping of finished requests
         # run in the order the steps produced them (see ``pack_step``).
         self._packer = (
-            ThreadPoolExecutor(1, thread_name_prefix="fabric-pack") if config.async_save else None
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix="fabric-pack",
+                initializer=set_os_name,
+                initargs=("fabric-pack",),
+            )
+            if config.async_save
+            else None
         )
         self._packing: list[Future[None]] = []
         self.layered: LayeredPacks | None = None
