@@ -31,18 +31,23 @@ if sys.platform.startswith("linux"):
 
 
 def set_os_name(name: str) -> bool:
-    """Name the calling thread ``name`` for the OS; whether it could."""
+    """Name the calling thread ``name`` for the OS (its first 15 bytes);
+    whether it could. Never raises: a name is for the operator, and a thread
+    (or a pool whose initializer this is) must run without one."""
     if _libc is None:
         return False
-    raw = name.encode("utf-8", "replace")[:OS_NAME_BYTES]
-    return int(_libc.prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)) == 0
+    try:
+        raw = name.encode("ascii", "replace")[:OS_NAME_BYTES]
+        return int(_libc.prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)) == 0
+    except Exception:  # NOTE: a libc without prctl, a ctypes error
+        return False
 
 
 def os_name(tid: int | None = None) -> str | None:
     """The OS name of thread ``tid`` of this process (default: the calling one)."""
     tid = threading.get_native_id() if tid is None else tid
     try:
-        with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as comm:
+        with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as comm:
             return comm.read().strip()
     except OSError:
         return None
@@ -54,11 +59,14 @@ def thread(
     name: str,
     args: tuple[Any, ...] = (),
     daemon: bool = True,
+    os_name: str | None = None,
 ) -> threading.Thread:
-    """A thread (not started) that names itself ``name`` for the OS, then runs ``target``."""
+    """A thread (not started) named ``name`` that names itself ``os_name``
+    (default ``name``; the OS keeps 15 bytes: give a short one that still
+    tells threads apart) for the OS, then runs ``target``."""
 
     def run(*call_args: Any) -> None:
-        set_os_name(name)
+        set_os_name(os_name or name)
         target(*call_args)
 
     return threading.Thread(target=run, args=args, name=name, daemon=daemon)

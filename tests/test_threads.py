@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import pytest
 
@@ -35,8 +36,13 @@ def test_a_thread_names_itself_for_the_os_before_its_target_runs() -> None:
 
 
 def test_a_transfer_servers_threads_are_named() -> None:
+    """Each names itself as it starts running: looked for until it has."""
+    want = {"fabric-server", "fabric-verify", "foffload-0", "foffload-1", "fadmin-0"}
     node = make_node(4, serve=True)
     try:
-        assert {"fabric-server", "fabric-verify"} <= os_names()
+        deadline = time.monotonic() + 10
+        while not want <= os_names() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert want <= os_names()
     finally:
         node.close()

@@ -475,8 +475,8 @@ class PeerLink:
         then the whole chunk goes.
         """
         indices = list(indices)
-        if landed_epoch != self.route_epoch:
-            landed = None
+        if landed_epoch != self.route_epoch or self.client.faults is not None:
+            landed = None  # NOTE: the faults' write path posts its segments as planned
         segments, written, checksums = self._plan(res, indices, local_slots, landed or {})
         if not segments:
             return PendingPush(None, 0)
@@ -494,7 +494,9 @@ class PeerLink:
                 whole = self._plan(res, indices, local_slots, {})[0]
             return self.client.plane.post_write(self.peer_agent, whole, notif, fence)
 
-        return self._pending(self._posted(res.request_id, post), segments)
+        pending = self._pending(self._posted(res.request_id, post), segments)
+        pending.route_epoch = self.route_epoch
+        return pending
 
     def write_part(
         self,

@@ -81,7 +81,11 @@ class Offload:
         self._running = 0
         self._closed = False
         self.busy = 0  # submits refused: the queue was full
-        self._threads = [named_thread(self._run, name=f"{name}-{i}") for i in range(threads)]
+        short = "f" + name.removeprefix("fabric-")[:10]  # NOTE: fabric-offload-0 -> foffload-0
+        self._threads = [
+            named_thread(self._run, name=f"{name}-{i}", os_name=f"{short}-{i}")
+            for i in range(threads)
+        ]
 
     def start(self) -> Offload:
         for thread in self._threads:

@@ -166,7 +166,7 @@ class _PeerSender:
         self.sock: socket.socket | None = None
         self.stopping = False
         self._connect_failed_at = -RETRY_S
-        self.thread = named_thread(self._run, name=f"tcp-send-{info.name}")
+        self.thread = named_thread(self._run, name=f"tcp-send-{info.name}", os_name="tcp-send")
         self.thread.start()
 
     def stop(self) -> None:

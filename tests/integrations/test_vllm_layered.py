@@ -445,7 +445,7 @@ def streams(d: FabricWorker) -> dict[int, int]:
     """Chunk -> layers D's loader unpacked so far of the load ``d-req``."""
     assert d.loader is not None
     active = d.loader._active.get("d-req")
-    return {} if active is None else {i: s.layers_done for i, s in active.streams.items()}
+    return {} if active is None else {i: s.layers_done for i, (_, s) in active.streams.items()}
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10) -> None:

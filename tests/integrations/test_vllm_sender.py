@@ -64,7 +64,7 @@ def test_a_write_that_raises_after_another_landed_releases_each_slot_once() -> N
     sender.close()  # NOTE: drive its progress by hand
     job = PushJob("r", "t", "tcp://x:1", [k1, k2], [8, 8], written=2)
     job.inflight = [(s1, Landed(), time.monotonic()), (s2, Raising(), time.monotonic())]  # type: ignore[list-item]
-    peer = _Peer(job.endpoint, sender._serve, "test")  # NOTE: never started
+    peer = _Peer(job.endpoint, sender._serve, "test", "test")  # NOTE: never started
     sender._jobs["r"], peer.jobs[id(job)], peer.admitted = job, job, 1
     sender._progress(peer)
     assert "r" not in sender._jobs and not peer.jobs and counters.take()["thread_errors"] == 1
@@ -380,7 +380,7 @@ def test_a_backed_off_decoder_that_answers_again_gets_the_next_push(
 
 
 def test_backoff_doubles_up_to_its_limit() -> None:
-    peer = _Peer("tcp://x:1", lambda _: None, "test")
+    peer = _Peer("tcp://x:1", lambda _: None, "test", "test")
     delays = []
     for _ in range(8):
         peer.back_off(100.0, 30.0)

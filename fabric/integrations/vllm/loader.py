@@ -158,7 +158,8 @@ class _Load:
     beat_at: float = 0.0  # when it last extended its reservation's lease
     stepped: bool = False  # stepped once since it started (a new load always is)
     refused: str | None = None  # why its push was refused, seen while it was claimed
-    streams: dict[int, LayerwiseUnpack] = field(default_factory=dict)  # chunks being streamed
+    # chunks being streamed: the slot each one's bytes are read from, and its unpack
+    streams: dict[int, tuple[int, LayerwiseUnpack]] = field(default_factory=dict)
 
 
 @dataclass
@@ -501,25 +502,30 @@ class Loader:
         for index, span in load.chunks.items():
             if index in load.done or res.already_present[index]:
                 continue
-            part = load.streams.get(index)
+            stream = load.streams.get(index)
             layers = min(prog.parts.get(index, 0), self.layout.num_layers)
-            if part is None:
+            if stream is None:
                 if (
                     not layers
                     or res.nbytes[index] < self.layout.chunk_nbytes(span.chunk_blocks)
                     or not self.server.stream(tid, index)
                 ):
                     continue  # NOTE: a short reservation fails as the verifier finds it
-                part = LayerwiseUnpack(
-                    self.store.pool.slot_view(res.slots[index]),
-                    self.kv_caches,
-                    self.layout,
-                    list(span.targets),
-                    chunk_blocks=span.chunk_blocks,
-                    first=span.first,
-                    nbytes=res.nbytes[index],
+                slot = res.slots[index]
+                stream = (
+                    slot,
+                    LayerwiseUnpack(
+                        self.store.pool.slot_view(slot),
+                        self.kv_caches,
+                        self.layout,
+                        list(span.targets),
+                        chunk_blocks=span.chunk_blocks,
+                        first=span.first,
+                        nbytes=res.nbytes[index],
+                    ),
                 )
-                load.streams[index] = part
+                load.streams[index] = stream
+            slot, part = stream
             sealed = prog.sealed.get(index)
             if sealed is None:
                 part.unpack_layers(layers)
@@ -527,7 +533,7 @@ class Loader:
             checksum, _ = sealed
             digest = part.finish()
             del load.streams[index]
-            hashed = (res.slots[index], digest)
+            hashed = (slot, digest)  # NOTE: the slot it read, whatever the reservation says now
             if digest == checksum and self.server.fill_streamed(tid, index, sealed, hashed):
                 self.counters.add(chunks_streamed=1)
                 self._loaded(load, index)
@@ -541,9 +547,8 @@ class Loader:
                 )
             if digest != checksum and self.server.fill_streamed(tid, index, sealed, None):
                 fresh = self.store.reservation(tid)
-                slot = fresh.slots[index] if fresh is not None else res.slots[index]
                 try:
-                    self._unpack(load, index, slot, fetched=True)
+                    self._unpack(load, index, fresh.slots[index] if fresh else slot, fetched=True)
                     continue
                 except ChecksumMismatch as exc:
                     why = f"chunk {index} of {tid} at use: {exc}"

@@ -259,7 +259,9 @@ class _Peer:
     else (the dispatcher only reads).
     """
 
-    def __init__(self, endpoint: str, target: Callable[[_Peer], None], name: str) -> None:
+    def __init__(
+        self, endpoint: str, target: Callable[[_Peer], None], name: str, os_name: str
+    ) -> None:
         self.endpoint = endpoint
         self.events: queue.Queue[Event | None] = queue.Queue()
         self.jobs: dict[int, PushJob] = {}  # id(job) -> job
@@ -271,7 +273,7 @@ class _Peer:
         self.stopped = self.saturated = False
         self.calling_since = 0.0  # when its current control call began (0: in none)
         self.cancelling: set[PeerLink] = set()  # links with Cancels still to send
-        self.thread = named_thread(target, args=(self,), name=name)
+        self.thread = named_thread(target, args=(self,), name=name, os_name=os_name)
 
     @property
     def waiting(self) -> int:
@@ -348,7 +350,10 @@ class PushSender:
         self._peers_lock = threading.Lock()
         self._next_tend = 0.0
         self._stop = threading.Event()
-        self._thread = named_thread(self._run, name=name)
+        self.os_prefix = (
+            "fpush" if name == "fabric-push" else "f" + name.removeprefix("fabric-")[:6]
+        )
+        self._thread = named_thread(self._run, name=name, os_name=self.os_prefix)
         self._thread.start()
 
     # ---------------------------------------------------------- model thread
@@ -546,7 +551,10 @@ class PushSender:
         with self._peers_lock:
             peer = self._peers.get(endpoint)
             if peer is None:
-                peer = _Peer(endpoint, self._serve, f"{self.name}:{endpoint}")
+                port = endpoint.rpartition(":")[2][:8]  # NOTE: the OS keeps 15 bytes of a name
+                peer = _Peer(
+                    endpoint, self._serve, f"{self.name}:{endpoint}", f"{self.os_prefix}:{port}"
+                )
                 self._peers[endpoint] = peer
                 peer.thread.start()
             return peer
@@ -699,6 +707,9 @@ class PushSender:
         if kind == "part":
             self._part(job, *payload[1:])
         elif kind == "unpart":
+            # NOTE: a part in flight from the slot goes on (an abort cannot
+            # promise no more bytes land); the chunk's write waits for it and
+            # goes whole, so D's digest of the part fails and it verifies anew
             if (part := job.parts.get(payload[1])) is not None:
                 part.void = True
         elif kind == "chunk":
