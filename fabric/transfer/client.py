@@ -484,15 +484,22 @@ class PeerLink:
         faults = self.client.faults
         if faults is not None:
             return self._write_with_faults(faults, res, segments, written, checksums, fence)
-        notif = self._notif(res, written, checksums)
         self._post_check(res.request_id)
         epoch = self.route_epoch
+        pool = self.client.store.pool
 
         def post() -> WriteHandle:
-            whole = segments
+            sent = segments
             if landed and self.route_epoch != epoch:  # NOTE: reloaded just now
-                whole = self._plan(res, indices, local_slots, {})[0]
-            return self.client.plane.post_write(self.peer_agent, whole, notif, fence)
+                sent = self._plan(res, indices, local_slots, {})[0]
+            starts = [
+                local - pool.slot_offset(slot)
+                for (local, _, _), slot in zip(
+                    sent, [local_slots[indices.index(i)] for i in written], strict=True
+                )
+            ]
+            notif = self._notif(res, written, checksums, starts)
+            return self.client.plane.post_write(self.peer_agent, sent, notif, fence)
 
         pending = self._pending(self._posted(res.request_id, post), segments)
         pending.route_epoch = self.route_epoch
@@ -681,10 +688,18 @@ class PeerLink:
             checksums.append(checksum)
         return segments, written, checksums
 
-    def _notif(self, res: RemoteReservation, written: list[int], checksums: list[int]) -> bytes:
+    def _notif(
+        self,
+        res: RemoteReservation,
+        written: list[int],
+        checksums: list[int],
+        starts: list[int] | None = None,
+    ) -> bytes:
+        """The WriteDone of chunks ``written``; ``starts``: where each one's
+        bytes in this write begin (None: whole chunks)."""
         generations = [res.generations[i] for i in written]
         return self.client.codec.encode(
-            proto.WriteDone(res.request_id, written, generations, checksums)
+            proto.WriteDone(res.request_id, written, generations, checksums, starts or [])
         )
 
     def _write_with_faults(

@@ -17,8 +17,9 @@ class RequestProgress:
     expired: bool = False
     parts: dict[int, int] = field(default_factory=dict)  # leading layers landed (WritePart)
     streamed: set[int] = field(default_factory=set)  # verified by the consumer as it unpacks
-    sealed: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Streamed chunks whose WriteDone came: (checksum, generation), for the consumer."""
+    sealed: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """Streamed chunks whose WriteDone came: (checksum, generation, the first byte
+    its last write carried), for the consumer."""
     verifying: set[int] = field(default_factory=set)  # the server's verifier hashes them now
 
     @property

@@ -183,12 +183,18 @@ class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
 
 
 class WriteDone(msgspec.Struct, tag="write_done", array_like=True, frozen=True):
-    """Data-plane notification: chunks ``indices`` of a reservation landed."""
+    """Data-plane notification: chunks ``indices`` of a reservation landed.
+
+    ``starts``: the first byte of each chunk this write carried (bytes
+    before it came in ``WritePart`` writes that completed earlier); empty
+    (an older sender) or 0: the whole chunk. A receiver that used a chunk's
+    bytes before this write must not trust them when it rewrote them."""
 
     request_id: RequestId
     indices: list[Index]
     generations: list[Count]
     checksums: list[U64]
+    starts: list[Count] = []
 
 
 class WritePart(msgspec.Struct, tag="write_part", array_like=True, frozen=True):

@@ -333,16 +333,16 @@ class TransferServer:
         self,
         request_id: str,
         index: int,
-        sealed: tuple[int, int],
+        sealed: tuple[int, int, int],
         hashed: tuple[int, int] | None,
     ) -> bool:
-        """Index streamed chunk ``index`` (``sealed``: its WriteDone's checksum
-        and generation) whose bytes the consumer hashed as it used them
+        """Index streamed chunk ``index`` (``sealed``: its WriteDone's checksum,
+        generation and first byte written) whose bytes the consumer hashed as it used them
         (``hashed``: the slot and its digest; None: hash the slot here);
         whether it verified. A mismatch fails the chunk as the verifier
         would; a digest of a slot the reservation no longer holds for it
         counts as a late write."""
-        checksum, generation = sealed
+        checksum, generation, _ = sealed
         slot, actual = hashed if hashed is not None else (None, None)
         self._fill_one(request_id, index, checksum, generation, actual=actual, slot=slot)
         with self._cond:
@@ -933,13 +933,14 @@ class TransferServer:
     # ------------------------------------------------------------ verifier
     def _verify(self) -> None:
         while (msg := self._verify_q.get()) is not None:
-            for index, checksum, generation in zip(
-                msg.indices, msg.checksums, msg.generations, strict=False
+            starts = msg.starts if len(msg.starts) == len(msg.indices) else [0] * len(msg.indices)
+            for index, checksum, generation, start in zip(
+                msg.indices, msg.checksums, msg.generations, starts, strict=False
             ):
                 with self._cond:
                     prog = self._progress.get(msg.request_id)
                     if prog is not None and index in prog.streamed:
-                        prog.sealed[index] = (checksum, generation)  # NOTE: its consumer hashes
+                        prog.sealed[index] = (checksum, generation, start)  # NOTE: consumer hashes
                         self._notify(msg.request_id)
                         continue
                     if prog is not None:

@@ -526,10 +526,13 @@ def test_without_layer_writes_a_chunk_is_written_once_packed_whole() -> None:
         d.shutdown()
 
 
-def part_then_whole(p: FabricWorker, d: FabricWorker, garbage: bool) -> tuple[int, int]:
+def part_then_whole(
+    p: FabricWorker, d: FabricWorker, garbage: bool, *, flip_whole: bool = False
+) -> tuple[int, int]:
     """P's link writes chunk 0's first layers from a slot of garbage (or of
-    the chunk), then the whole chunk with its checksum; (slot, nbytes) of
-    the chunk on P."""
+    the chunk), then the whole chunk with its checksum (``flip_whole``: with
+    a byte of layer 0 flipped, the checksum the good one); (slot, nbytes)
+    of the chunk on P."""
     assert d.node is not None and p.node is not None and p.node.client is not None
     assert p.layout is not None
     key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
@@ -549,7 +552,14 @@ def part_then_whole(p: FabricWorker, d: FabricWorker, garbage: bool) -> tuple[in
     wait_for(lambda: "d-req" in (d.loader._active if d.loader else {}), "the load began")
     link.write_part(res, 0, junk, (0, per_layer), 1).wait(5)
     wait_for(lambda: streams(d) == {0: 1}, "layer 0 unpacked")
-    link.write(res, [0], [slot]).wait(5)  # NOTE: whole: from another slot than the part's
+    whole = slot
+    if flip_whole:
+        whole = p.store.allocate(b"flip" * 4)
+        bad = p.store.pool.slot_view(whole)
+        bad[:nbytes] = p.store.pool.slot_view(slot)[:nbytes]
+        bad[5] ^= 0x01
+        p.store.commit(whole, b"flip" * 4, nbytes, checksum)  # NOTE: the chunk's checksum
+    link.write(res, [0], [whole]).wait(5)  # NOTE: whole: from another slot than the part's
     p.store.abort(junk)
     return slot, nbytes
 
@@ -571,8 +581,9 @@ def test_a_part_that_is_not_the_chunks_is_caught_and_the_chunk_unpacked_again(
         for s, t in zip(SRC[:4], dst, strict=True):
             assert torch.equal(d_layer[t], p_layer[s])
     counts = d.counters.take()
-    assert counts.get("streams_redone", 0) == (1 if garbage else 0)
-    assert counts["chunks_streamed" if not garbage else "chunks_loaded"] == 1
+    # NOTE: the same bytes too: the whole write rewrote what D had read
+    assert counts["streams_redone"] == 1 and counts["chunks_loaded"] == 1
+    assert "chunks_streamed" not in counts
 
 
 def test_streamed_bytes_corrupted_in_the_decoders_slot_fail_the_load(
@@ -678,3 +689,23 @@ def test_the_landed_skip_holds_only_over_the_route_the_part_went_over(
     prog = server.progress("t1")
     assert prog is not None
     assert (prog.filled, prog.failed) == (({0}, set()) if reloaded else (set(), {0}))
+
+
+def test_a_last_write_that_rewrites_streamed_bytes_is_verified_anew(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """D read layer 0 from a good part; the chunk's last write then came whole
+    and flipped a byte of layer 0 (corrupt in transit; the checksum is the
+    chunk's). D's digest of what it read matches, but the slot no longer
+    holds it: the WriteDone says the write began at byte 0, so D verifies
+    the slot whole, which fails, and the load fails (vLLM recomputes);
+    nothing is indexed. (Before, the load passed with the good bytes read
+    and the slot was indexed holding the flipped one.)"""
+    p, d = pair
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST[:4], 64, tokens(64))]))
+    part_then_whole(p, d, garbage=False, flip_whole=True)
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    counts = d.counters.take()
+    assert counts["streams_redone"] == 1 and counts["corrupt_chunks"] == 1
+    assert d.layout is not None
+    assert d.store.lookup(chunk_keys(tokens(64), CT, d.layout.fingerprint())) == 0

@@ -94,7 +94,7 @@ from typing import TYPE_CHECKING
 from fabric.errors import ChecksumMismatch
 from fabric.integrations.vllm.metadata import Claim, LoadPlan
 from fabric.kv import chunk_keys, unpack
-from fabric.kv.layerwise import LayerwiseUnpack, supported
+from fabric.kv.layerwise import LayerwiseUnpack, layer_bytes, supported
 from fabric.kv.spans import ChunkSpan, chunk_block_counts, chunk_spans
 from fabric.threads import thread as named_thread
 
@@ -530,30 +530,37 @@ class Loader:
             if sealed is None:
                 part.unpack_layers(layers)
                 continue
-            checksum, _ = sealed
+            checksum, _, start = sealed
+            read = part.layers_done * layer_bytes(self.layout, span.chunk_blocks)
             digest = part.finish()
             del load.streams[index]
+            # NOTE: a last write that rewrote bytes unpacked before it came (the
+            # chunk went whole: a slot given back, a route loaded again, faults)
+            # leaves the digest saying nothing of what the slot holds now
+            trusted = digest == checksum and start >= read
             hashed = (slot, digest)  # NOTE: the slot it read, whatever the reservation says now
-            if digest == checksum and self.server.fill_streamed(tid, index, sealed, hashed):
+            if trusted and self.server.fill_streamed(tid, index, sealed, hashed):
                 self.counters.add(chunks_streamed=1)
                 self._loaded(load, index)
                 continue
-            if digest != checksum:
+            why = f"chunk {index} of {tid}: its bytes did not verify (checksum or lease)"
+            if not trusted:
                 self.counters.add(streams_redone=1)
                 logger.info(
-                    "request %s chunk %d: streamed bytes did not verify; again whole",
+                    "request %s chunk %d: streamed bytes %s; verified and unpacked again whole",
                     load.plan.req_id,
                     index,
+                    "did not verify" if digest != checksum else "were written again",
                 )
-            if digest != checksum and self.server.fill_streamed(tid, index, sealed, None):
-                fresh = self.store.reservation(tid)
-                try:
-                    self._unpack(load, index, fresh.slots[index] if fresh else slot, fetched=True)
-                    continue
-                except ChecksumMismatch as exc:
-                    why = f"chunk {index} of {tid} at use: {exc}"
-            else:
-                why = f"chunk {index} of {tid}: its bytes did not verify (checksum or lease)"
+                if self.server.fill_streamed(tid, index, sealed, None):
+                    fresh = self.store.reservation(tid)
+                    try:
+                        self._unpack(
+                            load, index, fresh.slots[index] if fresh else slot, fetched=True
+                        )
+                        continue
+                    except ChecksumMismatch as exc:
+                        why = f"chunk {index} of {tid} at use: {exc}"
             self.counters.add(corrupt_chunks=1)
             self._finish(load, ok=False, why=why)
             return False
