@@ -200,6 +200,11 @@ class LayerwiseUnpack:
         """Layers unpacked (and hashed) so far (``0 .. num_layers``)."""
         return self._done
 
+    @property
+    def bytes_read(self) -> int:
+        """The chunk's leading bytes hashed and unpacked so far."""
+        return self._done * self._layer_bytes
+
     def unpack_layers(self, upto: int) -> None:
         """Hash and unpack layers ``layers_done .. upto - 1``; a no-op when
         ``upto`` is not past them."""

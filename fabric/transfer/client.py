@@ -129,6 +129,7 @@ class PendingPush:
         self._on_finish = on_finish
         self.expires_at = expires_at
         self.route_epoch = 0  # the link's route epoch it was posted over (PeerLink)
+        self.rewrote = False  # a part sent again from the chunk's first byte (PeerLink)
 
     @property
     def running(self) -> bool:
@@ -472,7 +473,8 @@ class PeerLink:
         ``landed_epoch``: only the rest is sent -- unless the route was
         loaded again since (NIXL may have reported done a write whose bytes
         never landed on the old route), or is while this write is posted:
-        then the whole chunk goes.
+        then the whole chunk goes. The WriteDone says where each chunk's
+        bytes in this write begin (``starts``).
         """
         indices = list(indices)
         if landed_epoch != self.route_epoch or self.client.faults is not None:
@@ -486,17 +488,14 @@ class PeerLink:
             return self._write_with_faults(faults, res, segments, written, checksums, fence)
         self._post_check(res.request_id)
         epoch = self.route_epoch
-        pool = self.client.store.pool
 
         def post() -> WriteHandle:
             sent = segments
             if landed and self.route_epoch != epoch:  # NOTE: reloaded just now
                 sent = self._plan(res, indices, local_slots, {})[0]
             starts = [
-                local - pool.slot_offset(slot)
-                for (local, _, _), slot in zip(
-                    sent, [local_slots[indices.index(i)] for i in written], strict=True
-                )
+                far - res.slots[i] * self.remote_slot_bytes
+                for (_, far, _), i in zip(sent, written, strict=True)
             ]
             notif = self._notif(res, written, checksums, starts)
             return self.client.plane.post_write(self.peer_agent, sent, notif, fence)
@@ -539,15 +538,19 @@ class PeerLink:
         fence = _fence(res, [index])
         epoch = self.route_epoch
 
+        rewrote: list[bool] = []
+
         def post() -> WriteHandle:
             sent = segments
             if start and self.route_epoch != epoch:  # NOTE: reloaded just now: from byte 0
                 local, far, _ = segments[0]
                 sent = [(local - start, far - start, stop)]
+                rewrote.append(True)
             return self.client.plane.post_write(self.peer_agent, sent, notif, fence)
 
         pending = self._pending(self._posted(res.request_id, post), segments)
         pending.route_epoch = self.route_epoch
+        pending.rewrote = bool(rewrote)
         return pending
 
     def _posted(self, request_id: str, post: Callable[[], WriteHandle]) -> WriteHandle:

@@ -28,6 +28,7 @@ from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.kv import chunk_keys, pack_checksummed
 from fabric.kv.layerwise import LayerwisePack, group_ends
+from fabric.transfer import protocol as proto
 from fabric.transfer.nixl_plane import nixl_available
 from tests.integrations.test_vllm_worker import (
     BLOCKS,
@@ -709,3 +710,41 @@ def test_a_last_write_that_rewrites_streamed_bytes_is_verified_anew(
     assert counts["streams_redone"] == 1 and counts["corrupt_chunks"] == 1
     assert d.layout is not None
     assert d.store.lookup(chunk_keys(tokens(64), CT, d.layout.fingerprint())) == 0
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["same-route", "route-loaded-again"])
+def test_a_last_writes_done_says_where_its_bytes_begin(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch, reloaded: bool
+) -> None:
+    """WriteDone.starts: the landed bytes the last write skipped; 0 when the
+    route was loaded again while it was posted (it then went whole)."""
+    p, d = pair
+    assert d.node is not None and p.node is not None and p.node.client is not None
+    assert p.layout is not None
+    key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
+    slot = p.store.allocate(key)
+    nbytes, checksum = pack_checksummed(
+        p.kv_caches, p.layout, SRC[:4], p.store.pool.slot_view(slot)
+    )
+    p.store.commit(slot, key, nbytes, checksum)
+    client = p.node.client
+    link = client.connect(d.node.endpoint)
+    res = link.reserve("t1", [key], [nbytes])
+    per_layer = nbytes // LAYERS
+    part = link.write_part(res, 0, slot, (0, per_layer), 1)
+    part.wait(5)
+    sent: list[tuple[list[tuple[int, int, int]], object]] = []
+    real_post = client.plane.post_write
+
+    def post_write(peer: str, segments: list[tuple[int, int, int]], notif: bytes, fence: object):  # type: ignore[no-untyped-def]
+        sent.append((segments, client.codec.decode(notif, fresh=False)))
+        return real_post(peer, segments, notif, fence)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client.plane, "post_write", post_write)
+    if reloaded:
+        link._route_suspect = True  # NOTE: a control call failed: reloaded as the write posts
+    link.write(res, [0], [slot], landed={0: per_layer}, landed_epoch=part.route_epoch).wait(5)
+    ((segments, done),) = sent
+    assert isinstance(done, proto.WriteDone) and done.indices == [0]
+    want = 0 if reloaded else per_layer
+    assert done.starts == [want] and segments[0][2] == nbytes - want

@@ -94,7 +94,7 @@ from typing import TYPE_CHECKING
 from fabric.errors import ChecksumMismatch
 from fabric.integrations.vllm.metadata import Claim, LoadPlan
 from fabric.kv import chunk_keys, unpack
-from fabric.kv.layerwise import LayerwiseUnpack, layer_bytes, supported
+from fabric.kv.layerwise import LayerwiseUnpack, supported
 from fabric.kv.spans import ChunkSpan, chunk_block_counts, chunk_spans
 from fabric.threads import thread as named_thread
 
@@ -531,7 +531,7 @@ class Loader:
                 part.unpack_layers(layers)
                 continue
             checksum, _, start = sealed
-            read = part.layers_done * layer_bytes(self.layout, span.chunk_blocks)
+            read = part.bytes_read  # NOTE: before the WriteDone came
             digest = part.finish()
             del load.streams[index]
             # NOTE: a last write that rewrote bytes unpacked before it came (the

@@ -232,6 +232,7 @@ class _Part:
     final: int | None = None
     epoch: int = -1
     void: bool = False
+    rewrote: bool = False  # a part went again over bytes written before: the chunk goes whole
 
 
 class _SlotRef:
@@ -822,7 +823,12 @@ class PushSender:
             return
         assert job.link is not None and job.res is not None
         if part.epoch != job.link.route_epoch:
-            part.landed = 0  # NOTE: what went over a route loaded again since may not have landed
+            # NOTE: what went over a route loaded again since may not have
+            # landed; the parts go again from byte 0, over bytes the decoder
+            # may have read: its digest of them must not count, so the chunk's
+            # last write goes whole (its WriteDone then says it began at 0)
+            part.rewrote = part.rewrote or part.landed > 0
+            part.landed = 0
         layers, nbytes = part.want
         if part.void or nbytes <= part.landed:
             return
@@ -852,6 +858,7 @@ class PushSender:
                 continue
             if done:
                 part.pending, part.landed, part.epoch = None, nbytes, push.route_epoch
+                part.rewrote = part.rewrote or push.rewrote
                 self.counters.add(parts_sent=1)
                 self._post_part(job, index, part)
             elif now - started > self.push_timeout_s:
@@ -884,7 +891,7 @@ class PushSender:
         landed, epoch = {}, -1
         if part is not None:
             del job.parts[index]
-            if part.slot == slot and not part.void:
+            if part.slot == slot and not part.void and not part.rewrote:
                 landed, epoch = {index: part.landed}, part.epoch
         started = time.monotonic()
         try:
