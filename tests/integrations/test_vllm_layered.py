@@ -527,6 +527,18 @@ def test_without_layer_writes_a_chunk_is_written_once_packed_whole() -> None:
         d.shutdown()
 
 
+def packed_chunk(p: FabricWorker) -> tuple[bytes, int, int, int]:
+    """The 64-token prompt's chunk packed and committed in P's store:
+    (key, slot, nbytes, checksum)."""
+    assert p.layout is not None
+    key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
+    slot = p.store.allocate(key)
+    view = p.store.pool.slot_view(slot)
+    nbytes, checksum = pack_checksummed(p.kv_caches, p.layout, SRC[:4], view)
+    p.store.commit(slot, key, nbytes, checksum)
+    return key, slot, nbytes, checksum
+
+
 def part_then_whole(
     p: FabricWorker, d: FabricWorker, garbage: bool, *, flip_whole: bool = False
 ) -> tuple[int, int]:
@@ -536,12 +548,7 @@ def part_then_whole(
     of the chunk on P."""
     assert d.node is not None and p.node is not None and p.node.client is not None
     assert p.layout is not None
-    key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
-    slot = p.store.allocate(key)
-    nbytes, checksum = pack_checksummed(
-        p.kv_caches, p.layout, SRC[:4], p.store.pool.slot_view(slot)
-    )
-    p.store.commit(slot, key, nbytes, checksum)
+    key, slot, nbytes, checksum = packed_chunk(p)
     junk = p.store.allocate(b"junk" * 4)
     view = p.store.pool.slot_view(junk)
     view[:nbytes] = p.store.pool.slot_view(slot)[:nbytes]
@@ -669,11 +676,7 @@ def test_the_landed_skip_holds_only_over_the_route_the_part_went_over(
     p, d = pair
     assert d.node is not None and p.node is not None and p.node.client is not None
     assert p.layout is not None and d.node.server is not None
-    key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
-    slot = p.store.allocate(key)
-    view = p.store.pool.slot_view(slot)
-    nbytes, checksum = pack_checksummed(p.kv_caches, p.layout, SRC[:4], view)
-    p.store.commit(slot, key, nbytes, checksum)
+    key, slot, nbytes, _ = packed_chunk(p)
     link = p.node.client.connect(d.node.endpoint)
     res = link.reserve("t1", [key], [nbytes])
     part = link.write_part(res, 0, slot, (0, nbytes // LAYERS), 1)
@@ -721,12 +724,7 @@ def test_a_last_writes_done_says_where_its_bytes_begin(
     p, d = pair
     assert d.node is not None and p.node is not None and p.node.client is not None
     assert p.layout is not None
-    key = chunk_keys(tokens(64), CT, p.layout.fingerprint())[0]
-    slot = p.store.allocate(key)
-    nbytes, checksum = pack_checksummed(
-        p.kv_caches, p.layout, SRC[:4], p.store.pool.slot_view(slot)
-    )
-    p.store.commit(slot, key, nbytes, checksum)
+    key, slot, nbytes, _ = packed_chunk(p)
     client = p.node.client
     link = client.connect(d.node.endpoint)
     res = link.reserve("t1", [key], [nbytes])
