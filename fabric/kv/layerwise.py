@@ -21,7 +21,8 @@ accelerator the forward is only enqueued when a layer's hook runs.
 :class:`LayerwiseUnpack` is the receiving side: a chunk whose layer groups
 land one after another (a prefiller writes each group as it is packed) is
 unpacked into the decoder's blocks a group at a time, every byte of the
-group hashed in the same pass (:func:`~fabric.kv.verify.hash_range_while_copying`),
+group hashed in the same pass (:func:`~fabric.kv.pack.unpack_hashing`, as a
+verified :func:`~fabric.kv.pack.unpack` does the whole chunk),
 so that once the last group is in, the streaming digest is the chunk's and
 nothing is read twice.
 """
@@ -30,26 +31,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
 from fabric.errors import LayoutError
-from fabric.kv.layout import KVLayout, named_layers, segment_table
+from fabric.kv.layout import KVLayout, named_layers
 from fabric.kv.pack import (
     FUSED_MIN_COPY_BYTES,
     _block_ids,
     _check_buffer,
-    _check_part,
-    _copy,
-    _runs,
-    _stream_kwargs,
     _unique_block_ids,
     backend,
     copy_hashing,
     copy_plan,
     copy_to_chunk,
+    unpack_hashing,
+    unpack_rows,
+    verified_span,
 )
-from fabric.kv.verify import hash_range_while_copying, split_at_pieces
 
 if TYPE_CHECKING:
     import torch
@@ -172,26 +170,14 @@ class LayerwiseUnpack:
         if not supported(kv_caches):
             raise LayoutError("layer-wise unpacking needs a CPU cache and fabric.kv._copy")
         ids = _unique_block_ids(block_ids, layout)
-        _check_part(chunk_blocks, first, len(ids))
         device = named_layers(kv_caches)[0][1].device
-        covered = _check_buffer(src, layout, chunk_blocks, "src", device)
-        if not covered <= nbytes <= src.numel() or src.device.type != "cpu":
-            raise LayoutError(
-                f"a checksum over {nbytes} bytes of a {src.numel()}-byte {src.device} buffer "
-                f"cannot verify a chunk of {covered} bytes (host memory, nbytes >= chunk)"
-            )
-        table = segment_table(kv_caches, layout)
-        runs = _runs(ids, coalesce=table.blocks_adjacent)
-        seg, rows = table.segment_bytes, np.arange(len(table.bases), dtype=np.int64)[:, None]
-        self._offsets = (rows * chunk_blocks + first + runs.chunk_pos) * seg
-        self._cache = table.bases[:, None] + runs.start * table.block_strides[:, None]
-        self._lengths = np.broadcast_to(runs.length * seg, self._offsets.shape)
-        self._rows_per_layer = len(table.bases) // layout.num_layers
+        covered, _ = verified_span(src, layout, len(ids), chunk_blocks, first, nbytes, device)
+        self._plan = unpack_rows(kv_caches, layout, ids, chunk_blocks, first)
+        self._rows_per_layer = len(self._plan[0]) // layout.num_layers
         self._num_layers = layout.num_layers
         self._layer_bytes = covered // layout.num_layers
         self._covered, self._nbytes = covered, nbytes
         self._src = src
-        self._data = src.numpy().data
         self._hasher = xxhash.xxh3_64()
         self._done = 0
 
@@ -215,30 +201,13 @@ class LayerwiseUnpack:
         a, b = self._done, upto
         self._done = upto
         rows = slice(a * self._rows_per_layer, b * self._rows_per_layer)
-        offsets, cache, lengths = split_at_pieces(
-            self._offsets[rows].ravel(), self._cache[rows].ravel(), self._lengths[rows].ravel()
-        )
-        assert _copy is not None
-        copy_batch = _copy.copy_batch
-        starts = offsets + self._src.data_ptr()
-        stream = _stream_kwargs()
-
-        def copy(i: int, j: int) -> None:
-            copy_batch(cache[i:j], starts[i:j], lengths[i:j], 1, **stream)
-
-        hash_range_while_copying(
-            self._data,
-            self._hasher,
-            a * self._layer_bytes,
-            b * self._layer_bytes,
-            offsets + lengths,
-            copy,
-        )
+        span = (a * self._layer_bytes, b * self._layer_bytes)
+        unpack_hashing(self._src, self._hasher, span, *(x[rows].ravel() for x in self._plan))
 
     def finish(self) -> int:
         """Unpack the layers left; the xxh3-64 of the source's first ``nbytes``."""
         self.unpack_layers(self._num_layers)
         if self._nbytes > self._covered:
-            self._hasher.update(self._data[self._covered : self._nbytes])
+            self._hasher.update(self._src.numpy().data[self._covered : self._nbytes])
             self._covered = self._nbytes
         return self._hasher.intdigest()

@@ -42,7 +42,7 @@ from fabric.errors import ChecksumMismatch, ConfigError, LayoutError
 from fabric.kv import verify as kv_verify
 from fabric.kv.cuda import kernels_for
 from fabric.kv.layout import KVLayout, LayoutKind, named_layers, segment_table
-from fabric.kv.verify import hash_while_copying, split_at_pieces
+from fabric.kv.verify import hash_range_while_copying, hash_while_copying, split_at_pieces
 
 if TYPE_CHECKING:
     import torch
@@ -255,15 +255,8 @@ def _unpack_verified(
     """``unpack`` that hashes the first ``nbytes`` of ``src`` as it copies."""
     ids = _unique_block_ids(block_ids, layout)
     blocks = len(ids) if chunk_blocks is None else chunk_blocks
-    _check_part(blocks, first, len(ids))
     device = named_layers(kv_caches)[0][1].device
-    covered = _check_buffer(src, layout, blocks, "src", device)
-    hashed = covered if nbytes is None else nbytes
-    if not covered <= hashed <= src.numel() or src.device.type != "cpu":
-        raise LayoutError(
-            f"checksum over {hashed} bytes of a {src.numel()}-byte {src.device} buffer "
-            f"cannot verify a chunk of {covered} bytes (host memory, nbytes >= chunk)"
-        )
+    hashed = verified_span(src, layout, len(ids), blocks, first, nbytes, device)[1]
     if device.type != "cpu":
         actual = xxhash.xxh3_64_intdigest(src[:hashed].numpy().data)
         unpack(src, kv_caches, layout, ids, chunk_blocks=chunk_blocks, first=first)
@@ -279,6 +272,30 @@ def _unpack_verified(
     return layout.chunk_nbytes(len(ids))
 
 
+def verified_span(
+    src: torch.Tensor,
+    layout: KVLayout,
+    count: int,
+    blocks: int,
+    first: int,
+    nbytes: int | None,
+    device: torch.device,
+) -> tuple[int, int]:
+    """(chunk bytes, bytes hashed) of a verified unpack of ``count`` blocks
+    from ``first`` of the ``blocks``-block chunk in ``src``, whose checksum
+    covers its first ``nbytes`` (None: the chunk); LayoutError unless they fit
+    in host memory."""
+    _check_part(blocks, first, count)
+    covered = _check_buffer(src, layout, blocks, "src", device)
+    hashed = covered if nbytes is None else nbytes
+    if not covered <= hashed <= src.numel() or src.device.type != "cpu":
+        raise LayoutError(
+            f"checksum over {hashed} bytes of a {src.numel()}-byte {src.device} buffer "
+            f"cannot verify a chunk of {covered} bytes (host memory, nbytes >= chunk)"
+        )
+    return covered, hashed
+
+
 def _unpack_hashed_c(
     src: torch.Tensor,
     hashed: int,
@@ -289,15 +306,40 @@ def _unpack_hashed_c(
     first: int,
 ) -> int:
     """Copy with fabric.kv._copy, piece by piece as ``src[:hashed]`` is hashed."""
-    assert _copy is not None
-    copy_batch, stream = _copy.copy_batch, _stream_kwargs()
+    hasher = xxhash.xxh3_64()
+    plan = unpack_rows(kv_caches, layout, ids, blocks, first)
+    unpack_hashing(src, hasher, (0, hashed), *(a.ravel() for a in plan))
+    return hasher.intdigest()
+
+
+def unpack_rows(
+    kv_caches: KVCaches, layout: KVLayout, ids: np.ndarray, blocks: int, first: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chunk offsets, cache addresses, byte counts) of unpacking blocks
+    ``first ..`` of a chunk of ``blocks`` into ``ids``: one row per (layer,
+    segment) in chunk order, one column per run of consecutive ids."""
     table = segment_table(kv_caches, layout)
     runs = _runs(ids, coalesce=table.blocks_adjacent)
     seg, rows = table.segment_bytes, np.arange(len(table.bases), dtype=np.int64)[:, None]
     offsets = (rows * blocks + first + runs.chunk_pos) * seg
     cache = table.bases[:, None] + runs.start * table.block_strides[:, None]
-    lengths = np.broadcast_to(runs.length * seg, offsets.shape)
-    offsets, cache, lengths = split_at_pieces(offsets.ravel(), cache.ravel(), lengths.ravel())
+    return offsets, cache, np.broadcast_to(runs.length * seg, offsets.shape)
+
+
+def unpack_hashing(
+    src: torch.Tensor,
+    hasher: xxhash.xxh3_64,
+    span: tuple[int, int],
+    offsets: np.ndarray,
+    cache: np.ndarray,
+    lengths: np.ndarray,
+) -> None:
+    """Feed ``src``'s bytes ``span`` to ``hasher`` and make the copies of
+    :func:`unpack_rows` (flat, inside ``span``) piece by piece as they are
+    hashed, with fabric.kv._copy."""
+    assert _copy is not None
+    copy_batch, stream = _copy.copy_batch, _stream_kwargs()
+    offsets, cache, lengths = split_at_pieces(offsets, cache, lengths)
     starts = offsets + src.data_ptr()
 
     def copy(a: int, b: int) -> None:
@@ -307,7 +349,7 @@ def _unpack_hashed_c(
         # pass over the chunk).
         copy_batch(cache[a:b], starts[a:b], lengths[a:b], 1, **stream)
 
-    return hash_while_copying(src.numpy().data, hashed, offsets + lengths, copy)
+    hash_range_while_copying(src.numpy().data, hasher, *span, offsets + lengths, copy)
 
 
 def _unpack_hashed_torch(

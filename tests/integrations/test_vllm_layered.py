@@ -481,14 +481,10 @@ def test_groups_packed_during_the_forward_land_and_are_unpacked_before_the_step_
     p, d, meta = begin_step(wired_pair)
     d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST, NUM_TOKENS, tokens(150))]))
     names = list(p._named_caches)
-    new = final_kv(p)
-    for i, name in enumerate(names[:-1]):  # NOTE: the forward up to its last layer
-        p.kv_caches[i][SRC] = new[i]
-        p.pack_layer(name, meta)
+    forward(p, meta, names[:-1])  # NOTE: the forward up to its last layer
     p.flush()
     wait_for(lambda: streams(d) == {0: LAYERS - 1, 1: LAYERS - 1, 2: LAYERS - 1}, "streamed")
-    p.kv_caches[-1][SRC] = new[-1]
-    p.pack_layer(names[-1], meta)
+    forward(p, meta, names[-1:])
     p.pack_step(meta)
     p.flush()
     assert wait_results(d) == ({"d-req"}, set())
@@ -616,13 +612,12 @@ def test_streamed_bytes_corrupted_in_the_decoders_slot_fail_the_load(
 
     d.loader._stream = corrupt_then_stream  # type: ignore[method-assign]
     names = list(p._named_caches)
-    new = final_kv(p)
-    for i, name in enumerate(names):
-        if i == len(names) - 1:  # NOTE: chunk 1's first layers landed and were read
-            wait_for(lambda: bool(flipped) and streams(d).get(1) == LAYERS - 1, "streamed")
-        p.kv_caches[i][SRC] = new[i]
-        p.pack_layer(name, meta)
-        p.flush()
+    forward(p, meta, names[:-1])
+    p.flush()
+    # NOTE: chunk 1's first layers landed and were read
+    wait_for(lambda: bool(flipped) and streams(d).get(1) == LAYERS - 1, "streamed")
+    forward(p, meta, names[-1:])
+    p.flush()
     p.pack_step(meta)
     p.flush()
     assert wait_results(d) == ({"d-req"}, {"d-req"})

@@ -836,11 +836,7 @@ class PushSender:
         try:
             push = job.link.write_part(job.res, index, part.slot, (part.landed, nbytes), layers)
         except FabricError as exc:
-            with self._peers_lock:
-                peer = self._peers.get(job.endpoint)
-            if peer is not None:
-                self._peer_failed(peer, exc, started=started, link=job.link)
-            self._fail(job, f"write of a part of chunk {index} failed: {exc}", peer)
+            self._post_failed(job, exc, started, f"write of a part of chunk {index}")
             return
         part.pending = (push, part.want, started)
 
@@ -900,14 +896,18 @@ class PushSender:
             self.store.release_slots([slot])  # NOTE: the one release of this slot
             if not isinstance(exc, FabricError):
                 raise
-            with self._peers_lock:
-                peer = self._peers.get(job.endpoint)
-            if peer is not None:
-                self._peer_failed(peer, exc, started=started, link=job.link)
-            self._fail(job, f"write of chunk {index} failed: {exc}", peer)
+            self._post_failed(job, exc, started, f"write of chunk {index}")
             return
         job.written += 1
         job.inflight.append((slot, push, time.monotonic()))
+
+    def _post_failed(self, job: PushJob, exc: FabricError, started: float, what: str) -> None:
+        """A write of ``job`` could not be posted: back its receiver off, fail the push."""
+        with self._peers_lock:
+            peer = self._peers.get(job.endpoint)
+        if peer is not None:
+            self._peer_failed(peer, exc, started=started, link=job.link)
+        self._fail(job, f"{what} failed: {exc}", peer)
 
     def _progress(self, peer: _Peer) -> None:
         now = time.monotonic()
