@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from fabric.bench.sweep import SweepHooks
     from fabric.bench.sweep_plan import Plan
 
-TABLE_PATHS = ("full", "raw", "page", "push", "memcpy")
+TABLE_PATHS = ("full", "direct", "raw", "page", "push", "memcpy")
 
 
 @contextmanager
@@ -62,7 +62,7 @@ def sweep_table(result: dict[str, Any]) -> Table:
         table.add_column(name)
     for path in TABLE_PATHS:
         table.add_column(path, justify="right")
-    for name in ("full/raw", "full lat", "raw lat", "cpu full/raw", "ok"):
+    for name in ("full/raw", "faster", "full lat", "raw lat", "cpu full/direct/raw", "ok"):
         table.add_column(name, justify="right")
     for row in result["points"]:
         paths = row["paths"]
@@ -78,13 +78,15 @@ def sweep_table(result: dict[str, Any]) -> Table:
             "on" if row["progress_thread"] else "off",
             *gbps,
             f"{ratio:.2f}" if ratio is not None else "-",
+            row.get("faster") or "-",
             *lat,
-            f"{_cpu_ms(paths.get('full'))}/{_cpu_ms(paths.get('raw'))}",
+            "/".join(_cpu_ms(paths.get(p)) for p in ("full", "direct", "raw")),
             "yes" if all(row["bytes_match"].values()) else "NO",
         )
     table.caption = (
         "* raw/page/memcpy shared with the NIXL point of the same settings; "
-        "cpu: sender + receiver CPU ms per transfer"
+        "cpu: sender + receiver CPU ms per transfer; faster: fabric's staged (full) "
+        "or direct path, by median GB/s"
     )
     return table
 

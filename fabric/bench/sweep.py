@@ -13,6 +13,12 @@ processes each way of :mod:`fabric.bench.transfer` and reports, per path:
                 processes (all threads); on 2 cores, wall >= their sum / 2
                 (push's includes packing its chunks, done before its timing)
 
+``direct`` is fabric's direct path (the receiver reads the sender's
+blocks into its own and verifies them, :mod:`fabric.kv.direct`), measured
+over NIXL from host memory; each row says which of fabric's two paths,
+staged (``full``) or direct, was ``faster`` there, and the headline does
+the same at its point. NOTE: the vLLM connector runs the staged path; the
+direct path is measured here, not yet used by the connector.
 ``push`` here runs until the receiver verified every chunk. raw, page and
 memcpy do not involve fabric's transport: a TCP point shares them with the
 NIXL point of the same settings (``shared_baselines``). Each suite also
@@ -44,6 +50,8 @@ from fabric.bench.transfer_side import SideArgs
 
 FORMAT_VERSION = 1
 BASELINES = ("raw", "page", "memcpy")
+FABRIC_PATHS = {"full": "staged", "direct": "direct"}
+"""fabric's two ways to move a chunk, by their path names here."""
 
 
 @dataclass
@@ -186,7 +194,7 @@ def measure_point(suite: Suite, point: SweepPoint, run: SweepRun) -> dict[str, A
         reps = max(reps, run.config.headline_reps)
     paths.update(_measure_paths(suite, {n: timers[n] for n in measured}, batch, count, reps))
     checks = {}
-    for name in (n for n in ("page", "full") if n in measured):
+    for name in (n for n in ("page", "full", "direct") if n in measured):
         suite.receiver.ask("clear")  # NOTE: so a path that wrote nothing cannot match
         timers[name](batch, count)
         checks[name] = suite.digests_match()
@@ -204,17 +212,28 @@ def measure_point(suite: Suite, point: SweepPoint, run: SweepRun) -> dict[str, A
     }
     if "full" in paths and "raw" in paths:
         row["full_vs_raw"] = round(paths["full"]["gbps"] / paths["raw"]["gbps"], 3)
+    row["faster"] = faster_path(paths)
     return row
 
 
+def faster_path(paths: dict[str, Any]) -> str | None:
+    """fabric's path with the higher median GB/s at a point: "staged" (full)
+    or "direct"; the only one measured when the other was not; None if neither."""
+    have = {name: paths[key]["gbps"] for key, name in FABRIC_PATHS.items() if key in paths}
+    return max(have, key=lambda name: have[name]) if have else None
+
+
 def _timers(suite: Suite) -> dict[str, Callable[[int, int], float]]:
-    return {
+    timers = {
         "memcpy": suite.time_memcpy,
         "raw": suite.time_raw,
         "page": suite.time_page,
         "push": lambda b, c: suite.time_push(b, c)[1],
         "full": suite.time_full,
     }
+    if suite.direct:
+        timers["direct"] = suite.time_direct
+    return timers
 
 
 def _measure_paths(
@@ -314,11 +333,17 @@ def headline(result: dict[str, Any], point: SweepPoint | None) -> dict[str, Any]
     if suite is not None:
         out["full_vs_raw_whole_256"] = ratio("full", suite["raw_whole"]["gbps"])
     out["full_vs_page_256"] = ratio("full", g.get("page"))
+    out["direct_vs_page_256"] = ratio("direct", g.get("page"))
+    chosen = faster_path(row["paths"])
+    out["faster_256"] = chosen
+    if chosen is not None:
+        key = next(k for k, v in FABRIC_PATHS.items() if v == chosen)
+        out["faster_vs_page_256"] = ratio(key, g.get("page"))
     out["push_vs_raw_256"] = ratio("push", g.get("raw"))
-    for name in ("full", "raw", "page", "push", "memcpy"):
+    for name in ("full", "direct", "raw", "page", "push", "memcpy"):
         if name in g:
             out[f"{name}_gbps_256"] = round(g[name], 3)
-    for name in ("full", "raw"):
+    for name in ("full", "direct", "raw"):
         cpu = row["paths"].get(name, {}).get("cpu_ms")
         if cpu:
             out[f"{name}_cpu_ms_256"] = round(cpu["sender"] + cpu["receiver"], 1)

@@ -27,7 +27,7 @@ from fabric.settings import Settings
 
 TRANSPORTS = ("nixl", "tcp")
 MEMORY_KINDS = ("dram", "vram")
-PATHS = ("full", "raw", "page", "push", "memcpy")
+PATHS = ("full", "direct", "raw", "page", "push", "memcpy")
 CHUNK_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 HEADLINE_GEOMETRY = "llama3-8b"
 HEADLINE_CHUNK = 256

@@ -9,7 +9,13 @@
              receiver verified every chunk's checksum (packed beforehand)
     full     fabric: pack each chunk, push it, unpack it on the receiver,
              pipelined (:mod:`fabric.bench.fullpath`), until the receiver's
-             cache holds every block and every chunk is verified
+             cache holds every block and every chunk is verified (staged)
+    direct   fabric's direct path (:mod:`fabric.kv.direct`): the receiver
+             READs each chunk's blocks out of the sender's cache into its
+             own (one descriptor per piece, merged where both sides are
+             contiguous) while the sender hashes its chunks in place, then
+             hashes its own blocks and compares, until every chunk is
+             verified; NIXL and host memory only
 
 Every path is timed from the sender's first call until the receiver knows
 the bytes are there (its notification, or its verification/unpack), so the
@@ -27,6 +33,7 @@ import datetime
 import itertools
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -60,8 +67,14 @@ class Receiver:
         )
         self.hello = self.read()
 
-    def read(self) -> dict[str, Any]:
+    def read(self, drive: Callable[[], object] | None = None) -> dict[str, Any]:
+        """The child's next answer; ``drive()`` every ms until it comes (this
+        side's NIXL agent answers the reader's connection, as a server's
+        steady polling would)."""
         assert self.proc.stdout is not None
+        if drive is not None:
+            while not select.select([self.proc.stdout], [], [], 1e-3)[0]:
+                drive()
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"benchmark receiver exited with {self.proc.wait()}")
@@ -99,6 +112,7 @@ class Suite:
         self.side = BenchSide(replace(args, seed=1, tag=f"{tag}-tx"), serve=False)
         self.rx: Receiver | None = None
         self._scratch: Any = None
+        self._direct_plane: Any = None
         self._rid = 0
         try:
             self.rx = Receiver(replace(args, seed=2, tag=f"{tag}-rx"))
@@ -225,6 +239,31 @@ class Suite:
         for handle in handles:
             s.raw.wait(handle)
         self.receiver.read()
+        return time.perf_counter() - t0
+
+    @property
+    def direct(self) -> bool:
+        """Whether the direct path runs at the current setting."""
+        return self.side.end.direct
+
+    def time_direct(self, batch: int, count: int) -> float:
+        """Receiver READs ``batch`` chunks per READ and verifies each against
+        the checksums this side computes meanwhile (hashed in place)."""
+        s, end = self.side, self.side.end
+        if self._direct_plane is not end.node.plane:
+            ids = ",".join(map(str, s.block_ids.tolist()))
+            desc = end.node.plane.descriptor().hex()
+            out = self.receiver.ask("direct-peer", desc, s.kv_base, ids)
+            if "error" in out:
+                raise TransferError(out["error"])
+            self._direct_plane = end.node.plane
+        self.receiver.send("direct", count, batch)
+        t0 = time.perf_counter()
+        sums = [s.chunk_checksum(i) for i in range(count)]
+        self.receiver.send("sums", ",".join(map(str, sums)))
+        out = self.receiver.read(drive=end.node.plane.take_notifs)
+        if not out.get("complete"):
+            raise TransferError(f"the direct path did not verify every chunk: {out}")
         return time.perf_counter() - t0
 
     def time_push(self, batch: int, count: int) -> tuple[float, float]:

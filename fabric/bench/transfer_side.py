@@ -8,6 +8,14 @@ fabric.bench.transfer_side ARGS_JSON``) answers one JSON line per command:
 
     fabric TRANSPORT CHUNK_TOKENS   rebuild the store and node; its endpoint
     raw N                 wait for N raw-NIXL notifications
+    direct-peer DESC BASE IDS
+                          load the sender's data plane (DESC, hex) for direct
+                          reads, its cache base address and block ids (comma
+                          separated; its cache has this side's shape)
+    direct N BATCH        read chunks 0 .. N-1 from the sender's cache into
+                          this one, BATCH chunks per READ, and verify each
+                          against the checksums the sender sends next, as one
+                          line ``sums S0,S1,..`` (read while the reads run)
     fabric-wait RID       wait until fabric verified every chunk of RID
     full RID N WHEN T     unpack RID's N chunks into the cache (T threads) as
                           each lands (WHEN=landed: verified meanwhile by the
@@ -24,6 +32,8 @@ A chunk covers ``chunk_tokens / block_size`` of the side's scattered
 from __future__ import annotations
 
 import json
+import os
+import select
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,8 +45,10 @@ from fabric.bench.geometry import paged_cache, preset
 from fabric.bench.rawnixl import RawNixl, descs
 from fabric.errors import ConfigError
 from fabric.kv import KVLayout, pack, unpack
+from fabric.kv.direct import Spans, cache_regions, cache_spans, checksum_spans, direct_plan
 from fabric.store import ChunkStore, StoreConfig, checksum
 from fabric.transfer import TransferConfig, TransferNode
+from fabric.transfer.dataplane import XferState
 
 MEMORY_KINDS = ("dram", "vram")
 DIGEST_BLOCKS = 64
@@ -89,9 +101,54 @@ class FabricEnd:
         self.node = TransferNode(
             self.store, config, side.layout.fingerprint(), name=name, serve=serve
         )
+        # NOTE: the direct path reads the peer's cache: NIXL, host memory only
+        self.direct = transport == "nixl" and side.device == "cpu"
+        if self.direct:
+            try:
+                for base, nbytes in cache_regions(side.views):
+                    self.node.plane.register_region(base, nbytes, side.device)
+            except BaseException:
+                self.node.close()
+                raise
+        self.direct_peer: str | None = None
 
     def close(self) -> None:
         self.node.close()
+
+
+class Lines:
+    """Lines of a pipe, read without blocking when asked (``poll``): the
+    direct path takes the sender's checksums while its reads run."""
+
+    def __init__(self, fd: int = 0) -> None:
+        self.fd = fd
+        self.buf = b""
+
+    def _take(self) -> str | None:
+        head, sep, tail = self.buf.partition(b"\n")
+        if not sep:
+            return None
+        self.buf = tail
+        return head.decode()
+
+    def _read(self) -> bool:
+        data = os.read(self.fd, 1 << 16)
+        self.buf += data
+        return bool(data)
+
+    def poll(self) -> str | None:
+        """The next line if one is there, else None at once."""
+        line = self._take()
+        if line is None and select.select([self.fd], [], [], 0)[0] and self._read():
+            line = self._take()
+        return line
+
+    def get(self) -> str | None:
+        """The next line (None at the end of the pipe)."""
+        while (line := self._take()) is None:
+            if not self._read():
+                return None
+        return line
 
 
 class BenchSide:
@@ -122,6 +179,9 @@ class BenchSide:
         )
         self.raw.register(self.storage)
         self.fabric: FabricEnd | None = None
+        self.lines = Lines()
+        self.peer_base = 0
+        self.peer_ids = np.zeros(0, dtype=np.int64)
         self._setups = 0
         self.use_fabric(args.transport, args.chunk_tokens)
 
@@ -172,6 +232,24 @@ class BenchSide:
         """Indices into ``page_descs`` of ``block_ids`` in every row, layer-major."""
         rows = np.arange(self.layout.num_layers * self.layout.segments, dtype=np.int64)
         return (rows[:, None] * self.num_blocks + block_ids[None, :]).reshape(-1)
+
+    def chunk_spans(self, index: int, ids: np.ndarray | None = None, base: int = 0) -> Spans:
+        """Where chunk ``index`` lies in this cache, or (``ids``, ``base``) in a
+        cache of the same shape whose first byte is at ``base``."""
+        ids = self.block_ids if ids is None else ids
+        chunk_blocks = self.end.chunk_blocks
+        spans = cache_spans(
+            self.views, self.layout, ids[index * chunk_blocks : (index + 1) * chunk_blocks]
+        )
+        if not base:
+            return spans
+        shift = base - self.kv_base
+        return Spans(spans.offsets, spans.addrs + shift, spans.lengths, spans.nbytes)
+
+    def chunk_checksum(self, index: int) -> int:
+        """The checksum of chunk ``index`` packed, hashed in place (the direct path)."""
+        spans = self.chunk_spans(index)
+        return checksum_spans(spans.addrs, spans.lengths)
 
     def digest(self) -> int:
         """Checksum of the used blocks, packed in order into a host buffer."""
@@ -248,6 +326,67 @@ class BenchSide:
         server.release(rid)
         return {"complete": len(done) == count and bool(final and final.complete)}
 
+    def load_direct_peer(self, descriptor: str, base: str, ids: str) -> dict[str, Any]:
+        end = self.end
+        if not end.direct:
+            return {"error": f"no direct reads over {end.transport} from {self.device} memory"}
+        if end.direct_peer is not None:
+            end.node.plane.remove_peer(end.direct_peer)
+        end.direct_peer = end.node.plane.add_peer(bytes.fromhex(descriptor))
+        self.peer_base = int(base)
+        self.peer_ids = np.asarray([int(i) for i in ids.split(",")], dtype=np.int64)
+        return {"ok": True}
+
+    def read_direct(self, count: int, batch: int, lines: Lines) -> dict[str, Any]:
+        """Read chunks ``0 .. count - 1`` of the sender's cache into this one and
+        verify each against the sender's checksum (see the module docstring).
+
+        The reads are posted first; the checksums line is taken while they
+        run, and a chunk is hashed once its read is done and its checksum
+        known. Complete only when every chunk matched.
+        """
+        end = self.end
+        assert end.direct_peer is not None, "direct-peer first"
+        plans = [
+            direct_plan(self.chunk_spans(i, self.peer_ids, self.peer_base), self.chunk_spans(i))
+            for i in range(count)
+        ]
+        pending = []
+        for start in range(0, count, batch):
+            group = range(start, min(start + batch, count))
+            rows = np.concatenate(
+                [np.stack([plans[i].dst, plans[i].src, plans[i].lengths], axis=1) for i in group]
+            )
+            pending.append((end.node.plane.post_read(end.direct_peer, rows), group))
+        sums: list[int] | None = None
+        landed: list[int] = []
+        bad: list[int] = []
+        verified, failed = 0, False
+        deadline = time.monotonic() + 120
+        while (verified + len(bad) < count) and not failed and time.monotonic() < deadline:
+            if sums is None and (line := lines.poll()) is not None:
+                sums = [int(v) for v in line.split()[1].split(",")]
+            for entry in list(pending):
+                state = entry[0].poll()
+                if state is XferState.PROC:
+                    continue
+                entry[0].release()
+                pending.remove(entry)
+                failed = state is XferState.ERR
+                landed.extend(entry[1])
+            if sums is not None:
+                for i in landed:
+                    if checksum_spans(plans[i].dst, plans[i].lengths) == sums[i]:
+                        verified += 1
+                    else:
+                        bad.append(i)
+                landed.clear()
+            else:
+                time.sleep(0)
+        if sums is None:  # NOTE: keep the pipe in step
+            lines.get()
+        return {"complete": verified == count, "bad": bad, "failed": failed}
+
     def handle(self, cmd: str, rest: list[str]) -> dict[str, Any]:
         """Answer one receiver command (see the module docstring)."""
         if cmd == "fabric":
@@ -255,6 +394,10 @@ class BenchSide:
             return {"endpoint": self.end.node.endpoint}
         if cmd == "raw":
             return {"got": self.raw.wait_notifs(int(rest[0]), 120)}
+        if cmd == "direct-peer":
+            return self.load_direct_peer(*rest)
+        if cmd == "direct":
+            return self.read_direct(int(rest[0]), int(rest[1]), self.lines)
         if cmd == "fabric-wait":
             return self.wait_fabric(rest[0])
         if cmd == "full":
@@ -270,7 +413,7 @@ class BenchSide:
 
     def serve(self) -> None:
         print(json.dumps(self.hello()), flush=True)
-        for line in sys.stdin:
+        while (line := self.lines.get()) is not None:
             cmd, *rest = line.split()
             if cmd == "quit":
                 break

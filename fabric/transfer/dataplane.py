@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import msgspec
+import numpy as np
 
 from fabric.errors import TransportFailed
 
@@ -185,6 +186,19 @@ class DataPlane(ABC):
         """Send ``notif`` to ``peer`` without writing any bytes."""
         return self.post_write(peer, [], notif)
 
+    def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
+        """Register memory beyond the pool (a paged KV cache) for direct
+        transfers (:meth:`post_read`); peers learn of it from the
+        descriptor, so register before describing this plane."""
+        raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
+
+    def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
+        """Start reading ``spans`` from ``peer``: Nx3 rows (local address,
+        remote address, nbytes), each inside a region (or the pool) of its
+        side; ``poll()`` says when every byte arrived. ``notif`` reaches the
+        peer after the read."""
+        raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
+
     @abstractmethod
     def take_notifs(self) -> list[tuple[str, bytes]]:
         """Drain notifications received so far as (peer name, message)."""
@@ -206,6 +220,25 @@ class DataPlane(ABC):
                 raise TransportFailed(f"bad segment {(local, remote, nbytes)}")
             if local + nbytes > self.pool_nbytes or remote + nbytes > remote_nbytes:
                 raise TransportFailed(f"segment {(local, remote, nbytes)} outside a pool")
+
+
+def spans_within(
+    addrs: np.ndarray, lengths: np.ndarray, regions: Sequence[tuple[int, int]]
+) -> bool:
+    """Whether every span (address, nbytes > 0) lies inside one of ``regions``
+    (base, nbytes), none of which overlap."""
+    if not len(addrs):
+        return True
+    if not regions:
+        return False
+    table = np.asarray(sorted(regions), dtype=np.int64).reshape(-1, 2)
+    addrs = np.asarray(addrs, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    at = np.searchsorted(table[:, 0], addrs, side="right") - 1
+    ok = (lengths > 0) & (at >= 0)
+    at = np.maximum(at, 0)
+    ok &= addrs + lengths <= table[at, 0] + table[at, 1]
+    return bool(ok.all())
 
 
 class PoolInfo(msgspec.Struct, array_like=True, frozen=True):

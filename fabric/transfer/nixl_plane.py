@@ -35,7 +35,14 @@ import msgspec
 import numpy as np
 
 from fabric.errors import PeerDisconnected, TransportFailed
-from fabric.transfer.dataplane import DataPlane, Segment, WriteFence, WriteHandle, XferState
+from fabric.transfer.dataplane import (
+    DataPlane,
+    Segment,
+    WriteFence,
+    WriteHandle,
+    XferState,
+    spans_within,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,8 @@ class NixlDescriptor(msgspec.Struct, array_like=True, frozen=True):
     pool_nbytes: int
     mem_type: str
     device_id: int
+    regions: list[tuple[int, int]] = []
+    """Memory beyond the pool registered for direct transfers (base, nbytes)."""
 
 
 def nixl_available() -> bool:
@@ -124,6 +133,8 @@ class NixlDataPlane(DataPlane):
         self._mem_type = "DRAM"
         self._device_id = 0
         self._reg: Any = None
+        self._regions: list[tuple[int, int]] = []
+        self._region_regs: list[Any] = []
         self._peers: dict[str, NixlDescriptor] = {}
         # Handles dropped unfinished (appended from any thread, released under the lock).
         self.orphans: deque[Any] = deque()
@@ -140,11 +151,38 @@ class NixlDataPlane(DataPlane):
             raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
         self._reg = reg
 
+    def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
+        mem_type = "VRAM" if device.startswith("cuda") else "DRAM"
+        device_id = int(device.partition(":")[2] or 0) if mem_type == "VRAM" else 0
+        if nbytes <= 0:
+            raise TransportFailed(f"cannot register {nbytes} bytes")
+        if (mem_type, device_id) != (self._mem_type, self._device_id):
+            # NOTE: one memory kind per transfer side; a cache on a GPU beside
+            # a host pool is not supported by the direct path yet
+            raise TransportFailed(
+                f"direct transfers need the cache ({device}) in the pool's memory "
+                f"({self._mem_type} {self._device_id})"
+            )
+        regions = [(self.pool_base, self.pool_nbytes), *self._regions]
+        if any(base < base_address + nbytes and base_address < base + n for base, n in regions):
+            raise TransportFailed("the region overlaps memory already registered")
+        with self.lock:
+            reg = self.agent.register_memory([(base_address, nbytes, device_id, "")], mem_type)
+        if reg is None:
+            raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
+        self._region_regs.append(reg)
+        self._regions.append((base_address, nbytes))
+
     def descriptor(self) -> bytes:
         with self.lock:
             metadata = self.agent.get_agent_metadata()
         info = NixlDescriptor(
-            metadata, self.pool_base, self.pool_nbytes, self._mem_type, self._device_id
+            metadata,
+            self.pool_base,
+            self.pool_nbytes,
+            self._mem_type,
+            self._device_id,
+            list(self._regions),
         )
         return msgspec.msgpack.encode(info)
 
@@ -178,6 +216,22 @@ class NixlDataPlane(DataPlane):
         self.check_segments(segments, info.pool_nbytes)
         return self._post(peer, info, np.asarray(segments, dtype=np.uint64).reshape(-1, 3), notif)
 
+    def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
+        info = self._peer(peer)
+        rows = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+        local_regions = [(self.pool_base, self.pool_nbytes), *self._regions]
+        remote_regions = [(info.pool_base, info.pool_nbytes), *info.regions]
+        if not spans_within(rows[:, 0], rows[:, 2], local_regions):
+            raise TransportFailed("a read lands outside this process's registered memory")
+        if not spans_within(rows[:, 1], rows[:, 2], remote_regions):
+            raise TransportFailed(f"a read takes bytes outside what {peer!r} registered")
+        local = np.empty((len(rows), 3), dtype=np.uint64)
+        remote = np.empty((len(rows), 3), dtype=np.uint64)
+        local[:, 0], remote[:, 0] = rows[:, 0], rows[:, 1]
+        local[:, 1] = remote[:, 1] = rows[:, 2]
+        local[:, 2], remote[:, 2] = self._device_id, info.device_id
+        return self._xfer("READ", peer, info, local, remote, notif)
+
     def notify(self, peer: str, notif: bytes) -> WriteHandle:
         # NOTE: a zero-length WRITE carrying the notification, rather than
         # send_notif: the sender progresses it like any write (send_notif is
@@ -200,20 +254,32 @@ class NixlDataPlane(DataPlane):
         local[:, 1] = remote[:, 1] = seg[:, 2]
         local[:, 2] = self._device_id
         remote[:, 2] = info.device_id
+        return self._xfer("WRITE", peer, info, local, remote, notif)
+
+    def _xfer(
+        self,
+        op: str,
+        peer: str,
+        info: NixlDescriptor,
+        local: np.ndarray,
+        remote: np.ndarray,
+        notif: bytes,
+    ) -> WriteHandle:
+        """Post one ``op`` (WRITE or READ) of Nx3 address rows."""
         with self.lock:
             self._release_orphans()
             handle = None
             try:
                 local_descs = self.agent.get_xfer_descs(local, self._mem_type)
                 remote_descs = self.agent.get_xfer_descs(remote, info.mem_type)
-                handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, peer, notif)
+                handle = self.agent.initialize_xfer(op, local_descs, remote_descs, peer, notif)
                 state = self.agent.transfer(handle)
             except Exception as exc:
                 if handle is not None:  # NOTE: created, not posted: nothing runs on it
                     self.release_handle(handle)
                 if _disconnected(exc):
                     raise PeerDisconnected(f"NIXL peer {peer!r} is disconnected: {exc}") from exc
-                raise TransportFailed(f"NIXL write to {peer!r} failed: {exc}") from exc
+                raise TransportFailed(f"NIXL {op.lower()} with {peer!r} failed: {exc}") from exc
         return _NixlWrite(self, handle, state)
 
     def release_handle(self, handle: Any, *, warn: bool = False) -> bool:
@@ -250,6 +316,10 @@ class NixlDataPlane(DataPlane):
             if self._reg is not None:
                 self.agent.deregister_memory(self._reg)
                 self._reg = None
+            for reg in self._region_regs:
+                self.agent.deregister_memory(reg)
+            self._region_regs.clear()
+            self._regions.clear()
 
 
 def _disconnected(exc: Exception) -> bool:

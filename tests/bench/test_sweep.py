@@ -207,8 +207,22 @@ def test_headline_is_full_over_raw_at_256_tokens() -> None:
     assert out["full_vs_raw_256"] == 0.5 and out["full_vs_raw_best_256"] == 0.5
     assert out["full_vs_raw_whole_256"] == round(2.56 / 6.4, 3)
     assert out["bytes_match"] is True
+    assert out["faster_256"] == "staged" and out["faster_vs_page_256"] == 1.28
+    assert out["direct_vs_page_256"] is None  # NOTE: not measured at that point
     assert headline(result, None) == {"full_vs_raw_256": None}
     json.dumps(out)
+
+
+def test_headline_picks_the_faster_of_fabrics_two_paths() -> None:
+    result = fake_result()
+    for row in result["points"]:
+        row["paths"]["direct"] = {**row["paths"]["page"], "gbps": 3.0}
+    points = [
+        SweepPoint(**{k: r[k] for k in SweepPoint.__dataclass_fields__}) for r in result["points"]
+    ]
+    out = headline(result, headline_point(points))
+    assert out["faster_256"] == "direct" and out["direct_vs_page_256"] == 1.5
+    assert out["faster_vs_page_256"] == 1.5 and out["full_vs_page_256"] == 1.28
 
 
 def test_table_has_a_row_per_point() -> None:
@@ -283,11 +297,13 @@ def test_one_real_point_moves_the_right_bytes(monkeypatch: pytest.MonkeyPatch) -
     assert result["errors"] == []
     nixl, tcp = result["points"]
     assert nixl["bytes"] == 256 * PRESETS["tiny"].bytes_per_token
-    assert nixl["bytes_match"] == {"page": True, "full": True}
+    assert nixl["bytes_match"] == {"page": True, "full": True, "direct": True}
     assert tcp["bytes_match"] == {"full": True}  # page was measured with the NIXL point
+    assert set(nixl["paths"]) == {"full", "direct", "raw", "page", "push", "memcpy"}
+    assert set(tcp["paths"]) == {"full", "raw", "page", "push", "memcpy"}  # NOTE: NIXL only
     for row in (nixl, tcp):
-        assert set(row["paths"]) == {"full", "raw", "page", "push", "memcpy"}
         assert all(p["gbps"] > 0 for p in row["paths"].values())
+    assert nixl["faster"] in ("staged", "direct") and tcp["faster"] == "staged"
     assert tcp["shared_baselines"] and tcp["paths"]["raw"] == nixl["paths"]["raw"]
     assert result["headline"] == {"full_vs_raw_256": None}
     json.dumps(result)

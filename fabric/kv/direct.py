@@ -1,0 +1,205 @@
+"""The direct path's plan: a chunk moved from one paged cache into another,
+block to block, with no chunk buffer on either side.
+
+:func:`fabric.kv.pack.pack` copies each (layer, segment, run of blocks)
+piece of a cache to its offset in the chunk (the format drawn in
+:mod:`fabric.kv.layout`). Two caches of the same layout, each with its own
+block ids for the chunk, have pieces at the same chunk offsets; cut where
+either side's pieces end, they pair up::
+
+    chunk offsets  0 ........ a ......... b ............ c ........ n
+    source         | P run 0            | P run 1                 |
+    destination    | D run 0  | D run 1                  | D run 2  |
+    pairs          |  0..a    |  a..b   |  b..c          |  c..n    |
+
+Each pair is (source address, destination address, nbytes); neighbours
+contiguous on both sides merge into one. The pairs in chunk-offset order
+cover the chunk exactly once, so:
+
+- one transfer descriptor per pair moves the chunk (what NIXL posts);
+- the xxh3-64 of the source bytes taken in that order is the checksum of
+  the packed chunk (:func:`checksum_spans`), the checksum the store keeps
+  for it: the destination hashes its own bytes in the same order after the
+  copy and compares, so the direct path is verified like the staged one;
+- the chunk format is layer-major, so a layer group is the pairs whose
+  offsets lie in one byte range (:meth:`DirectPlan.layers`), moved and
+  checked on its own.
+
+CPU memory only for the checksums (addresses are read in place).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from fabric.errors import LayoutError
+from fabric.kv.layout import KVLayout
+from fabric.kv.pack import _block_ids, copy_plan
+
+if TYPE_CHECKING:
+    from fabric.kv.layout import KVCaches
+    from fabric.kv.pack import BlockIds
+
+__all__ = [
+    "DirectPlan",
+    "Spans",
+    "cache_regions",
+    "cache_spans",
+    "checksum_spans",
+    "direct_plan",
+]
+
+
+@dataclass(frozen=True)
+class Spans:
+    """A chunk's pieces in one cache, ascending by chunk offset, tiling
+    ``0 .. nbytes``: piece ``i`` is ``lengths[i]`` bytes at ``addrs[i]``."""
+
+    offsets: np.ndarray
+    addrs: np.ndarray
+    lengths: np.ndarray
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """Paired pieces of one chunk (see the module docstring), ascending by
+    chunk offset: ``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``."""
+
+    offsets: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def between(self, lo: int, hi: int) -> DirectPlan:
+        """The pairs covering chunk bytes ``lo .. hi - 1``, cut at both ends."""
+        if not 0 <= lo <= hi <= self.nbytes:
+            raise ValueError(f"range {lo}..{hi} is outside the chunk's {self.nbytes} bytes")
+        ends = self.offsets + self.lengths
+        keep = (ends > lo) & (self.offsets < hi)
+        off, ln = self.offsets[keep], self.lengths[keep]
+        start = np.maximum(off, lo)
+        skip = start - off
+        length = np.minimum(off + ln, hi) - start
+        return DirectPlan(start, self.src[keep] + skip, self.dst[keep] + skip, length, self.nbytes)
+
+    def layers(self, layout: KVLayout, num_blocks: int, first: int, stop: int) -> DirectPlan:
+        """The pairs of layers ``first .. stop - 1`` of a ``num_blocks`` chunk."""
+        if not 0 <= first <= stop <= layout.num_layers:
+            raise ValueError(f"layers {first}..{stop} of {layout.num_layers}")
+        per_layer = layout.segments * num_blocks * layout.segment_bytes
+        return self.between(first * per_layer, stop * per_layer)
+
+    def descriptors(self, side: str, device_id: int = 0) -> np.ndarray:
+        """Nx3 uint64 (address, nbytes, device) rows of ``side`` ("src"/"dst")."""
+        out = np.empty((len(self), 3), dtype=np.uint64)
+        out[:, 0] = self.src if side == "src" else self.dst
+        out[:, 1] = self.lengths
+        out[:, 2] = device_id
+        return out
+
+
+def cache_spans(kv_caches: KVCaches, layout: KVLayout, block_ids: BlockIds) -> Spans:
+    """Where the chunk of ``block_ids`` lies in ``kv_caches`` (CPU or device
+    addresses; the layout is checked as for a pack)."""
+    ids = _block_ids(block_ids, layout)
+    chunk, cache, lengths = copy_plan(kv_caches, layout, ids, 0)
+    order = np.argsort(chunk, kind="stable")
+    nbytes = layout.chunk_nbytes(len(ids))
+    spans = Spans(chunk[order], cache[order], lengths[order], nbytes)
+    _check_tiles(spans)
+    return spans
+
+
+def direct_plan(src: Spans, dst: Spans) -> DirectPlan:
+    """Pair two caches' pieces of one chunk (see the module docstring)."""
+    if src.nbytes != dst.nbytes:
+        raise LayoutError(
+            f"the source chunk has {src.nbytes} bytes and the destination {dst.nbytes}"
+        )
+    if src.nbytes == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return DirectPlan(empty, empty, empty, empty, 0)
+    cuts = np.union1d(src.offsets, dst.offsets)
+    lengths = np.diff(cuts, append=src.nbytes)
+    si = np.searchsorted(src.offsets, cuts, side="right") - 1
+    di = np.searchsorted(dst.offsets, cuts, side="right") - 1
+    s = src.addrs[si] + (cuts - src.offsets[si])
+    d = dst.addrs[di] + (cuts - dst.offsets[di])
+    # NOTE: merge a pair into the one before it when both sides continue it
+    cont = np.zeros(len(cuts), dtype=bool)
+    cont[1:] = (s[:-1] + lengths[:-1] == s[1:]) & (d[:-1] + lengths[:-1] == d[1:])
+    heads = np.flatnonzero(~cont)
+    merged = np.add.reduceat(lengths, heads)
+    return DirectPlan(cuts[heads], s[heads], d[heads], merged, src.nbytes)
+
+
+def checksum_spans(
+    addrs: np.ndarray, lengths: np.ndarray, hasher: xxhash.xxh3_64 | None = None
+) -> int:
+    """The xxh3-64 of the bytes at ``addrs`` (CPU memory), in order.
+
+    With ``hasher`` the bytes are added to it (a chunk hashed a layer group
+    at a time) and its digest so far is returned. Neighbours contiguous in
+    memory are hashed as one range; each range is a slice of one
+    memoryview over the spans' extent (no memory is touched but the
+    spans'): per range, the hasher call is most of the cost beyond the
+    bytes themselves.
+    """
+    h = hasher if hasher is not None else xxhash.xxh3_64()
+    addrs = np.asarray(addrs, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not len(addrs):
+        return h.intdigest()
+    breaks = np.flatnonzero(addrs[1:] != addrs[:-1] + lengths[:-1]) + 1
+    heads = np.concatenate(([0], breaks)).astype(np.int64)
+    addrs, lengths = addrs[heads], np.add.reduceat(lengths, heads)
+    lo = int(addrs.min())
+    extent = memoryview((ctypes.c_char * int((addrs + lengths).max() - lo)).from_address(lo))
+    view = extent.cast("B")
+    for at, n in zip((addrs - lo).tolist(), lengths.tolist(), strict=True):
+        h.update(view[at : at + n])
+    return h.intdigest()
+
+
+def cache_regions(kv_caches: KVCaches) -> list[tuple[int, int]]:
+    """The memory the cache tensors live in, as (base, nbytes) ranges to
+    register for direct transfers: each tensor's storage, overlapping or
+    touching ones merged (layers that share one allocation are one range)."""
+    from fabric.kv.layout import named_layers
+
+    ranges = sorted(
+        (
+            t.untyped_storage().data_ptr(),
+            t.untyped_storage().data_ptr() + t.untyped_storage().nbytes(),
+        )
+        for _, t in named_layers(kv_caches)
+    )
+    merged: list[list[int]] = []
+    for lo, hi in ranges:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi - lo) for lo, hi in merged]
+
+
+def _check_tiles(spans: Spans) -> None:
+    """The pieces cover ``0 .. nbytes`` exactly once (a plan relies on it)."""
+    ends = spans.offsets + spans.lengths
+    ok = len(spans.offsets) == 0 or (
+        spans.offsets[0] == 0
+        and ends[-1] == spans.nbytes
+        and bool(np.all(spans.offsets[1:] == ends[:-1]))
+    )
+    if not ok:
+        raise LayoutError("the chunk's pieces do not tile it (a layout this plan cannot pair)")

@@ -1,0 +1,133 @@
+"""The direct path's plan: pairs of pieces between two paged caches, and their checksum."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from fabric.errors import LayoutError
+from fabric.kv import KVLayout, LayoutKind, pack, unpack
+from fabric.kv.direct import cache_spans, checksum_spans, direct_plan
+from fabric.kv.layerwise import group_ends
+from fabric.store import checksum
+
+MakeCaches = Callable[..., list[torch.Tensor]]
+KINDS = [LayoutKind.CPU, LayoutKind.FLASH, LayoutKind.MLA]
+SRC_IDS = [7, 2, 3, 4, 0, 11]
+DST_IDS = [1, 8, 9, 10, 5, 6]
+
+
+def raw(tensors: list[torch.Tensor]) -> list[bytes]:
+    return [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
+
+
+def copy(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
+    for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+
+
+def packed(caches: list[torch.Tensor], layout: KVLayout, ids: list[int]) -> torch.Tensor:
+    buf = torch.empty(layout.chunk_nbytes(len(ids)), dtype=torch.uint8)
+    pack(caches, layout, ids, buf)
+    return buf
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "dst_ids", [DST_IDS, SRC_IDS, [3, 4, 5, 6, 7, 8]], ids=["scattered", "same-ids", "one-run"]
+)
+def test_plan_moves_the_chunk_and_checksums_like_a_pack(
+    make_caches: MakeCaches, kind: LayoutKind, dst_ids: list[int]
+) -> None:
+    src = make_caches(kind, num_layers=4)
+    dst = [torch.zeros_like(c) for c in src]
+    layout = KVLayout.from_tensors(src)
+    plan = direct_plan(cache_spans(src, layout, SRC_IDS), cache_spans(dst, layout, dst_ids))
+    chunk = packed(src, layout, SRC_IDS)
+    want = checksum(chunk)
+
+    assert int(plan.lengths.sum()) == plan.nbytes == layout.chunk_nbytes(len(SRC_IDS))
+    assert checksum_spans(plan.src, plan.lengths) == want
+    copy(plan.src, plan.dst, plan.lengths)
+    assert checksum_spans(plan.dst, plan.lengths) == want
+    expected = [torch.zeros_like(c) for c in src]
+    unpack(chunk, expected, layout, dst_ids)
+    assert raw(dst) == raw(expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_groups_tile_the_plan_and_hash_on_into_the_chunk_checksum(
+    make_caches: MakeCaches, kind: LayoutKind
+) -> None:
+    import xxhash
+
+    src = make_caches(kind, num_layers=5)
+    layout = KVLayout.from_tensors(src)
+    dst = [torch.zeros_like(c) for c in src]
+    plan = direct_plan(cache_spans(src, layout, SRC_IDS), cache_spans(dst, layout, DST_IDS))
+    hasher = xxhash.xxh3_64()
+    start = 0
+    for end in group_ends(layout.num_layers, 2):
+        group = plan.layers(layout, len(SRC_IDS), start, end)
+        copy(group.src, group.dst, group.lengths)
+        checksum_spans(group.dst, group.lengths, hasher)
+        start = end
+    assert hasher.intdigest() == checksum(packed(src, layout, SRC_IDS))
+    assert raw(dst) != raw([torch.zeros_like(c) for c in src])
+
+
+def test_contiguous_runs_on_both_sides_merge(make_caches: MakeCaches) -> None:
+    src = make_caches(LayoutKind.CPU, num_layers=2)
+    layout = KVLayout.from_tensors(src)
+    dst = [torch.zeros_like(c) for c in src]
+    ids = [3, 4, 5, 6]
+    same = direct_plan(cache_spans(src, layout, ids), cache_spans(dst, layout, ids))
+    # NOTE: CPU layout: one piece per layer and run, blocks back to back
+    assert len(same) == layout.num_layers
+    cut = direct_plan(cache_spans(src, layout, ids), cache_spans(dst, layout, [3, 4, 9, 10]))
+    assert len(cut) == 2 * layout.num_layers
+
+
+def test_between_cuts_pieces_and_refuses_ranges_outside(make_caches: MakeCaches) -> None:
+    src = make_caches(LayoutKind.FLASH, num_layers=2)
+    layout = KVLayout.from_tensors(src)
+    plan = direct_plan(cache_spans(src, layout, SRC_IDS), cache_spans(src, layout, DST_IDS))
+    part = plan.between(5, plan.nbytes - 7)
+    assert int(part.lengths.sum()) == plan.nbytes - 12
+    assert part.offsets[0] == 5 and part.src[0] == plan.src[0] + 5
+    with pytest.raises(ValueError, match="outside"):
+        plan.between(0, plan.nbytes + 1)
+
+
+def test_mismatched_chunks_are_refused(make_caches: MakeCaches) -> None:
+    src = make_caches(LayoutKind.FLASH)
+    layout = KVLayout.from_tensors(src)
+    with pytest.raises(LayoutError, match="bytes"):
+        direct_plan(cache_spans(src, layout, [1, 2]), cache_spans(src, layout, [3]))
+
+
+def test_a_changed_source_byte_changes_the_checksum(make_caches: MakeCaches) -> None:
+    src = make_caches(LayoutKind.FLASH, num_layers=3)
+    layout = KVLayout.from_tensors(src)
+    plan = direct_plan(cache_spans(src, layout, SRC_IDS), cache_spans(src, layout, DST_IDS))
+    before = checksum_spans(plan.src, plan.lengths)
+    flat = src[2].view(-1).view(torch.uint8)
+    block = SRC_IDS[-1]
+    # NOTE: the last block's V segment of the last layer: inside the chunk
+    at = (flat.numel() // 2) + block * (flat.numel() // 2 // src[2].shape[1])
+    flat[at] ^= 0xFF
+    assert checksum_spans(plan.src, plan.lengths) != before
+
+
+def test_cache_regions_merge_layers_of_one_allocation(make_caches: MakeCaches) -> None:
+    from fabric.kv.direct import cache_regions
+
+    apart = make_caches(LayoutKind.FLASH, num_layers=3)
+    assert sorted(n for _, n in cache_regions(apart)) == [apart[0].untyped_storage().nbytes()] * 3
+    whole = torch.zeros(3 * apart[0].numel(), dtype=apart[0].dtype)
+    shared = list(whole.view(3, *apart[0].shape).unbind(0))
+    assert cache_regions(shared) == [(whole.data_ptr(), whole.untyped_storage().nbytes())]

@@ -1,0 +1,170 @@
+"""Direct reads over real NIXL/UCX: a decoder reads a chunk's blocks out of a
+prefiller's cache (another OS process) into its own cache, and verifies them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fabric.errors import PeerDisconnected, TransportFailed
+from fabric.kv import KVLayout, pack, unpack
+from fabric.kv.direct import (
+    DirectPlan,
+    Spans,
+    cache_regions,
+    cache_spans,
+    checksum_spans,
+    direct_plan,
+)
+from fabric.transfer.dataplane import XferState
+from fabric.transfer.nixl_plane import NixlDataPlane, nixl_available
+
+sys.path.insert(0, str(Path(__file__).parent))
+from direct_peer import BLOCK_IDS, cache
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="no nixl")
+
+DST_IDS = [1, 2, 6, 7, 8, 25, 26, 27]
+PEER = Path(__file__).parent / "direct_peer.py"
+
+
+class Peer:
+    def __init__(self, seed: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.hello = self.read()
+
+    def read(self) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"direct peer exited with {self.proc.poll()}"
+        return dict(json.loads(line))
+
+    def ask(self, cmd: str) -> dict[str, object]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def spans(self) -> Spans:
+        h = self.hello
+        arrays = [np.asarray(h[k], dtype=np.int64) for k in ("offsets", "addrs", "lengths")]
+        return Spans(*arrays, nbytes=int(h["nbytes"]))  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def peer() -> Iterator[Peer]:
+    p = Peer(seed=5)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def plane() -> Iterator[NixlDataPlane]:
+    pool = torch.zeros(1 << 20, dtype=torch.uint8)
+    p = NixlDataPlane("direct-reader", ucx_net_devices="lo")
+    p.register_pool(pool.data_ptr(), pool.numel())
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def reader(
+    peer: Peer, plane: NixlDataPlane, *, register: bool = True
+) -> tuple[list[torch.Tensor], str, DirectPlan]:
+    """The reader's cache (registered unless told not), the peer's name, the plan."""
+    dst = [torch.zeros_like(t) for t in cache(0)]
+    if register:
+        for base, nbytes in cache_regions(dst):
+            plane.register_region(base, nbytes)
+    name = plane.add_peer(bytes.fromhex(str(peer.hello["descriptor"])))
+    plan = direct_plan(peer.spans(), cache_spans(dst, KVLayout.from_tensors(dst), DST_IDS))
+    return dst, name, plan
+
+
+def rows(plan: DirectPlan) -> np.ndarray:
+    return np.stack([plan.dst, plan.src, plan.lengths], axis=1)
+
+
+def finish(handle: object, timeout: float = 20.0) -> XferState:
+    deadline = time.monotonic() + timeout
+    while (state := handle.poll()) is XferState.PROC:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the read neither ended nor failed"
+        time.sleep(1e-3)
+    handle.release()  # type: ignore[attr-defined]
+    return state
+
+
+def test_read_lands_the_prefillers_blocks_and_verifies(peer: Peer, plane: NixlDataPlane) -> None:
+    dst, name, plan = reader(peer, plane)
+
+    assert finish(plane.post_read(name, rows(plan))) is XferState.DONE
+    assert checksum_spans(plan.dst, plan.lengths) == peer.hello["checksum"]
+    src = cache(5)  # NOTE: the peer's bytes, regenerated from its seed
+    layout = KVLayout.from_tensors(src)
+    chunk = torch.empty(layout.chunk_nbytes(len(BLOCK_IDS)), dtype=torch.uint8)
+    pack(src, layout, BLOCK_IDS, chunk)
+    want = [torch.zeros_like(t) for t in src]
+    unpack(chunk, want, layout, DST_IDS)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(dst, want, strict=True)
+    )
+
+
+def test_a_source_changed_after_hashing_fails_verification(
+    peer: Peer, plane: NixlDataPlane
+) -> None:
+    _dst, name, plan = reader(peer, plane)
+    hashed = peer.hello["checksum"]
+    changed = peer.ask("flip")["checksum"]  # NOTE: e.g. a block reused before the read
+    assert finish(plane.post_read(name, rows(plan))) is XferState.DONE
+    got = checksum_spans(plan.dst, plan.lengths)
+    assert got == changed != hashed
+
+
+def test_reads_outside_registered_memory_are_refused(peer: Peer, plane: NixlDataPlane) -> None:
+    dst, name, plan = reader(peer, plane, register=False)
+    with pytest.raises(TransportFailed, match="this process's registered memory"):
+        plane.post_read(name, rows(plan))  # NOTE: the local cache is not registered
+    for base, nbytes in cache_regions(dst):
+        plane.register_region(base, nbytes)
+    beyond = rows(plan).copy()
+    beyond[-1, 1] += 1 << 30
+    with pytest.raises(TransportFailed, match="outside what"):
+        plane.post_read(name, beyond)
+    with pytest.raises(PeerDisconnected):
+        plane.post_read("nobody", rows(plan))
+    with pytest.raises(TransportFailed, match="overlaps"):
+        plane.register_region(*cache_regions(dst)[0])
+
+
+def test_a_dead_prefiller_ends_the_read_with_an_error(peer: Peer, plane: NixlDataPlane) -> None:
+    _dst, name, plan = reader(peer, plane)
+    assert finish(plane.post_read(name, rows(plan))) is XferState.DONE  # NOTE: connected
+    peer.stop()
+    try:
+        state = finish(plane.post_read(name, rows(plan)))
+    except TransportFailed:
+        return  # NOTE: refused at post: as good as an error
+    assert state is XferState.ERR
