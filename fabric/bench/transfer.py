@@ -43,6 +43,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from fabric.bench.fullpath import FullPathOptions, FullPathSender
@@ -50,6 +51,7 @@ from fabric.bench.rawnixl import descs
 from fabric.bench.transfer_side import BenchSide, SideArgs, side_args_json
 from fabric.errors import TransferError
 from fabric.kv import pack
+from fabric.kv.direct import cache_map
 from fabric.transfer.client import PendingPush
 
 _suite_ids = itertools.count(1)
@@ -253,7 +255,8 @@ class Suite:
         if self._direct_plane is not end.node.plane:
             ids = ",".join(map(str, s.block_ids.tolist()))
             desc = end.node.plane.descriptor().hex()
-            out = self.receiver.ask("direct-peer", desc, s.kv_base, ids)
+            cmap = msgspec.msgpack.encode(cache_map(s.views, s.layout)).hex()
+            out = self.receiver.ask("direct-peer", desc, cmap, ids)
             if "error" in out:
                 raise TransferError(out["error"])
             self._direct_plane = end.node.plane

@@ -8,10 +8,11 @@ fabric.bench.transfer_side ARGS_JSON``) answers one JSON line per command:
 
     fabric TRANSPORT CHUNK_TOKENS   rebuild the store and node; its endpoint
     raw N                 wait for N raw-NIXL notifications
-    direct-peer DESC BASE IDS
+    direct-peer DESC MAP IDS
                           load the sender's data plane (DESC, hex) for direct
-                          reads, its cache base address and block ids (comma
-                          separated; its cache has this side's shape)
+                          reads, its cache map (MAP, hex msgpack of a
+                          fabric.kv.direct.CacheMap) and block ids (comma
+                          separated)
     direct N BATCH        read chunks 0 .. N-1 from the sender's cache into
                           this one, BATCH chunks per READ, and verify each
                           against the checksums the sender sends next, as one
@@ -39,13 +40,22 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from fabric.bench.geometry import paged_cache, preset
 from fabric.bench.rawnixl import RawNixl, descs
 from fabric.errors import ConfigError
 from fabric.kv import KVLayout, pack, unpack
-from fabric.kv.direct import Spans, cache_regions, cache_spans, checksum_spans, direct_plan
+from fabric.kv.direct import (
+    CacheMap,
+    Spans,
+    cache_regions,
+    cache_spans,
+    checksum_spans,
+    direct_plan,
+    map_spans,
+)
 from fabric.store import ChunkStore, StoreConfig, checksum
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer.dataplane import XferState
@@ -180,7 +190,7 @@ class BenchSide:
         self.raw.register(self.storage)
         self.fabric: FabricEnd | None = None
         self.lines = Lines()
-        self.peer_base = 0
+        self.peer_map: CacheMap | None = None
         self.peer_ids = np.zeros(0, dtype=np.int64)
         self._setups = 0
         self.use_fabric(args.transport, args.chunk_tokens)
@@ -233,18 +243,18 @@ class BenchSide:
         rows = np.arange(self.layout.num_layers * self.layout.segments, dtype=np.int64)
         return (rows[:, None] * self.num_blocks + block_ids[None, :]).reshape(-1)
 
-    def chunk_spans(self, index: int, ids: np.ndarray | None = None, base: int = 0) -> Spans:
-        """Where chunk ``index`` lies in this cache, or (``ids``, ``base``) in a
-        cache of the same shape whose first byte is at ``base``."""
-        ids = self.block_ids if ids is None else ids
-        chunk_blocks = self.end.chunk_blocks
-        spans = cache_spans(
-            self.views, self.layout, ids[index * chunk_blocks : (index + 1) * chunk_blocks]
+    def chunk_spans(self, index: int) -> Spans:
+        """Where chunk ``index`` lies in this cache."""
+        return cache_spans(
+            self.views, self.layout, self.chunk_block_ids(self.end.chunk_blocks, index)
         )
-        if not base:
-            return spans
-        shift = base - self.kv_base
-        return Spans(spans.offsets, spans.addrs + shift, spans.lengths, spans.nbytes)
+
+    def peer_spans(self, index: int) -> Spans:
+        """Where chunk ``index`` lies in the sender's cache (its map and block ids)."""
+        assert self.peer_map is not None
+        blocks = self.end.chunk_blocks
+        ids = self.peer_ids[index * blocks : (index + 1) * blocks]
+        return map_spans(self.peer_map, self.layout, ids)
 
     def chunk_checksum(self, index: int) -> int:
         """The checksum of chunk ``index`` packed, hashed in place (the direct path)."""
@@ -326,14 +336,14 @@ class BenchSide:
         server.release(rid)
         return {"complete": len(done) == count and bool(final and final.complete)}
 
-    def load_direct_peer(self, descriptor: str, base: str, ids: str) -> dict[str, Any]:
+    def load_direct_peer(self, descriptor: str, cmap: str, ids: str) -> dict[str, Any]:
         end = self.end
         if not end.direct:
             return {"error": f"no direct reads over {end.transport} from {self.device} memory"}
         if end.direct_peer is not None:
             end.node.plane.remove_peer(end.direct_peer)
         end.direct_peer = end.node.plane.add_peer(bytes.fromhex(descriptor))
-        self.peer_base = int(base)
+        self.peer_map = msgspec.msgpack.decode(bytes.fromhex(cmap), type=CacheMap)
         self.peer_ids = np.asarray([int(i) for i in ids.split(",")], dtype=np.int64)
         return {"ok": True}
 
@@ -347,10 +357,7 @@ class BenchSide:
         """
         end = self.end
         assert end.direct_peer is not None, "direct-peer first"
-        plans = [
-            direct_plan(self.chunk_spans(i, self.peer_ids, self.peer_base), self.chunk_spans(i))
-            for i in range(count)
-        ]
+        plans = [direct_plan(self.peer_spans(i), self.chunk_spans(i)) for i in range(count)]
         pending = []
         for start in range(0, count, batch):
             group = range(start, min(start + batch, count))

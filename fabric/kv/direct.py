@@ -31,27 +31,32 @@ CPU memory only for the checksums (addresses are read in place).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import xxhash
 
 from fabric.errors import LayoutError
-from fabric.kv.layout import KVLayout
-from fabric.kv.pack import _block_ids, copy_plan
+from fabric.kv.layout import KVLayout, SegmentTable, segment_table
+from fabric.kv.pack import _block_ids, copy_plan, table_plan
 
 if TYPE_CHECKING:
     from fabric.kv.layout import KVCaches
     from fabric.kv.pack import BlockIds
 
 __all__ = [
+    "CacheMap",
     "DirectPlan",
     "Spans",
+    "cache_map",
     "cache_regions",
     "cache_spans",
     "checksum_spans",
     "direct_plan",
+    "map_spans",
 ]
 
 
@@ -113,11 +118,64 @@ def cache_spans(kv_caches: KVCaches, layout: KVLayout, block_ids: BlockIds) -> S
     addresses; the layout is checked as for a pack)."""
     ids = _block_ids(block_ids, layout)
     chunk, cache, lengths = copy_plan(kv_caches, layout, ids, 0)
+    return _sorted_spans(chunk, cache, lengths, layout.chunk_nbytes(len(ids)))
+
+
+def _sorted_spans(chunk: np.ndarray, cache: np.ndarray, lengths: np.ndarray, nbytes: int) -> Spans:
     order = np.argsort(chunk, kind="stable")
-    nbytes = layout.chunk_nbytes(len(ids))
     spans = Spans(chunk[order], cache[order], lengths[order], nbytes)
     _check_tiles(spans)
     return spans
+
+
+class CacheMap(msgspec.Struct, array_like=True, frozen=True):
+    """Where a cache's blocks are, for a peer that reads them: row ``p`` (layer
+    ``p // segments``, segment ``p % segments``) of block ``b`` is
+    ``segment_bytes`` at ``bases[p] + b * block_strides[p]``, for
+    ``0 <= b < num_blocks``. Sent once per connection; the reader computes
+    the chunk's addresses itself (:func:`map_spans`)."""
+
+    bases: list[int]
+    block_strides: list[int]
+    segment_bytes: int
+    num_blocks: int
+
+
+def cache_map(kv_caches: KVCaches, layout: KVLayout) -> CacheMap:
+    """This cache's :class:`CacheMap` (the layout checked as for a pack)."""
+    from fabric.kv.layout import LayoutKind, named_layers
+
+    table = segment_table(kv_caches, layout)
+    first = named_layers(kv_caches)[0][1]
+    num_blocks = int(first.shape[1] if layout.kind is LayoutKind.FLASH else first.shape[0])
+    return CacheMap(
+        table.bases.tolist(), table.block_strides.tolist(), table.segment_bytes, num_blocks
+    )
+
+
+def map_spans(cmap: CacheMap, layout: KVLayout, block_ids: BlockIds) -> Spans:
+    """:func:`cache_spans` of a peer's cache described by ``cmap``; refuses a
+    map that does not fit ``layout`` and block ids outside it."""
+    rows = layout.num_layers * layout.segments
+    if (
+        len(cmap.bases) != rows
+        or len(cmap.block_strides) != rows
+        or cmap.segment_bytes != layout.segment_bytes
+        or cmap.num_blocks <= 0
+        or min(cmap.block_strides, default=0) < cmap.segment_bytes
+    ):
+        raise LayoutError("the peer's cache map does not fit this layout")
+    try:
+        ids = _block_ids(block_ids, dataclasses.replace(layout, num_blocks=cmap.num_blocks))
+    except LayoutError as exc:
+        raise LayoutError(f"block ids outside the peer's cache: {exc}") from exc
+    table = SegmentTable(
+        np.asarray(cmap.bases, dtype=np.int64),
+        np.asarray(cmap.block_strides, dtype=np.int64),
+        cmap.segment_bytes,
+    )
+    chunk, cache, lengths = table_plan(table, ids, 0)
+    return _sorted_spans(chunk, cache, lengths, layout.chunk_nbytes(len(ids)))
 
 
 def direct_plan(src: Spans, dst: Spans) -> DirectPlan:

@@ -41,7 +41,7 @@ import xxhash
 from fabric.errors import ChecksumMismatch, ConfigError, LayoutError
 from fabric.kv import verify as kv_verify
 from fabric.kv.cuda import kernels_for
-from fabric.kv.layout import KVLayout, LayoutKind, named_layers, segment_table
+from fabric.kv.layout import KVLayout, LayoutKind, SegmentTable, named_layers, segment_table
 from fabric.kv.verify import hash_range_while_copying, hash_while_copying, split_at_pieces
 
 if TYPE_CHECKING:
@@ -407,7 +407,13 @@ def copy_plan(
 
     Consecutive block ids are one copy when blocks are back to back in memory.
     """
-    table = segment_table(kv_caches, layout)
+    return table_plan(segment_table(kv_caches, layout), ids, chunk_addr)
+
+
+def table_plan(
+    table: SegmentTable, ids: np.ndarray, chunk_addr: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`copy_plan` of a cache described by ``table`` (ids already checked)."""
     runs = _runs(ids, coalesce=table.blocks_adjacent)
     seg, rows = table.segment_bytes, np.arange(len(table.bases), dtype=np.int64)[:, None]
     chunk = chunk_addr + (rows * runs.num_blocks + runs.chunk_pos) * seg

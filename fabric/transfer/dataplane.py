@@ -270,6 +270,7 @@ class LoopbackDataPlane(DataPlane):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._notifs: deque[tuple[str, bytes]] = deque()
+        self.regions: list[tuple[int, int]] = []
         with self._registry_lock:
             if name in self._registry:
                 raise TransportFailed(f"loopback plane {name!r} exists")
@@ -309,6 +310,31 @@ class LoopbackDataPlane(DataPlane):
             ticket.end()
         if notif:
             target._notifs.append((self.name, notif))
+        return DoneWrite()
+
+    def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
+        if device != "cpu":
+            raise TransportFailed("loopback plane moves host memory only")
+        if nbytes <= 0:
+            raise TransportFailed(f"cannot register {nbytes} bytes")
+        self.regions.append((base_address, nbytes))
+
+    def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
+        source = self._registry.get(peer)
+        if source is None:
+            raise TransportFailed(f"loopback peer {peer!r} is gone")
+        rows = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+        if not spans_within(
+            rows[:, 0], rows[:, 2], [(self.pool_base, self.pool_nbytes), *self.regions]
+        ):
+            raise TransportFailed("a read lands outside this process's registered memory")
+        remote = [(source.pool_base, source.pool_nbytes), *source.regions]
+        if not spans_within(rows[:, 1], rows[:, 2], remote):
+            raise TransportFailed(f"a read takes bytes outside what {peer!r} registered")
+        for local, far, nbytes in rows.tolist():
+            ctypes.memmove(local, far, nbytes)
+        if notif:
+            source._notifs.append((self.name, notif))
         return DoneWrite()
 
     def take_notifs(self) -> list[tuple[str, bytes]]:

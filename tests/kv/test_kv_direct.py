@@ -131,3 +131,37 @@ def test_cache_regions_merge_layers_of_one_allocation(make_caches: MakeCaches) -
     whole = torch.zeros(3 * apart[0].numel(), dtype=apart[0].dtype)
     shared = list(whole.view(3, *apart[0].shape).unbind(0))
     assert cache_regions(shared) == [(whole.data_ptr(), whole.untyped_storage().nbytes())]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_peers_cache_map_gives_the_same_spans(make_caches: MakeCaches, kind: LayoutKind) -> None:
+    import msgspec
+
+    from fabric.kv.direct import CacheMap, cache_map, map_spans
+
+    caches = make_caches(kind, num_layers=3)
+    layout = KVLayout.from_tensors(caches)
+    wire = msgspec.msgpack.encode(cache_map(caches, layout))
+    got = map_spans(msgspec.msgpack.decode(wire, type=CacheMap), layout, SRC_IDS)
+    want = cache_spans(caches, layout, SRC_IDS)
+    for name in ("offsets", "addrs", "lengths"):
+        assert np.array_equal(getattr(got, name), getattr(want, name))
+    assert got.nbytes == want.nbytes
+
+
+def test_a_cache_map_that_does_not_fit_or_ids_outside_it_are_refused(
+    make_caches: MakeCaches,
+) -> None:
+    from fabric.kv.direct import cache_map, map_spans
+
+    caches = make_caches(LayoutKind.FLASH, num_layers=3, num_blocks=12)
+    layout = KVLayout.from_tensors(caches)
+    cmap = cache_map(caches, layout)
+    assert cmap.num_blocks == 12
+    with pytest.raises(LayoutError, match="outside"):
+        map_spans(cmap, layout, [3, 12])
+    with pytest.raises(LayoutError, match="outside"):
+        map_spans(cmap, layout, [-1])
+    other = KVLayout.from_tensors(make_caches(LayoutKind.FLASH, num_layers=2))
+    with pytest.raises(LayoutError, match="does not fit"):
+        map_spans(cmap, other, [1])

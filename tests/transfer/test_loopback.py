@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fabric.errors import ConfigError, ReservationRefused, TransferTimeout
+from fabric.errors import ConfigError, ReservationRefused, TransferTimeout, TransportFailed
 from fabric.store import ChunkStore, StoreConfig
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
@@ -294,3 +294,33 @@ def test_a_reload_that_finds_the_receiver_restarted_writes_nothing_there(
             assert bytes(pool.slot_view(theirs)) != bytes(source.slot_view(mine))
     finally:
         restarted.close()
+
+
+def test_loopback_reads_registered_memory_and_refuses_the_rest() -> None:
+    """The in-process fake of a direct read (NIXL's is in test_direct_read.py)."""
+    import numpy as np
+    import torch
+
+    from fabric.transfer.dataplane import LoopbackDataPlane
+
+    a, b = LoopbackDataPlane("read-a"), LoopbackDataPlane("read-b")
+    pool_a, pool_b = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    src = torch.arange(256, dtype=torch.int32).view(torch.uint8)[:256].clone()
+    dst = torch.zeros(256, dtype=torch.uint8)
+    try:
+        a.register_pool(pool_a.data_ptr(), 64)
+        b.register_pool(pool_b.data_ptr(), 64)
+        a.register_region(dst.data_ptr(), 256)
+        b.register_region(src.data_ptr(), 256)
+        peer = a.add_peer(b.descriptor())
+        rows = np.array([[dst.data_ptr() + 8, src.data_ptr() + 100, 50]], dtype=np.int64)
+        a.post_read(peer, rows, b"read").poll()
+        assert torch.equal(dst[8:58], src[100:150]) and int(dst[:8].sum()) == 0
+        assert b.take_notifs() == [("read-a", b"read")]
+        with pytest.raises(TransportFailed, match="outside what"):
+            a.post_read(peer, np.array([[dst.data_ptr(), src.data_ptr() + 250, 8]]))
+        with pytest.raises(TransportFailed, match="registered memory"):
+            a.post_read(peer, np.array([[dst.data_ptr() + 250, src.data_ptr(), 8]]))
+    finally:
+        a.close()
+        b.close()
