@@ -216,10 +216,17 @@ def measure_point(suite: Suite, point: SweepPoint, run: SweepRun) -> dict[str, A
     return row
 
 
+TIE = 0.05
+"""Medians closer than this (relative) are a tie: fabric keeps the staged path."""
+
+
 def faster_path(paths: dict[str, Any]) -> str | None:
     """fabric's path with the higher median GB/s at a point: "staged" (full)
-    or "direct"; the only one measured when the other was not; None if neither."""
+    or "direct", "tie" within :data:`TIE`; the only one measured when the
+    other was not; None if neither."""
     have = {name: paths[key]["gbps"] for key, name in FABRIC_PATHS.items() if key in paths}
+    if len(have) == 2 and abs(have["staged"] - have["direct"]) <= TIE * max(have.values()):
+        return "tie"
     return max(have, key=lambda name: have[name]) if have else None
 
 
@@ -337,7 +344,8 @@ def headline(result: dict[str, Any], point: SweepPoint | None) -> dict[str, Any]
     chosen = faster_path(row["paths"])
     out["faster_256"] = chosen
     if chosen is not None:
-        key = next(k for k, v in FABRIC_PATHS.items() if v == chosen)
+        # NOTE: a tie keeps the staged path, the one the connector runs
+        key = next((k for k, v in FABRIC_PATHS.items() if v == chosen), "full")
         out["faster_vs_page_256"] = ratio(key, g.get("page"))
     out["push_vs_raw_256"] = ratio("push", g.get("raw"))
     for name in ("full", "direct", "raw", "page", "push", "memcpy"):

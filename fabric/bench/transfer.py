@@ -33,10 +33,10 @@ import datetime
 import itertools
 import json
 import os
-import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -70,14 +70,27 @@ class Receiver:
         self.hello = self.read()
 
     def read(self, drive: Callable[[], object] | None = None) -> dict[str, Any]:
-        """The child's next answer; ``drive()`` every ms until it comes (this
-        side's NIXL agent answers the reader's connection, as a server's
-        steady polling would)."""
+        """The child's next answer; with ``drive``, called every ms from a
+        thread until it comes (this side's NIXL agent answers the reader's
+        connection and takes its notifications, as a server's steady polling
+        would)."""
         assert self.proc.stdout is not None
-        if drive is not None:
-            while not select.select([self.proc.stdout], [], [], 1e-3)[0]:
-                drive()
-        line = self.proc.stdout.readline()
+        if drive is None:
+            line = self.proc.stdout.readline()
+        else:
+            stop = threading.Event()
+
+            def driving() -> None:
+                while not stop.wait(1e-3):
+                    drive()
+
+            driver = threading.Thread(target=driving, name="bench-drive", daemon=True)
+            driver.start()
+            try:
+                line = self.proc.stdout.readline()
+            finally:
+                stop.set()
+                driver.join()
         if not line:
             raise RuntimeError(f"benchmark receiver exited with {self.proc.wait()}")
         return dict(json.loads(line))

@@ -147,9 +147,11 @@ class Lines:
         return bool(data)
 
     def poll(self) -> str | None:
-        """The next line if one is there, else None at once."""
+        """The next line if one is there, else None at once (EOFError at the end)."""
         line = self._take()
-        if line is None and select.select([self.fd], [], [], 0)[0] and self._read():
+        if line is None and select.select([self.fd], [], [], 0)[0]:
+            if not self._read():
+                raise EOFError("the sender closed the pipe")
             line = self._take()
         return line
 
@@ -364,7 +366,9 @@ class BenchSide:
             rows = np.concatenate(
                 [np.stack([plans[i].dst, plans[i].src, plans[i].lengths], axis=1) for i in group]
             )
-            pending.append((end.node.plane.post_read(end.direct_peer, rows), group))
+            # NOTE: the sender learns its blocks were read from the READ's notification
+            handle = end.node.plane.post_read(end.direct_peer, rows, b"direct-read")
+            pending.append((handle, group))
         sums: list[int] | None = None
         landed: list[int] = []
         bad: list[int] = []
@@ -379,8 +383,10 @@ class BenchSide:
                     continue
                 entry[0].release()
                 pending.remove(entry)
-                failed = state is XferState.ERR
-                landed.extend(entry[1])
+                if state is XferState.ERR:
+                    failed = True
+                else:
+                    landed.extend(entry[1])
             if sums is not None:
                 for i in landed:
                     if checksum_spans(plans[i].dst, plans[i].lengths) == sums[i]:
@@ -390,6 +396,8 @@ class BenchSide:
                 landed.clear()
             else:
                 time.sleep(0)
+        for handle, _ in pending:  # NOTE: nothing may land after the answer
+            handle.abort()
         if sums is None:  # NOTE: keep the pipe in step
             lines.get()
         return {"complete": verified == count, "bad": bad, "failed": failed}

@@ -90,7 +90,7 @@ class DirectPlan:
         if not 0 <= lo <= hi <= self.nbytes:
             raise ValueError(f"range {lo}..{hi} is outside the chunk's {self.nbytes} bytes")
         ends = self.offsets + self.lengths
-        keep = (ends > lo) & (self.offsets < hi)
+        keep = (ends > lo) & (self.offsets < hi) & (lo < hi)
         off, ln = self.offsets[keep], self.lengths[keep]
         start = np.maximum(off, lo)
         skip = start - off
@@ -102,6 +102,8 @@ class DirectPlan:
         if not 0 <= first <= stop <= layout.num_layers:
             raise ValueError(f"layers {first}..{stop} of {layout.num_layers}")
         per_layer = layout.segments * num_blocks * layout.segment_bytes
+        if per_layer * layout.num_layers != self.nbytes:
+            raise ValueError(f"a {num_blocks}-block chunk is not this plan's {self.nbytes} bytes")
         return self.between(first * per_layer, stop * per_layer)
 
     def descriptors(self, side: str, device_id: int = 0) -> np.ndarray:
@@ -139,6 +141,9 @@ class CacheMap(msgspec.Struct, array_like=True, frozen=True):
     block_strides: list[int]
     segment_bytes: int
     num_blocks: int
+    fingerprint: str
+    """The cache's :meth:`~fabric.kv.layout.KVLayout.fingerprint`: dtype, heads,
+    block size, kind, TP rank..., which equal byte sizes do not show."""
 
 
 def cache_map(kv_caches: KVCaches, layout: KVLayout) -> CacheMap:
@@ -149,7 +154,11 @@ def cache_map(kv_caches: KVCaches, layout: KVLayout) -> CacheMap:
     first = named_layers(kv_caches)[0][1]
     num_blocks = int(first.shape[1] if layout.kind is LayoutKind.FLASH else first.shape[0])
     return CacheMap(
-        table.bases.tolist(), table.block_strides.tolist(), table.segment_bytes, num_blocks
+        table.bases.tolist(),
+        table.block_strides.tolist(),
+        table.segment_bytes,
+        num_blocks,
+        layout.fingerprint(),
     )
 
 
@@ -158,7 +167,8 @@ def map_spans(cmap: CacheMap, layout: KVLayout, block_ids: BlockIds) -> Spans:
     map that does not fit ``layout`` and block ids outside it."""
     rows = layout.num_layers * layout.segments
     if (
-        len(cmap.bases) != rows
+        cmap.fingerprint != layout.fingerprint()
+        or len(cmap.bases) != rows
         or len(cmap.block_strides) != rows
         or cmap.segment_bytes != layout.segment_bytes
         or cmap.num_blocks <= 0
@@ -169,17 +179,24 @@ def map_spans(cmap: CacheMap, layout: KVLayout, block_ids: BlockIds) -> Spans:
         ids = _block_ids(block_ids, dataclasses.replace(layout, num_blocks=cmap.num_blocks))
     except LayoutError as exc:
         raise LayoutError(f"block ids outside the peer's cache: {exc}") from exc
-    table = SegmentTable(
-        np.asarray(cmap.bases, dtype=np.int64),
-        np.asarray(cmap.block_strides, dtype=np.int64),
-        cmap.segment_bytes,
-    )
+    try:
+        table = SegmentTable(
+            np.asarray(cmap.bases, dtype=np.int64),
+            np.asarray(cmap.block_strides, dtype=np.int64),
+            cmap.segment_bytes,
+        )
+    except OverflowError as exc:
+        raise LayoutError(f"the peer's cache map has addresses out of range: {exc}") from exc
+    if (table.bases < 0).any():
+        raise LayoutError("the peer's cache map has negative addresses")
     chunk, cache, lengths = table_plan(table, ids, 0)
     return _sorted_spans(chunk, cache, lengths, layout.chunk_nbytes(len(ids)))
 
 
 def direct_plan(src: Spans, dst: Spans) -> DirectPlan:
     """Pair two caches' pieces of one chunk (see the module docstring)."""
+    _check_tiles(src)
+    _check_tiles(dst)
     if src.nbytes != dst.nbytes:
         raise LayoutError(
             f"the source chunk has {src.nbytes} bytes and the destination {dst.nbytes}"
@@ -254,10 +271,14 @@ def cache_regions(kv_caches: KVCaches) -> list[tuple[int, int]]:
 def _check_tiles(spans: Spans) -> None:
     """The pieces cover ``0 .. nbytes`` exactly once (a plan relies on it)."""
     ends = spans.offsets + spans.lengths
-    ok = len(spans.offsets) == 0 or (
-        spans.offsets[0] == 0
-        and ends[-1] == spans.nbytes
-        and bool(np.all(spans.offsets[1:] == ends[:-1]))
-    )
+    if not len(spans.offsets):
+        ok = spans.nbytes == 0
+    else:
+        ok = bool(
+            spans.offsets[0] == 0
+            and ends[-1] == spans.nbytes
+            and np.all(spans.offsets[1:] == ends[:-1])
+            and np.all(spans.lengths > 0)
+        )
     if not ok:
         raise LayoutError("the chunk's pieces do not tile it (a layout this plan cannot pair)")

@@ -234,10 +234,13 @@ def spans_within(
     table = np.asarray(sorted(regions), dtype=np.int64).reshape(-1, 2)
     addrs = np.asarray(addrs, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
+    if (table[:, 1] <= 0).any():
+        return False
     at = np.searchsorted(table[:, 0], addrs, side="right") - 1
     ok = (lengths > 0) & (at >= 0)
     at = np.maximum(at, 0)
-    ok &= addrs + lengths <= table[at, 0] + table[at, 1]
+    # NOTE: no addr + length (it can wrap): the span's room left in its region
+    ok &= lengths <= table[at, 0] + table[at, 1] - addrs
     return bool(ok.all())
 
 
@@ -313,6 +316,8 @@ class LoopbackDataPlane(DataPlane):
         return DoneWrite()
 
     def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
+        if not self.pool_nbytes:
+            raise TransportFailed("register the pool before any other region")
         if device != "cpu":
             raise TransportFailed("loopback plane moves host memory only")
         if nbytes <= 0:

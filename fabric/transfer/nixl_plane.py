@@ -152,6 +152,18 @@ class NixlDataPlane(DataPlane):
         self._reg = reg
 
     def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
+        """See :meth:`DataPlane.register_region`.
+
+        NOTE: the trust boundary. NIXL does not limit a registration to
+        reads: every agent that loaded this plane's descriptor can READ and
+        WRITE all of a registered region, as it can the pool. Register a
+        cache only on a plane whose descriptor goes to peers that passed
+        fabric's Hello (signed beyond loopback); a peer's own checks
+        (:func:`~fabric.transfer.dataplane.spans_within`) protect it, not
+        the side being read.
+        """
+        if not self.pool_nbytes:
+            raise TransportFailed("register the pool before any other region")
         mem_type = "VRAM" if device.startswith("cuda") else "DRAM"
         device_id = int(device.partition(":")[2] or 0) if mem_type == "VRAM" else 0
         if nbytes <= 0:
@@ -167,11 +179,14 @@ class NixlDataPlane(DataPlane):
         if any(base < base_address + nbytes and base_address < base + n for base, n in regions):
             raise TransportFailed("the region overlaps memory already registered")
         with self.lock:
-            reg = self.agent.register_memory([(base_address, nbytes, device_id, "")], mem_type)
-        if reg is None:
-            raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
-        self._region_regs.append(reg)
-        self._regions.append((base_address, nbytes))
+            try:
+                reg = self.agent.register_memory([(base_address, nbytes, device_id, "")], mem_type)
+            except Exception as exc:
+                raise TransportFailed(f"NIXL refused to register {nbytes} bytes: {exc}") from exc
+            if reg is None:
+                raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
+            self._region_regs.append(reg)
+            self._regions.append((base_address, nbytes))
 
     def descriptor(self) -> bytes:
         with self.lock:

@@ -165,3 +165,31 @@ def test_a_cache_map_that_does_not_fit_or_ids_outside_it_are_refused(
     other = KVLayout.from_tensors(make_caches(LayoutKind.FLASH, num_layers=2))
     with pytest.raises(LayoutError, match="does not fit"):
         map_spans(cmap, other, [1])
+
+
+def test_empty_or_zero_pieces_and_empty_ranges_are_refused_or_empty(
+    make_caches: MakeCaches,
+) -> None:
+    from fabric.kv.direct import Spans
+
+    src = make_caches(LayoutKind.FLASH, num_layers=2)
+    layout = KVLayout.from_tensors(src)
+    full = cache_spans(src, layout, SRC_IDS)
+    none = np.zeros(0, dtype=np.int64)
+    with pytest.raises(LayoutError, match="tile"):
+        direct_plan(Spans(none, none, none, full.nbytes), full)
+    plan = direct_plan(full, full)
+    assert len(plan.between(5, 5)) == 0  # NOTE: not a zero-length piece
+    with pytest.raises(ValueError, match="not this plan"):
+        plan.layers(layout, len(SRC_IDS) + 1, 0, 1)
+
+
+def test_a_peer_of_another_dtype_with_the_same_sizes_is_refused(make_caches: MakeCaches) -> None:
+    from fabric.kv.direct import cache_map, map_spans
+
+    bf16 = make_caches(LayoutKind.FLASH, torch.bfloat16)
+    fp16 = make_caches(LayoutKind.FLASH, torch.float16)
+    ours = KVLayout.from_tensors(bf16)
+    assert ours.segment_bytes == KVLayout.from_tensors(fp16).segment_bytes
+    with pytest.raises(LayoutError, match="does not fit"):
+        map_spans(cache_map(fp16, KVLayout.from_tensors(fp16)), ours, [1])

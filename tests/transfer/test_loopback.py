@@ -308,6 +308,8 @@ def test_loopback_reads_registered_memory_and_refuses_the_rest() -> None:
     src = torch.arange(256, dtype=torch.int32).view(torch.uint8)[:256].clone()
     dst = torch.zeros(256, dtype=torch.uint8)
     try:
+        with pytest.raises(TransportFailed, match="pool before"):
+            a.register_region(dst.data_ptr(), 256)
         a.register_pool(pool_a.data_ptr(), 64)
         b.register_pool(pool_b.data_ptr(), 64)
         a.register_region(dst.data_ptr(), 256)
@@ -324,3 +326,21 @@ def test_loopback_reads_registered_memory_and_refuses_the_rest() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_spans_within_refuses_wrapping_zero_and_straddling_spans() -> None:
+    import numpy as np
+
+    from fabric.transfer.dataplane import spans_within
+
+    base, n = 1 << 20, 4096
+    regions = [(base, n)]
+
+    def inside(addr: int, length: int) -> bool:
+        return spans_within(np.array([addr]), np.array([length]), regions)
+
+    assert inside(base, n) and inside(base + 16, n - 16)
+    assert not inside(base + 16, 2**63 - base)  # NOTE: addr + length would wrap
+    assert not inside(base, 0) and not inside(base, -1)
+    assert not inside(base + n - 8, 16) and not inside(base - 8, 16)
+    assert not spans_within(np.array([base]), np.array([8]), [(base, 0)])
