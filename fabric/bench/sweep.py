@@ -16,9 +16,10 @@ processes each way of :mod:`fabric.bench.transfer` and reports, per path:
 ``direct`` is fabric's direct path (the receiver reads the sender's
 blocks into its own and verifies them, :mod:`fabric.kv.direct`), measured
 over NIXL from host memory; each row says which of fabric's two paths,
-staged (``full``) or direct, was ``faster`` there, and the headline does
-the same at its point. NOTE: the vLLM connector runs the staged path; the
-direct path is measured here, not yet used by the connector.
+staged (``full``) or direct, was ``faster`` there (or a ``tie``, within
+:data:`TIE`), and the headline does the same at its point. NOTE: the
+vLLM connector runs the staged path; the direct path is measured here,
+not yet used by the connector.
 ``push`` here runs until the receiver verified every chunk. raw, page and
 memcpy do not involve fabric's transport: a TCP point shares them with the
 NIXL point of the same settings (``shared_baselines``). Each suite also
