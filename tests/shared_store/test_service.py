@@ -381,3 +381,15 @@ def test_a_fetch_whose_lease_ran_out_in_the_queue_is_not_pushed(make) -> None:
     assert stats["service_fetch_expired"] == 1 and stats["service_fetch_pushes"] == 0
     assert stats["holds"] == 0 and stats["tables.store_referenced_slots"] == 0
     assert b.node.server.wait("f-late", timeout=0.3) is None  # no reservation ever came
+
+
+def test_an_idle_store_wakes_a_few_times_a_second_not_hundreds(make) -> None:
+    """It runs beside the host's engines, each on one core: nothing
+    outstanding, its loop sleeps until a control message (at most
+    IDLE_POLL_MS). A count, not a time: a busy box only makes it wake less."""
+    from fabric.shared_store.service import IDLE_POLL_MS
+    from tests.transfer.patterns import loop_wakeups
+
+    service = make("service", "tcp")
+    steps = loop_wakeups(service.server)
+    assert 0 < steps <= 1000 / IDLE_POLL_MS + 10  # NOTE: 5 ms polls: ~200
