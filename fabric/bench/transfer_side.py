@@ -363,9 +363,7 @@ class BenchSide:
         pending = []
         for start in range(0, count, batch):
             group = range(start, min(start + batch, count))
-            rows = np.concatenate(
-                [np.stack([plans[i].dst, plans[i].src, plans[i].lengths], axis=1) for i in group]
-            )
+            rows = np.concatenate([plans[i].read_rows() for i in group])
             # NOTE: the sender learns its blocks were read from the READ's notification
             handle = end.node.plane.post_read(end.direct_peer, rows, b"direct-read")
             pending.append((handle, group))

@@ -106,28 +106,18 @@ class DirectPlan:
             raise ValueError(f"a {num_blocks}-block chunk is not this plan's {self.nbytes} bytes")
         return self.between(first * per_layer, stop * per_layer)
 
-    def descriptors(self, side: str, device_id: int = 0) -> np.ndarray:
-        """Nx3 uint64 (address, nbytes, device) rows of ``side`` ("src"/"dst")."""
-        out = np.empty((len(self), 3), dtype=np.uint64)
-        out[:, 0] = self.src if side == "src" else self.dst
-        out[:, 1] = self.lengths
-        out[:, 2] = device_id
-        return out
+    def read_rows(self) -> np.ndarray:
+        """Nx3 (destination, source, nbytes) rows: what the destination's
+        :meth:`~fabric.transfer.dataplane.DataPlane.post_read` takes."""
+        return np.stack([self.dst, self.src, self.lengths], axis=1)
 
 
 def cache_spans(kv_caches: KVCaches, layout: KVLayout, block_ids: BlockIds) -> Spans:
     """Where the chunk of ``block_ids`` lies in ``kv_caches`` (CPU or device
     addresses; the layout is checked as for a pack)."""
     ids = _block_ids(block_ids, layout)
-    chunk, cache, lengths = copy_plan(kv_caches, layout, ids, 0)
-    return _sorted_spans(chunk, cache, lengths, layout.chunk_nbytes(len(ids)))
-
-
-def _sorted_spans(chunk: np.ndarray, cache: np.ndarray, lengths: np.ndarray, nbytes: int) -> Spans:
-    order = np.argsort(chunk, kind="stable")
-    spans = Spans(chunk[order], cache[order], lengths[order], nbytes)
-    _check_tiles(spans)
-    return spans
+    # NOTE: a copy plan is in chunk order already (row by row, runs ascending)
+    return Spans(*copy_plan(kv_caches, layout, ids, 0), layout.chunk_nbytes(len(ids)))
 
 
 class CacheMap(msgspec.Struct, array_like=True, frozen=True):
@@ -148,16 +138,12 @@ class CacheMap(msgspec.Struct, array_like=True, frozen=True):
 
 def cache_map(kv_caches: KVCaches, layout: KVLayout) -> CacheMap:
     """This cache's :class:`CacheMap` (the layout checked as for a pack)."""
-    from fabric.kv.layout import LayoutKind, named_layers
-
     table = segment_table(kv_caches, layout)
-    first = named_layers(kv_caches)[0][1]
-    num_blocks = int(first.shape[1] if layout.kind is LayoutKind.FLASH else first.shape[0])
     return CacheMap(
         table.bases.tolist(),
         table.block_strides.tolist(),
         table.segment_bytes,
-        num_blocks,
+        layout.num_blocks,
         layout.fingerprint(),
     )
 
@@ -189,8 +175,7 @@ def map_spans(cmap: CacheMap, layout: KVLayout, block_ids: BlockIds) -> Spans:
         raise LayoutError(f"the peer's cache map has addresses out of range: {exc}") from exc
     if (table.bases < 0).any():
         raise LayoutError("the peer's cache map has negative addresses")
-    chunk, cache, lengths = table_plan(table, ids, 0)
-    return _sorted_spans(chunk, cache, lengths, layout.chunk_nbytes(len(ids)))
+    return Spans(*table_plan(table, ids, 0), layout.chunk_nbytes(len(ids)))
 
 
 def direct_plan(src: Spans, dst: Spans) -> DirectPlan:

@@ -135,6 +135,7 @@ class DataPlane(ABC):
         self.name = name
         self.pool_base = 0
         self.pool_nbytes = 0
+        self.regions: list[tuple[int, int]] = []
         self.write_guard: WriteGuard | None = None
 
     def set_write_guard(self, guard: WriteGuard | None) -> None:
@@ -190,7 +191,21 @@ class DataPlane(ABC):
         """Register memory beyond the pool (a paged KV cache) for direct
         transfers (:meth:`post_read`); peers learn of it from the
         descriptor, so register before describing this plane."""
+        if not self.pool_nbytes:
+            raise TransportFailed("register the pool before any other region")
+        if nbytes <= 0:
+            raise TransportFailed(f"cannot register {nbytes} bytes")
+        if any(b < base_address + nbytes and base_address < b + n for b, n in self.registered()):
+            raise TransportFailed("the region overlaps memory already registered")
+        self._register_region(base_address, nbytes, device)
+        self.regions.append((base_address, nbytes))
+
+    def _register_region(self, base_address: int, nbytes: int, device: str) -> None:
         raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
+
+    def registered(self) -> list[tuple[int, int]]:
+        """The pool and every region, as (base, nbytes)."""
+        return [(self.pool_base, self.pool_nbytes), *self.regions]
 
     def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
         """Start reading ``spans`` from ``peer``: Nx3 rows (local address,
@@ -198,6 +213,18 @@ class DataPlane(ABC):
         side; ``poll()`` says when every byte arrived. ``notif`` reaches the
         peer after the read."""
         raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
+
+    def check_read(
+        self, peer: str, spans: np.ndarray, remote: Sequence[tuple[int, int]]
+    ) -> np.ndarray:
+        """``spans`` as Nx3 int64 rows, refused unless each lands in this
+        plane's registered memory and takes bytes from ``peer``'s (``remote``)."""
+        rows = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+        if not spans_within(rows[:, 0], rows[:, 2], self.registered()):
+            raise TransportFailed("a read lands outside this process's registered memory")
+        if not spans_within(rows[:, 1], rows[:, 2], remote):
+            raise TransportFailed(f"a read takes bytes outside what {peer!r} registered")
+        return rows
 
     @abstractmethod
     def take_notifs(self) -> list[tuple[str, bytes]]:
@@ -273,7 +300,6 @@ class LoopbackDataPlane(DataPlane):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._notifs: deque[tuple[str, bytes]] = deque()
-        self.regions: list[tuple[int, int]] = []
         with self._registry_lock:
             if name in self._registry:
                 raise TransportFailed(f"loopback plane {name!r} exists")
@@ -315,27 +341,15 @@ class LoopbackDataPlane(DataPlane):
             target._notifs.append((self.name, notif))
         return DoneWrite()
 
-    def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
-        if not self.pool_nbytes:
-            raise TransportFailed("register the pool before any other region")
+    def _register_region(self, base_address: int, nbytes: int, device: str) -> None:
         if device != "cpu":
             raise TransportFailed("loopback plane moves host memory only")
-        if nbytes <= 0:
-            raise TransportFailed(f"cannot register {nbytes} bytes")
-        self.regions.append((base_address, nbytes))
 
     def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
         source = self._registry.get(peer)
         if source is None:
             raise TransportFailed(f"loopback peer {peer!r} is gone")
-        rows = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
-        if not spans_within(
-            rows[:, 0], rows[:, 2], [(self.pool_base, self.pool_nbytes), *self.regions]
-        ):
-            raise TransportFailed("a read lands outside this process's registered memory")
-        remote = [(source.pool_base, source.pool_nbytes), *source.regions]
-        if not spans_within(rows[:, 1], rows[:, 2], remote):
-            raise TransportFailed(f"a read takes bytes outside what {peer!r} registered")
+        rows = self.check_read(peer, spans, source.registered())
         for local, far, nbytes in rows.tolist():
             ctypes.memmove(local, far, nbytes)
         if notif:

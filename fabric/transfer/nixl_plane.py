@@ -41,7 +41,6 @@ from fabric.transfer.dataplane import (
     WriteFence,
     WriteHandle,
     XferState,
-    spans_within,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,7 +132,6 @@ class NixlDataPlane(DataPlane):
         self._mem_type = "DRAM"
         self._device_id = 0
         self._reg: Any = None
-        self._regions: list[tuple[int, int]] = []
         self._region_regs: list[Any] = []
         self._peers: dict[str, NixlDescriptor] = {}
         # Handles dropped unfinished (appended from any thread, released under the lock).
@@ -151,23 +149,17 @@ class NixlDataPlane(DataPlane):
             raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
         self._reg = reg
 
-    def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
-        """See :meth:`DataPlane.register_region`.
-
-        NOTE: the trust boundary. NIXL does not limit a registration to
+    def _register_region(self, base_address: int, nbytes: int, device: str) -> None:
+        """NOTE: the trust boundary. NIXL does not limit a registration to
         reads: every agent that loaded this plane's descriptor can READ and
         WRITE all of a registered region, as it can the pool. Register a
         cache only on a plane whose descriptor goes to peers that passed
         fabric's Hello (signed beyond loopback); a peer's own checks
-        (:func:`~fabric.transfer.dataplane.spans_within`) protect it, not
-        the side being read.
+        (:meth:`~fabric.transfer.dataplane.DataPlane.check_read`) protect
+        it, not the side being read.
         """
-        if not self.pool_nbytes:
-            raise TransportFailed("register the pool before any other region")
         mem_type = "VRAM" if device.startswith("cuda") else "DRAM"
         device_id = int(device.partition(":")[2] or 0) if mem_type == "VRAM" else 0
-        if nbytes <= 0:
-            raise TransportFailed(f"cannot register {nbytes} bytes")
         if (mem_type, device_id) != (self._mem_type, self._device_id):
             # NOTE: one memory kind per transfer side; a cache on a GPU beside
             # a host pool is not supported by the direct path yet
@@ -175,9 +167,6 @@ class NixlDataPlane(DataPlane):
                 f"direct transfers need the cache ({device}) in the pool's memory "
                 f"({self._mem_type} {self._device_id})"
             )
-        regions = [(self.pool_base, self.pool_nbytes), *self._regions]
-        if any(base < base_address + nbytes and base_address < base + n for base, n in regions):
-            raise TransportFailed("the region overlaps memory already registered")
         with self.lock:
             try:
                 reg = self.agent.register_memory([(base_address, nbytes, device_id, "")], mem_type)
@@ -186,7 +175,6 @@ class NixlDataPlane(DataPlane):
             if reg is None:
                 raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
             self._region_regs.append(reg)
-            self._regions.append((base_address, nbytes))
 
     def descriptor(self) -> bytes:
         with self.lock:
@@ -197,7 +185,7 @@ class NixlDataPlane(DataPlane):
             self.pool_nbytes,
             self._mem_type,
             self._device_id,
-            list(self._regions),
+            list(self.regions),
         )
         return msgspec.msgpack.encode(info)
 
@@ -233,13 +221,7 @@ class NixlDataPlane(DataPlane):
 
     def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
         info = self._peer(peer)
-        rows = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
-        local_regions = [(self.pool_base, self.pool_nbytes), *self._regions]
-        remote_regions = [(info.pool_base, info.pool_nbytes), *info.regions]
-        if not spans_within(rows[:, 0], rows[:, 2], local_regions):
-            raise TransportFailed("a read lands outside this process's registered memory")
-        if not spans_within(rows[:, 1], rows[:, 2], remote_regions):
-            raise TransportFailed(f"a read takes bytes outside what {peer!r} registered")
+        rows = self.check_read(peer, spans, [(info.pool_base, info.pool_nbytes), *info.regions])
         local = np.empty((len(rows), 3), dtype=np.uint64)
         remote = np.empty((len(rows), 3), dtype=np.uint64)
         local[:, 0], remote[:, 0] = rows[:, 0], rows[:, 1]
@@ -334,7 +316,7 @@ class NixlDataPlane(DataPlane):
             for reg in self._region_regs:
                 self.agent.deregister_memory(reg)
             self._region_regs.clear()
-            self._regions.clear()
+            self.regions.clear()
 
 
 def _disconnected(exc: Exception) -> bool:

@@ -102,10 +102,6 @@ def reader(
     return dst, name, plan
 
 
-def rows(plan: DirectPlan) -> np.ndarray:
-    return np.stack([plan.dst, plan.src, plan.lengths], axis=1)
-
-
 def finish(handle: object, timeout: float = 20.0) -> XferState:
     deadline = time.monotonic() + timeout
     while (state := handle.poll()) is XferState.PROC:  # type: ignore[attr-defined]
@@ -118,7 +114,7 @@ def finish(handle: object, timeout: float = 20.0) -> XferState:
 def test_read_lands_the_prefillers_blocks_and_verifies(peer: Peer, plane: NixlDataPlane) -> None:
     dst, name, plan = reader(peer, plane)
 
-    assert finish(plane.post_read(name, rows(plan))) is XferState.DONE
+    assert finish(plane.post_read(name, plan.read_rows())) is XferState.DONE
     assert checksum_spans(plan.dst, plan.lengths) == peer.hello["checksum"]
     src = cache(5)  # NOTE: the peer's bytes, regenerated from its seed
     layout = KVLayout.from_tensors(src)
@@ -138,7 +134,7 @@ def test_a_source_changed_after_hashing_fails_verification(
     _dst, name, plan = reader(peer, plane)
     hashed = peer.hello["checksum"]
     changed = peer.ask("flip")["checksum"]  # NOTE: e.g. a block reused before the read
-    assert finish(plane.post_read(name, rows(plan))) is XferState.DONE
+    assert finish(plane.post_read(name, plan.read_rows())) is XferState.DONE
     got = checksum_spans(plan.dst, plan.lengths)
     assert got == changed != hashed
 
@@ -146,25 +142,25 @@ def test_a_source_changed_after_hashing_fails_verification(
 def test_reads_outside_registered_memory_are_refused(peer: Peer, plane: NixlDataPlane) -> None:
     dst, name, plan = reader(peer, plane, register=False)
     with pytest.raises(TransportFailed, match="this process's registered memory"):
-        plane.post_read(name, rows(plan))  # NOTE: the local cache is not registered
+        plane.post_read(name, plan.read_rows())  # NOTE: the local cache is not registered
     for base, nbytes in cache_regions(dst):
         plane.register_region(base, nbytes)
-    beyond = rows(plan).copy()
+    beyond = plan.read_rows().copy()
     beyond[-1, 1] += 1 << 30
     with pytest.raises(TransportFailed, match="outside what"):
         plane.post_read(name, beyond)
     with pytest.raises(PeerDisconnected):
-        plane.post_read("nobody", rows(plan))
+        plane.post_read("nobody", plan.read_rows())
     with pytest.raises(TransportFailed, match="overlaps"):
         plane.register_region(*cache_regions(dst)[0])
 
 
 def test_a_dead_prefiller_ends_the_read_with_an_error(peer: Peer, plane: NixlDataPlane) -> None:
     _dst, name, plan = reader(peer, plane)
-    assert finish(plane.post_read(name, rows(plan))) is XferState.DONE  # NOTE: connected
+    assert finish(plane.post_read(name, plan.read_rows())) is XferState.DONE  # NOTE: connected
     peer.stop()
     try:
-        state = finish(plane.post_read(name, rows(plan)))
+        state = finish(plane.post_read(name, plan.read_rows()))
     except TransportFailed as exc:  # NOTE: refused at post: as good as an error
         assert "outside" not in str(exc) and "registered memory" not in str(exc)
         return
