@@ -79,6 +79,7 @@ from fabric.transfer.dataplane import Segment, WriteFence, WriteHandle, XferStat
 from fabric.transfer.faults import FaultInjector
 
 if TYPE_CHECKING:
+    from fabric.kv.direct import CacheMap
     from fabric.store import ChunkStore
     from fabric.transfer.config import TransferConfig
     from fabric.transfer.dataplane import DataPlane
@@ -754,6 +755,40 @@ class PeerLink:
             self.cancel(request_id)
             raise
         return res
+
+    def offer(
+        self,
+        res: RemoteReservation,
+        index: int,
+        block_ids: Sequence[int],
+        checksum: int,
+        cache: CacheMap,
+    ) -> None:
+        """Offer chunk ``index`` for the receiver to READ from this process's
+        cache (direct reads): ``block_ids`` hold it, final, and ``checksum``
+        is its checksum. Returns once the receiver read it (the blocks may
+        be reused from then on); raises ``ReservationRefused`` when it will
+        not or could not (a failed or timed-out read, a lease gone),
+        ``PeerUnreachable`` when no answer came within the control timeout
+        (a read may still be running then: the receiver verifies what it
+        read, so the blocks may be reused, but not trusted to have moved)."""
+        self._post_check(res.request_id)
+        msg = proto.Offer(
+            next(self._seq),
+            res.request_id,
+            index,
+            res.generations[index],
+            checksum,
+            list(block_ids),
+            cache,
+        )
+        reply = self._call_known(msg)
+        if isinstance(reply, proto.Refused):
+            raise ReservationRefused(f"{reply.code}: {reply.reason}")
+        if not isinstance(reply, proto.Ack) or reply.request_id != res.request_id:
+            raise ProtocolError(f"bad reply to Offer: {type(reply).__name__}")
+        if not reply.ok:
+            raise ReservationRefused(f"chunk {index} of {res.request_id} was not read")
 
     def ping(self) -> bool:
         """Whether the receiver answers a control call on this link at all (a

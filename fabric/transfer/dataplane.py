@@ -129,6 +129,8 @@ class DataPlane(ABC):
 
     kind: ClassVar[str]
     fences_writes: ClassVar[bool] = False
+    reads: ClassVar[bool] = False
+    """Whether :meth:`post_read` works (NIXL, loopback)."""
     """Whether writes into this plane pass its :class:`WriteGuard` first."""
 
     def __init__(self, name: str) -> None:
@@ -294,6 +296,7 @@ class LoopbackDataPlane(DataPlane):
 
     kind = "loopback"
     fences_writes = True
+    reads = True
     _registry: ClassVar[dict[str, LoopbackDataPlane]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 

@@ -106,6 +106,7 @@ class NixlDataPlane(DataPlane):
     """Data plane over a NIXL agent with the UCX backend."""
 
     kind = "nixl"
+    reads = True
 
     def __init__(
         self, name: str, *, progress_thread: bool = False, ucx_net_devices: str | None = None

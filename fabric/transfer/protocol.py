@@ -50,6 +50,7 @@ from typing import Annotated
 import msgspec
 
 from fabric.errors import ProtocolError, ReplayError, SignatureError
+from fabric.kv.direct import CacheMap
 
 # NOTE: Lookup, Pin and Fetch gained a trailing ``identity`` (default b""):
 # an older peer's frames still decode, as requests of the base identity.
@@ -147,6 +148,7 @@ class Refusal(enum.StrEnum):
     BUSY = "busy"  # its queue is full: nothing was done, ask again later
     CLOSING = "closing"  # the server is closing
     INTERNAL_ERROR = "internal_error"  # serving it raised
+    READ_FAILED = "read_failed"  # an offered chunk's READ failed, timed out or was ended
 
 
 class Refused(msgspec.Struct, tag="refused", array_like=True, frozen=True):
@@ -208,6 +210,24 @@ class WritePart(msgspec.Struct, tag="write_part", array_like=True, frozen=True):
     index: Index
     generation: Count
     layers: Count
+
+
+class Offer(msgspec.Struct, tag="offer", array_like=True, frozen=True):
+    """Sender -> receiver (direct reads): chunk ``index`` of a reservation is
+    final in the sender's paged cache, in blocks ``block_ids`` of the cache
+    ``cache`` describes; ``checksum`` is the xxh3-64 of its bytes in chunk
+    order (the packed chunk's). The receiver READs them into the chunk's
+    slot (reserved at ``generation``) and verifies them as a written chunk;
+    it answers (``Ack``, or ``Refused``) once the read ended, so the sender
+    keeps the blocks until then. A receiver that does not read refuses it."""
+
+    seq: int
+    request_id: RequestId
+    index: Index
+    generation: Count
+    checksum: U64
+    block_ids: Annotated[list[Index], msgspec.Meta(max_length=1 << 16)]
+    cache: CacheMap
 
 
 class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
@@ -372,6 +392,7 @@ Message = (
     | Ack
     | WriteDone
     | WritePart
+    | Offer
     | Lookup
     | LookupResult
     | Release

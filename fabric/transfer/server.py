@@ -90,19 +90,24 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
 import zmq
 
 from fabric.errors import (
     CapacityError,
     ChecksumMismatch,
+    FabricError,
+    LayoutError,
     ProtocolError,
     ReservationExpired,
     SignatureError,
     SlotStateError,
 )
+from fabric.kv.direct import Spans, direct_plan, map_spans
 from fabric.threads import thread as named_thread
 from fabric.transfer import protocol as proto
 from fabric.transfer.addresses import bind_host, warn_if_insecure
+from fabric.transfer.dataplane import XferState
 from fabric.transfer.faults import FaultInjector
 from fabric.transfer.fence import StoreWriteGuard, check_quarantine
 from fabric.transfer.offload import BUSY, CLOSING, Offload
@@ -118,10 +123,11 @@ from fabric.transfer.tier_requests import (
 )
 
 if TYPE_CHECKING:
+    from fabric.kv import KVLayout
     from fabric.store import ChunkStore
     from fabric.store.tier import TieredStore
     from fabric.transfer.config import TransferConfig
-    from fabric.transfer.dataplane import DataPlane
+    from fabric.transfer.dataplane import DataPlane, WriteHandle
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -161,6 +167,19 @@ CMA or RDMA), a write that starts in a quiet spell is progressed at that
 rate too: set ``quiet_poll_interval_ms`` to ``poll_interval_ms`` there."""
 MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
 PRUNE_PREFILLS_S = 1.0  # how often the notes are pruned
+
+
+@dataclasses.dataclass(eq=False)
+class _Read:
+    """A chunk this receiver READs from its sender's cache (an ``Offer``):
+    answered to ``identity`` once ``handle`` ended; ``slot`` is held as
+    being written (``store.begin_write``) until then."""
+
+    identity: bytes
+    offer: proto.Offer
+    slot: int
+    handle: WriteHandle
+    started: float
 
 
 class TransferServer:
@@ -244,6 +263,9 @@ class TransferServer:
         self.close_timeout_s = close_timeout_s
         self._cond = threading.Condition()
         self._verify_q: queue.Queue[proto.WriteDone | None] = queue.Queue()
+        self._read_layout: KVLayout | None = None  # set: Offers are read (enable_reads)
+        self._reads: list[_Read] = []  # the loop's: READs of offered chunks in flight
+        self._reads_ending: set[str] = set()  # transfers whose READs the loop aborts next
         self._stop = threading.Event()
         self._warned: dict[str, float] = {}
         self._loop = named_thread(self._run, name="fabric-server")
@@ -258,6 +280,14 @@ class TransferServer:
         self._verifier.start()
         serve_in_process(self)
         return self
+
+    def enable_reads(self, layout: KVLayout) -> None:
+        """Serve ``Offer``s: READ offered chunks from the sender's cache (of
+        ``layout``, this engine's own) into their slots. Without it an
+        Offer is refused."""
+        if not self.plane.reads:
+            raise FabricError(f"{self.plane.kind}: this data plane cannot read")
+        self._read_layout = layout
 
     # ------------------------------------------------------------ consumers
     def progress(self, request_id: str) -> RequestProgress | None:
@@ -367,6 +397,7 @@ class TransferServer:
         ``RELEASED_LINGER_S``, and a Reserve for a transfer that never came
         is refused for ``ABANDONED_LINGER_S``."""
         now = time.monotonic()
+        self._end_reads(request_id)
         with self._cond:
             if self._progress.pop(request_id, None) is None:
                 _remember(self._abandoned, request_id, now)
@@ -386,6 +417,7 @@ class TransferServer:
             sizes["server_abandoned"] = len(self._abandoned)
             sizes["server_refusals"] = len(self._refusals)
         sizes["server_peers"] = len(self._peer_seen)
+        sizes["server_reads"] = len(self._reads)
         sizes["server_offload"] = self._offload.pending()
         sizes["server_admin"] = self._admin.pending()
         sizes |= self.store.table_sizes()
@@ -483,6 +515,8 @@ class TransferServer:
         notifs = self.plane.take_notifs()
         for peer, msg in notifs:
             self._on_notif(peer, msg)
+        if self._reads or self._reads_ending:
+            self._progress_reads()
         now = time.monotonic()
         if notifs or self._sock in ready:
             self._came_at = now
@@ -538,6 +572,8 @@ class TransferServer:
             self.stats.disconnects += 1
 
     def _has_outstanding(self) -> bool:
+        if self._reads:
+            return True
         with self._cond:
             return any(not p.finished for p in self._progress.values())
 
@@ -617,8 +653,11 @@ class TransferServer:
         self._peer_seen[identity] = time.monotonic()
         if isinstance(msg, proto.Reserve):
             return self._on_reserve(msg)
+        if isinstance(msg, proto.Offer):
+            return self._on_offer(identity, msg)
         if isinstance(msg, proto.Cancel):
             self.stats.cancels += 1
+            self._end_reads(msg.request_id)
             self._forget(msg.request_id, expired=True)
             return proto.Ack(msg.seq, msg.request_id, self.store.cancel(msg.request_id))
         if isinstance(msg, proto.Heartbeat):
@@ -698,6 +737,139 @@ class TransferServer:
             list(res.already_present),
             msg.lease_ms,
         )
+
+    def _on_offer(self, identity: bytes, msg: proto.Offer) -> proto.Message | None:
+        """READ an offered chunk into its slot (answered once the read ended,
+        :meth:`_progress_reads`); Refused at once when there is nothing to
+        read it into or from. The slot is held as being written until the
+        read ended, so no lease's end frees it under the read."""
+        layout = self._read_layout
+        if layout is None:
+            return self._refuse_offer(msg, "this receiver does not read offered chunks")
+        rid, index = msg.request_id, msg.index
+        with self._cond:
+            prog = self._progress.get(rid)
+            waiting = (
+                prog is not None
+                and index in prog.expected
+                and not prog.finished
+                and index not in prog.landed | prog.filled | prog.failed | prog.streamed
+            )
+        if not waiting or any(
+            r.offer.request_id == rid and r.offer.index == index for r in self._reads
+        ):
+            return self._refuse_offer(msg, f"no chunk {index} of {rid!r} waits to be read")
+        res = self.store.reservation(rid)
+        if res is None or index >= len(res.slots) or res.generations[index] != msg.generation:
+            return self._refuse_offer(
+                msg, f"chunk {index} of {rid!r} is not reserved at that generation"
+            )
+        try:
+            src = map_spans(msg.cache, layout, msg.block_ids)
+        except LayoutError as exc:
+            return self._refuse_offer(msg, str(exc))
+        slot, nbytes = res.slots[index], res.nbytes[index]
+        if src.nbytes != nbytes:
+            return self._refuse_offer(
+                msg, f"the offered blocks hold {src.nbytes} bytes, chunk {index} has {nbytes}"
+            )
+        pool = self.store.pool
+        zero = np.zeros(1, dtype=np.int64)
+        dst = Spans(zero, zero + pool.base_address + pool.slot_offset(slot), zero + nbytes, nbytes)
+        try:
+            rows = direct_plan(src, dst).read_rows()
+            writing = self.store.begin_write(rid, [(slot, msg.generation)])
+        except (LayoutError, ReservationExpired, SlotStateError) as exc:
+            return self._refuse_offer(msg, str(exc))
+        try:
+            handle = self.plane.post_read(self._peers[identity], rows, b"")
+        except FabricError as exc:
+            self.store.end_write(writing)
+            self.stats.read_failures += 1
+            self._fail_chunk(rid, index)
+            return proto.Refused(
+                msg.seq, rid, proto.Refusal.READ_FAILED, str(exc)[:MAX_REASON_CHARS]
+            )
+        self._reads.append(_Read(identity, msg, slot, handle, time.monotonic()))
+        return None
+
+    def _refuse_offer(self, msg: proto.Offer, reason: str) -> proto.Refused:
+        self.stats.refused += 1
+        self.stats.offers_refused += 1
+        self._warn("offer", "refused an Offer of %s: %s", msg.request_id, reason)
+        return proto.Refused(
+            msg.seq, msg.request_id, proto.Refusal.BAD_REQUEST, reason[:MAX_REASON_CHARS]
+        )
+
+    def _progress_reads(self) -> None:
+        """Answer the offered chunks whose READ ended; abort those past
+        ``write_timeout_ms`` or whose transfer ended (:meth:`_end_reads`). A
+        chunk read is verified like a written one; a failed read fails its
+        chunk (its load then fails at once, and vLLM recomputes)."""
+        with self._cond:
+            ending, self._reads_ending = self._reads_ending, set()
+        now = time.monotonic()
+        limit = self.config.write_timeout_ms / 1000
+        running: list[_Read] = []
+        for read in self._reads:
+            rid, why = read.offer.request_id, ""
+            try:
+                state = read.handle.poll()
+            except Exception as exc:
+                state, why = XferState.ERR, f"{type(exc).__name__}: {exc}"
+            if state is XferState.PROC:
+                if rid not in ending and now - read.started <= limit:
+                    running.append(read)
+                    continue
+                why = "its transfer ended" if rid in ending else f"not done in {limit:.0f} s"
+                # NOTE: an abort that cannot promise no more bytes land leaves
+                # them to the slot's quarantine (the chunk is never filled)
+                read.handle.abort()
+                state = XferState.ERR
+            else:
+                read.handle.release()
+            self.store.end_write([read.slot])
+            self._read_ended(read, state is XferState.DONE, why or "the READ failed")
+        self._reads = running
+
+    def _read_ended(self, read: _Read, ok: bool, why: str) -> None:
+        offer = read.offer
+        if not ok:
+            self.stats.read_failures += 1
+            self._warn("read", "READ of %s chunk %d failed: %s", offer.request_id, offer.index, why)
+            self._fail_chunk(offer.request_id, offer.index)
+            reason = f"chunk {offer.index}: {why}"[:MAX_REASON_CHARS]
+            self._reply(
+                read.identity,
+                proto.Refused(offer.seq, offer.request_id, proto.Refusal.READ_FAILED, reason),
+            )
+            return
+        self.stats.chunks_read += 1
+        self.stats.bytes_read += self.store.slot_nbytes(read.slot)
+        # NOTE: the sender may reuse its blocks from here on: what it offered is here
+        self._reply(read.identity, proto.Ack(offer.seq, offer.request_id, True))
+        landed = proto.WriteDone(
+            offer.request_id, [offer.index], [offer.generation], [offer.checksum], [0]
+        )
+        with self._cond:
+            prog = self._progress.get(offer.request_id)
+            if prog is not None:
+                prog.landed.add(offer.index)
+                self._notify(offer.request_id)
+        self._verify_q.put(landed)
+
+    def _fail_chunk(self, request_id: str, index: int) -> None:
+        with self._cond:
+            prog = self._progress.get(request_id)
+            if prog is not None:
+                prog.failed.add(index)
+                self._notify(request_id)
+
+    def _end_reads(self, request_id: str) -> None:
+        """Abort the READs of ``request_id`` still running (its consumer
+        released it, or its sender cancelled it): the loop does it next."""
+        with self._cond:
+            self._reads_ending.add(request_id)
 
     def _refuse_reserve(self, msg: proto.Reserve, code: str, reason: str) -> proto.Refused:
         """Refuse ``msg``; a load waiting for its transfer is told at once."""
@@ -923,6 +1095,7 @@ class TransferServer:
                 self._notify(*gone)
 
     def _forget(self, request_id: str, *, expired: bool) -> None:
+        self._end_reads(request_id)
         with self._cond:
             prog = self._progress.pop(request_id, None)
             self._ended.pop(request_id, None)

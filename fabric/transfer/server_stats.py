@@ -30,7 +30,13 @@ class ServerStats:
     Reserves refused because the transfer's load had already ended (the
     consumer released it before its Reserve came). ``parts_landed``: layer
     groups of chunks notified as landed (``WritePart``) before their chunk's
-    ``WriteDone``.
+    ``WriteDone``. ``chunks_read`` / ``bytes_read``: offered chunks this
+    receiver READ from its sender's cache (direct reads; verified like
+    written chunks, in ``chunks_filled``); ``read_failures``: offered
+    chunks whose READ failed, timed out or was ended by its consumer;
+    ``offers_refused``: Offers refused (no such pending chunk, a stale
+    generation, a cache map that does not fit, a receiver that does not
+    read).
     """
 
     hellos: int = 0
@@ -56,3 +62,7 @@ class ServerStats:
     prefill_notes_late: int = 0
     reserves_late: int = 0
     parts_landed: int = 0
+    chunks_read: int = 0
+    bytes_read: int = 0
+    read_failures: int = 0
+    offers_refused: int = 0

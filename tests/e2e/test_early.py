@@ -9,6 +9,9 @@ default). Every answer must equal the colocated engine's, however the
 prefill ends: done, P killed mid-prefill (D recomputes once the proxy
 tells it), the client gone during the prefill (P and D drop it, D's
 blocks are free again), or D out of early budget (the sequential flow).
+The same through a prefiller with ``direct_reads`` (D READs each chunk out
+of its KV cache; vLLM keeps its blocks until D read them): done, client
+gone (P's held blocks are free again), P killed mid-read.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class Cluster:
                 "kv_transfer_config": kv_config("kv_producer"),
                 "extra_args": STEP_TOKENS,
             },
+            # NOTE: direct_reads: D reads each chunk out of this one's KV cache
+            "direct": {
+                "cpu_cores": "0",
+                "kv_transfer_config": kv_config("kv_producer", direct_reads=True),
+                "extra_args": STEP_TOKENS,
+            },
             "decode": {
                 "cpu_cores": "1",
                 "kv_transfer_config": kv_config("kv_consumer", kv_port=self.kv_port),
@@ -56,9 +65,9 @@ class Cluster:
         self.engines: dict[str, Engine] = engines.start_many(model_dir, specs)
         self.proxies: list[Proxy] = []
 
-    def proxy(self, **settings: Any) -> Proxy:
+    def proxy(self, prefill: str = "prefill", **settings: Any) -> Proxy:
         proxy = Proxy(
-            [self.engines["prefill"].base_url],
+            [self.engines[prefill].base_url],
             [(self.engines["decode"].base_url, self.kv_port)],
             **settings,
         )
@@ -157,49 +166,105 @@ def test_a_decoder_out_of_early_budget_takes_the_sequential_flow(cluster: Cluste
 
 def test_a_client_gone_during_the_prefill_frees_p_and_d(cluster: Cluster) -> None:
     proxy = cluster.proxy()
-    payload = json.dumps(body(prompt_ids(LONG, seed=5200)) | {"max_tokens": 200}).encode()
-    filled = cluster.d_stats()["server_chunks_filled"]
+    _leave_mid_prefill(cluster, proxy, "prefill", "server_chunks_filled", seed=5200)
+    assert proxy_counter(proxy, "client_disconnects") == 1
+
+
+def _leave_mid_prefill(
+    cluster: Cluster, proxy: Proxy, prefiller: str, landed: str, *, seed: int
+) -> None:
+    """Send a long prompt, leave once D's stat ``landed`` grew (some chunks
+    landed: P is mid-prefill), then P and D must drop it and free everything."""
+    payload = json.dumps(body(prompt_ids(LONG, seed=seed)) | {"max_tokens": 200}).encode()
+    before = cluster.d_stats()[landed]
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
     )
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as client:
         client.sendall(head.encode() + payload)
-        _wait_until(lambda: cluster.d_stats()["server_chunks_filled"] > filled)
-        # NOTE: some chunks landed on D: P is mid-prefill; the client leaves now
-    for name in ("prefill", "decode"):
+        _wait_until(lambda: cluster.d_stats()[landed] > before)
+    for name in (prefiller, "decode"):
         wait_idle(cluster.engines[name].base_url)
     assert cluster.d_stats()["reserved"] == 0
     _wait_until(lambda: _tables(proxy)["requests"] == 0 and _tables(proxy)["early_transfers"] == 0)
-    assert proxy_counter(proxy, "client_disconnects") == 1
 
 
 def _tables(proxy: Proxy) -> dict[str, int]:
     return dict(httpx.get(proxy.url("/fabric/status"), timeout=10).json()["tables"])
 
 
+def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cluster) -> None:
+    d_url, p_url = cluster.engines["decode"].base_url, cluster.engines["direct"].base_url
+    proxy = cluster.proxy("direct")
+    before_ok = metric(d_url, "vllm:fabric_loads_ok_total")
+    before_offered = metric(p_url, "vllm:fabric_chunks_offered_total")
+    before_held = metric(p_url, "vllm:fabric_holds_released_total")
+    before_failed = metric(d_url, "vllm:fabric_load_failures_total")
+    read = cluster.d_stats()["server_chunks_read"]
+    lengths = [300, 1300, LONG]
+    for i, n in enumerate(lengths):
+        prompt = prompt_ids(n, seed=5400 + i)
+        got = complete(proxy.url("/v1/completions"), body(prompt, stream=i % 2 == 1))
+        assert_same(got, cluster.want(prompt))
+    chunks = sum(-(-n // 256) for n in lengths)
+    assert metric(d_url, "vllm:fabric_loads_ok_total") - before_ok == len(lengths)
+    assert metric(d_url, "vllm:fabric_load_failures_total") == before_failed
+    assert cluster.d_stats()["server_chunks_read"] - read == chunks
+    assert metric(p_url, "vllm:fabric_chunks_offered_total") - before_offered == chunks
+    assert metric(p_url, "vllm:fabric_bytes_saved_total") == 0  # NOTE: nothing packed
+    # NOTE: vLLM kept each request's blocks until D read them, then freed them
+    wait_idle(p_url)
+    assert metric(p_url, "vllm:fabric_holds_released_total") - before_held == len(lengths)
+    assert proxy_counter(proxy, "fallbacks") == 0
+
+
+def test_a_client_gone_during_a_direct_prefill_frees_p_and_d(cluster: Cluster) -> None:
+    """D read some chunks out of P's cache; P's held blocks are free again too."""
+    proxy = cluster.proxy("direct")
+    _leave_mid_prefill(cluster, proxy, "direct", "server_chunks_read", seed=5500)
+    assert proxy_counter(proxy, "client_disconnects") == 1
+
+
+def test_direct_p_killed_mid_prefill_d_recomputes(cluster: Cluster) -> None:
+    """Kills the direct prefiller once D read some of the prompt's chunks out of it."""
+    proxy = cluster.proxy("direct")
+    _kill_mid_prefill(cluster, proxy, "direct", "server_chunks_read", seed=5600)
+    assert proxy_counter(proxy, "fallbacks") == 1
+    wait_idle(cluster.engines["decode"].base_url)
+    assert cluster.d_stats()["reserved"] == 0
+
+
 def test_p_killed_mid_prefill_d_recomputes_when_told(cluster: Cluster) -> None:
     """Runs last: it kills the prefiller once some of the prompt's chunks landed on D."""
     proxy = cluster.proxy()
-    prompt = prompt_ids(LONG, seed=5300)
+    _kill_mid_prefill(cluster, proxy, "prefill", "server_chunks_filled", seed=5300)
+    # NOTE: the load failed on the proxy's word, not on a bound running out
+    log = cluster.d_log()
+    assert re.search(r"the prefill of \S+ failed: prefill on p0: ", log), log[-3000:]
+    assert proxy_counter(proxy, "fallbacks") == 1
+
+
+def _kill_mid_prefill(
+    cluster: Cluster, proxy: Proxy, prefiller: str, landed: str, *, seed: int
+) -> None:
+    """SIGKILL ``prefiller`` once D's stat ``landed`` grew during a long
+    prompt's prefill; the answer must still equal the colocated engine's."""
+    prompt = prompt_ids(LONG, seed=seed)
     want = cluster.want(prompt)
-    filled = cluster.d_stats()["server_chunks_filled"]
+    before = cluster.d_stats()[landed]
     result: list[tuple[list[int], list[float]]] = []
     request = threading.Thread(
         target=lambda: result.append(complete(proxy.url("/v1/completions"), body(prompt)))
     )
     request.start()
-    _wait_until(lambda: cluster.d_stats()["server_chunks_filled"] > filled)
+    _wait_until(lambda: cluster.d_stats()[landed] > before)
     killed = time.monotonic()
-    cluster.engines["prefill"].process.stop(timeout=0)  # SIGKILL mid-prefill
+    cluster.engines[prefiller].process.stop(timeout=0)  # SIGKILL mid-prefill
     request.join(120)
     print(f"answer {time.monotonic() - killed:.1f} s after the kill")
     assert result, "the request did not finish"
     assert_same(result[0], want)
-    # NOTE: the load failed on the proxy's word, not on a bound running out
-    log = cluster.d_log()
-    assert re.search(r"the prefill of \S+ failed: prefill on p0: ", log), log[-3000:]
-    assert proxy_counter(proxy, "fallbacks") == 1
 
 
 def _wait_until(predicate: Any, timeout: float = 60.0) -> None:

@@ -120,7 +120,7 @@ def test_computed_full_chunks_are_saved_without_a_push() -> None:
     assert (plan.transfer_id, plan.endpoint, plan.chunk_blocks) == (None, None, [4, 4])
     assert len(plan.token_ids) == 2 * CT
     assert [(c.index, c.block_ids) for c in meta.packs] == [(0, blocks[:4]), (1, blocks[4:8])]
-    assert s.request_finished(req) is None  # save only: no kv_transfer_params
+    assert s.request_finished(req) == (False, None)  # save only: no kv_transfer_params
 
 
 def test_prefiller_with_a_store_hit_still_pushes_every_chunk() -> None:
@@ -134,7 +134,7 @@ def test_prefiller_with_a_store_hit_still_pushes_every_chunk() -> None:
     assert [p.transfer_id for p in meta.sends] == ["t1"]
     assert [c.index for c in meta.packs] == [0, 1, 2]  # chunk 0 comes from the store
     assert len(meta.local_loads) == 1
-    assert s.request_finished(req)["transfer_id"] == "t1"
+    assert s.request_finished(req)[1]["transfer_id"] == "t1"
 
 
 def test_remote_prefill_requests_never_ask_the_store() -> None:

@@ -86,7 +86,8 @@ def test_prefiller_saves_chunks_as_steps_complete_them() -> None:
     meta = s.build_connector_meta(Out([], cached, {"r1": 50}))
     assert meta.sends == []
     assert [(c.index, c.block_ids) for c in meta.packs] == [(1, blocks[4:8]), (2, blocks[8:10])]
-    params = s.request_finished(req)
+    hold, params = s.request_finished(req)
+    assert not hold  # NOTE: packed and pushed: vLLM frees the blocks at once
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -94,6 +95,37 @@ def test_prefiller_saves_chunks_as_steps_complete_them() -> None:
         "num_tokens": 150,
         "chunk_tokens": CT,
     }
+
+
+def test_direct_reads_hold_an_announced_pushs_blocks_and_only_those() -> None:
+    """vLLM keeps a finished request's blocks only while ``request_finished``
+    says so; a worker reports each held request sent exactly once, so the
+    scheduler holds exactly the pushes it announced (SendPlan.hold)."""
+    s = FabricScheduler(
+        ConnectorConfig(chunk_tokens=CT, direct_reads=True), BS, produce=True, consume=False
+    )
+    req = prefill_req(100)
+    s.update_state_after_alloc(req, [], 0)
+    meta = s.build_connector_meta(Out([NewReq("r1", (list(range(7)),), 0)], Cached(), {"r1": 100}))
+    assert [p.hold for p in meta.sends] == [True]
+    hold, params = s.request_finished(req)
+    assert hold and params is not None and params["transfer_id"] == "t1"
+    # never scheduled (aborted while waiting): no SendPlan reached a worker, no hold
+    waiting = Req("r2", list(range(100)), dict(prefill_req(1).kv_transfer_params or {}))
+    s.update_state_after_alloc(waiting, [], 0)
+    assert s.request_finished(waiting) == (False, None)
+    # finished before its last chunk was computed: still held (the worker saw it)
+    early = Req("r3", list(range(200)), dict(prefill_req(1).kv_transfer_params or {}))
+    s.update_state_after_alloc(early, [], 0)
+    s.build_connector_meta(Out([NewReq("r3", (list(range(13)),), 0)], Cached(), {"r3": 64}))
+    assert s.request_finished(early) == (True, None)
+    # a save-only request (no decoder) is never held
+    keep = Req("r4", list(range(128)))
+    tiered = FabricScheduler(
+        ConnectorConfig(chunk_tokens=CT, direct_reads=True), BS, produce=True, consume=False
+    )
+    tiered.update_state_after_alloc(keep, [], 0)
+    assert tiered.request_finished(keep) == (False, None)
 
 
 def test_preempted_prefill_continues_with_new_blocks() -> None:
@@ -112,7 +144,7 @@ def test_unfinished_push_returns_no_params() -> None:
     req = prefill_req(200)
     s.update_state_after_alloc(req, [], 0)
     s.build_connector_meta(Out([NewReq("r1", (list(range(13)),), 0)], Cached(), {"r1": 64}))
-    assert s.request_finished(req) is None
+    assert s.request_finished(req) == (False, None)
 
 
 def test_prefill_without_endpoint_pushes_nothing() -> None:

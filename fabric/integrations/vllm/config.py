@@ -43,6 +43,17 @@ class ConnectorConfig(Settings):
     forward to its decoder at once (the decoder unpacks it as it lands), so
     only the last group is left to write and unpack after the step; off: a
     chunk is written once packed whole.
+    ``direct_reads`` (a prefiller): its decoders READ each computed chunk
+    straight out of its KV cache into their own store, instead of it
+    packing the chunk and writing it; it only hashes the chunk in place, so
+    the copies run on the decoder's cores, not the prefill's. vLLM keeps a
+    finished request's blocks until every chunk was read (or its push
+    failed). Needs the ``nixl`` transport (or ``loopback``) and a KV cache
+    in host memory, and registers the whole KV cache with the data plane:
+    every peer that completed fabric's Hello with this engine can reach it
+    (sign the control channel beyond loopback). Chunks of pushed prompts are
+    then not packed into this engine's own store (no reuse here, nothing
+    saved to the shared store from them); layer groups do not apply to them.
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
@@ -96,6 +107,7 @@ class ConnectorConfig(Settings):
     pack_threads: PositiveInt = 1
     layer_groups: PositiveInt = 8
     layer_writes: bool = True
+    direct_reads: bool = False
     async_save: bool = True
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
@@ -129,6 +141,11 @@ class ConnectorConfig(Settings):
                 "waits; raise it with lookup_timeout_ms)"
             )
         self._check_secret()
+        if self.direct_reads and self.transport == "tcp":
+            raise ValueError(
+                "direct_reads: the tcp transport cannot read a peer's memory; use nixl "
+                "(or auto where nixl is installed)"
+            )
         advertised_host(self.host, self.advertise_host)
         check_exposure(self.host, self.resolved_secret(), self.insecure, "host")
         if self.shared_store is not None:

@@ -235,13 +235,17 @@ class FabricConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
-        return None, results.finished_recving or None
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         idle = self.has_connector_metadata() and self._fabric_meta().idle
         finished, failed = self._worker.get_results(finished_req_ids, idle=idle)
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=self._worker.take_sent(),
+            finished_recving=finished,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
@@ -316,7 +320,7 @@ class FabricConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return False, self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request)
 
     # ------------------------------------------------------------ stats
     @classmethod

@@ -27,6 +27,10 @@ COUNTERS = {
     "as they were unpacked: the slot verified whole and the chunk unpacked again",
     "parts_sent": "layer groups of chunks written to decoders while the forward pass still "
     "computed the later layers (before the chunk's last group)",
+    "chunks_offered": "chunks the decoder READ out of this engine's KV cache (direct_reads; "
+    "of chunks_sent)",
+    "holds_released": "requests whose KV blocks vLLM kept after they finished, for decoders "
+    "to read (direct_reads), handed back once their push was over",
     "tokens_loaded": "prompt tokens whose KV arrived over the fabric",
     "loads_ok": "requests whose KV arrived over the fabric",
     "load_failures": "requests whose KV did not arrive: recomputed locally (fallback)",

@@ -248,6 +248,11 @@ class Loader:
             "loader_failed": failed,
         }
 
+    @property
+    def busy(self) -> bool:
+        """Loads planned or active (``wait_results`` waits for them)."""
+        return bool(self._active) or not self._plans.empty()
+
     def wait_results(self, timeout: float) -> None:
         """Until a load ended (its result waits for ``take_results``), or
         ``timeout`` s passed; at once when none is planned or active."""

@@ -26,7 +26,9 @@ class SendPlan:
     Save only (reuse tier, ``endpoint`` None): they stay in this engine's
     store. ``chunk_blocks[i]`` is the number of vLLM blocks chunk ``i``
     covers (the last chunk may be short); ``token_ids`` are the prompt's,
-    for the keys, with the request's ``identity``.
+    for the keys, with the request's ``identity``. ``hold``: direct reads;
+    vLLM keeps the request's blocks after it finishes until this worker
+    reports it sent (``FabricWorker.take_sent``).
     """
 
     req_id: str
@@ -35,6 +37,7 @@ class SendPlan:
     token_ids: list[int]
     chunk_blocks: list[int]
     identity: KeyIdentity = BASE
+    hold: bool = False
 
 
 @dataclass

@@ -661,6 +661,7 @@ class FabricScheduler:
                     send.token_ids,
                     send.chunk_blocks,
                     send.identity,
+                    hold=self.config.direct_reads and send.transfer_id is not None,
                 )
             )
             send.announced = True
@@ -703,8 +704,19 @@ class FabricScheduler:
         self.counters.set_tables("scheduler", self.table_sizes())
 
     # ------------------------------------------------------------ finish
-    def request_finished(self, request: RequestLike) -> dict[str, Any] | None:
-        """The ``kv_transfer_params`` for the response (prefiller), or None."""
+    def request_finished(self, request: RequestLike) -> tuple[bool, dict[str, Any] | None]:
+        """Whether vLLM keeps the request's blocks (direct reads: its push was
+        announced to the workers, which report it sent once no decoder reads
+        them any more: ``vllm/v1/core/sched/scheduler.py:2714-2744`` delays
+        the free while this says so, :3233-3235 frees at the report), and the
+        ``kv_transfer_params`` for the response (prefiller), or None."""
+        send = self._sending.pop(request.request_id, None)
+        params = self._finished(request, send)
+        if send is None or send.transfer_id is None:
+            return False, params
+        return self.config.direct_reads and send.announced, params
+
+    def _finished(self, request: RequestLike, send: _Sending | None) -> dict[str, Any] | None:
         rid = request.request_id
         # NOTE: a claim not yet shipped (it ended in the step it came): none
         self._claims = [claim for claim in self._claims if claim.req_id != rid]
@@ -713,7 +725,6 @@ class FabricScheduler:
         self._attempted.discard(rid)
         self._identities.pop(rid, None)
         self._forget_lookup(rid)
-        send = self._sending.pop(rid, None)
         if send is None or send.transfer_id is None:
             return None
         if send.next_chunk < len(send.chunk_blocks):

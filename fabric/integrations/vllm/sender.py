@@ -116,6 +116,7 @@ from fabric.threads import thread as named_thread
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.counters import FabricCounters
+    from fabric.kv.direct import CacheMap
     from fabric.store import ChunkStore
     from fabric.transfer import PeerLink, PendingPush, RemoteReservation, TransferClient
 
@@ -337,12 +338,15 @@ class PushSender:
         stall_s: float = STALL_S,
         max_unsettled_s: float = MAX_UNSETTLED_S,
         name: str = "fabric-push",
+        cache: CacheMap | None = None,
+        on_over: Callable[[str], None] | None = None,
     ) -> None:
         self.client, self.store, self.counters = client, store, counters
         self.lease_ms, self.push_timeout_s = lease_ms, push_timeout_s
         self.names, self.prepare, self.backoff_s = names, prepare, backoff_s
         self.max_waiting, self.peer_idle_s, self.name = max_waiting, peer_idle_s, name
         self.stall_s, self.max_unsettled_s = stall_s, max_unsettled_s
+        self.cache, self.on_over = cache, on_over
         self._stalled: set[str] = set()  # endpoints stalled at the last tend (dispatcher's)
         self._events: queue.Queue[Event] = queue.Queue()
         self._jobs: dict[str, PushJob] = {}  # req_id -> its live job (for routing)
@@ -364,6 +368,12 @@ class PushSender:
     def chunk(self, req_id: str, index: int, slot: int) -> None:
         """Chunk ``index`` is packed in ``slot`` (a ref is held; we release it)."""
         self._events.put(("chunk", (req_id, index, slot)))
+
+    def offer(self, req_id: str, index: int, block_ids: list[int], checksum: int) -> None:
+        """Chunk ``index`` is final in this engine's cache blocks ``block_ids``
+        (held by vLLM until the request's push is over: ``on_over``), with
+        ``checksum``: offered to the receiver, which READs it (direct reads)."""
+        self._events.put(("offer", (req_id, index, block_ids, checksum)))
 
     def part(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
         """Chunk ``index``'s leading ``layers`` layers (its first ``nbytes``
@@ -446,7 +456,9 @@ class PushSender:
         with self._jobs_lock:
             job = self._jobs.get(str(rid))
         if job is None:  # failed at once, or over: nothing kept for it
-            if kind in ("part", "unpart"):
+            if kind == "finished":
+                self._over(str(rid))  # NOTE: no READ of its blocks is asked any more
+            if kind in ("part", "unpart", "offer", "finished"):
                 return
             if kind == "chunk":
                 assert isinstance(payload, tuple)
@@ -713,6 +725,8 @@ class PushSender:
             # goes whole, so D's digest of the part fails and it verifies anew
             if (part := job.parts.get(payload[1])) is not None:
                 part.void = True
+        elif kind == "offer":
+            self._offer(peer, job, *payload[1:])
         elif kind == "chunk":
             assert isinstance(payload[2], _SlotRef)
             slot = payload[2].take()
@@ -800,6 +814,34 @@ class PushSender:
             # NOTE: dead for a while and nothing in flight to it: keep no link
             # (nor its data-plane peer); the next push says Hello again.
             self.client.disconnect(peer.endpoint, link)
+
+    def _offer(
+        self, peer: _Peer, job: PushJob, index: int, block_ids: list[int], checksum: int
+    ) -> None:
+        """Offer chunk ``index`` (direct reads); the call returns once the
+        receiver read it, so this endpoint's thread waits that long (bounded
+        by the control timeout; the receiver reads one chunk in a few ms)."""
+        res = job.res
+        if job.dropped or job.failed or job.link is None or res is None:
+            return
+        if res.already_present[index]:
+            job.written += 1
+            self._count_sent(0, 0.0)
+            return
+        if self.cache is None:
+            raise FabricError("an offer reached a sender without a cache map")
+        started = time.monotonic()
+        try:
+            with peer.calling():
+                job.link.offer(res, index, block_ids, checksum, self.cache)
+        except FabricError as exc:
+            self._peer_failed(peer, exc, started=started, link=job.link)
+            self._fail(job, f"offer of chunk {index} failed: {exc}", peer)
+            return
+        job.written += 1
+        self._count_sent(res.nbytes[index], time.monotonic() - started)
+        self.counters.add(chunks_offered=1)
+        self._maybe_drop(peer, job)
 
     def _part(self, job: PushJob, index: int, slot: int, layers: int, nbytes: int) -> None:
         """Write what is packed of chunk ``index`` beyond what was written."""
@@ -997,6 +1039,17 @@ class PushSender:
         if job.link is not None:
             job.link.forget(job.transfer_id)
         peer.dropped += 1
+        self._over(job.req_id)
+
+    def _over(self, req_id: str) -> None:
+        """The push of ``req_id`` is over (or there is none): no read of its
+        blocks is asked from here on (``on_over``; called again harmlessly)."""
+        if self.on_over is not None:
+            try:
+                self.on_over(req_id)
+            except Exception:
+                self.counters.add(thread_errors=1)
+                logger.exception("%s: on_over(%s) failed", self.name, req_id)
 
     def _fail(
         self, job: PushJob, why: str, peer: _Peer | None = None, *, quiet: bool = False

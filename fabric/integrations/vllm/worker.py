@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -105,6 +106,7 @@ from fabric.integrations.vllm.loader import Loader, unpack_slot
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
 from fabric.kv import KVLayout, chunk_keys, layerwise, pack, pack_checksummed
+from fabric.kv.direct import CacheMap, cache_map, cache_regions, cache_spans, checksum_spans
 from fabric.kv.spans import chunk_spans
 from fabric.store import ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
@@ -206,6 +208,13 @@ class FabricWorker:
         self.layered: LayeredPacks | None = None
         self._sends_begun: FabricMetadata | None = None  # pack thread: the step begun early
         self._joined = False  # before_step joined the pack thread this step
+        # direct_reads: requests whose blocks vLLM keeps after they finish
+        # (``request_finished`` said so) until this rank reports them sent
+        self._cache_map: CacheMap | None = None
+        self._holds = threading.Condition()
+        self._holding: set[str] = set()  # held, not reported yet
+        self._held_over: set[str] = set()  # of those: no read of their blocks is asked any more
+        self._held_finished: set[str] = set()  # of those: vLLM finished them
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -259,6 +268,10 @@ class FabricWorker:
             f", serving on {self.node.endpoint}" if serve else "",
             self._tier_description(),
         )
+        if self.produce and self.config.direct_reads:
+            self._cache_map = self._register_cache(layout)
+        if self.consume and self.node.server is not None and self.node.plane.reads:
+            self.node.server.enable_reads(layout)
         if self.produce:
             self.sender = PushSender(
                 self.node.client,
@@ -266,6 +279,8 @@ class FabricWorker:
                 self.counters,
                 lease_ms=self.config.lease_ms,
                 push_timeout_s=self.config.push_timeout_s,
+                cache=self._cache_map,
+                on_over=self._push_over,
             )
         if self.config.shared_store is not None:
             self.shared = SharedSaver(
@@ -298,6 +313,27 @@ class FabricWorker:
             self.node.server.extra_stats.append(self.thread_health)
             self.node.server.extra_tables.append(self.own_table_sizes)
 
+    def _register_cache(self, layout: KVLayout) -> CacheMap:
+        """direct_reads: register the KV cache with the data plane (before
+        any Hello carries its descriptor) and describe it for readers."""
+        assert self.node is not None
+        plane = self.node.plane
+        devices = {str(t.device) for t in self.kv_caches}
+        if devices != {"cpu"}:
+            raise ConfigError(
+                f"direct_reads: the KV cache is on {', '.join(sorted(devices))}; decoders "
+                "read it directly only from host memory (for now)"
+            )
+        if not plane.reads:
+            raise ConfigError(f"direct_reads: the {plane.kind} transport cannot read a peer")
+        for base, nbytes in cache_regions(self._named_caches):
+            plane.register_region(base, nbytes)
+        logger.warning(
+            "fabric: direct_reads: this engine's KV cache is registered with its data plane; "
+            "every peer that completed fabric's Hello can read and write it"
+        )
+        return cache_map(self.kv_caches, layout)
+
     def threads_down(self) -> list[str]:
         """Names of the fabric threads of this worker that are no longer running."""
         owners = [self.loader, self.sender, self.shared.sender if self.shared else None]
@@ -311,7 +347,7 @@ class FabricWorker:
     def _setup_layered(self, layout: KVLayout) -> None:
         """Layer-wise packing with ``layer_groups`` > 1, where the cache allows it."""
         groups = self.config.layer_groups
-        if groups <= 1:
+        if groups <= 1 or (self.produce and self.config.direct_reads):
             return
         if (
             self.config.pack_threads != 1
@@ -359,6 +395,7 @@ class FabricWorker:
             "worker_shared_chunks": len(self._shared_chunks),
             "worker_load_errors": len(self._load_errors),
             "worker_packing": sum(not f.done() for f in list(self._packing)),
+            "worker_holding": len(self._holding),
         }
         if self.layered is not None:
             sizes |= self.layered.table_sizes()
@@ -453,6 +490,10 @@ class FabricWorker:
         # (this may run after the forward, with its layer groups being packed)
         if not self._joined:
             self.flush()
+        held = [plan.req_id for plan in meta.sends if plan.hold]
+        if held:  # NOTE: every step calls this, before its get_results
+            with self._holds:
+                self._holding.update(held)
         for rid in meta.releases:
             if self.tier is not None:
                 # NOTE: may run while the lookup it answers still reads from
@@ -754,8 +795,12 @@ class FabricWorker:
                 self._drop_packing(chunk.req_id)
 
     def _push_chunk(self, chunk: PackChunk, keys: list[bytes]) -> None:
-        """Pack a computed chunk (unless the store has it) and hand it to the push thread."""
+        """Pack a computed chunk (unless the store has it) and hand it to the
+        push thread; with direct_reads, hash it in place and offer it."""
         assert self.sender is not None
+        if self._cache_map is not None:
+            self._offer_chunk(chunk)
+            return
         key = keys[chunk.index]
         slots = self.store.acquire([key])  # packed before (same prefix): reuse it
         if not slots:
@@ -771,6 +816,18 @@ class FabricWorker:
         if slots:
             self.sender.chunk(chunk.req_id, chunk.index, slots[0])  # NOTE: it owns the ref now
             self._share(chunk.req_id, chunk.index, key)
+
+    def _offer_chunk(self, chunk: PackChunk) -> None:
+        """direct_reads: the chunk's checksum, taken in its blocks now that
+        they are final (this runs where a pack would: after the step that
+        computed it, before the next one writes a block), is offered with
+        the block ids; the decoder reads them and checks that checksum, so
+        blocks reused before it read them (a preemption, a push that gave
+        up) fail its load instead of landing as this prompt's KV."""
+        assert self.sender is not None and self.layout is not None
+        spans = cache_spans(self.kv_caches, self.layout, chunk.block_ids)
+        checksum = checksum_spans(spans.addrs, spans.lengths)
+        self.sender.offer(chunk.req_id, chunk.index, list(chunk.block_ids), checksum)
 
     def _pack_new(self, chunk: PackChunk, key: bytes) -> int:
         """Pack ``chunk`` into a new slot committed as ``key`` (finishing the
@@ -871,13 +928,55 @@ class FabricWorker:
             if self.loader is not None:
                 self.loader.finished(set(finished_req_ids))
         results: tuple[set[str], set[str]] = (set(), set())
+        if self._holding:
+            with self._holds:
+                self._held_finished.update(finished_req_ids & self._holding)
         if self.loader is not None:
             if idle and not finished_req_ids:
                 self.loader.wait_results(IDLE_STEP_WAIT_S)
             results = self.loader.take_results()
+        if idle and not finished_req_ids and self._held_finished:
+            if self.loader is not None and self.loader.busy:
+                pass  # NOTE: it waited for its loads above
+            else:
+                self._wait_holds()
+
         self.report_tables()
         self._joined = False  # NOTE: the step ends here; the next one joins again
         return results
+
+    def take_sent(self) -> set[str]:
+        """Held requests (direct_reads) vLLM finished whose push is over: vLLM
+        frees their blocks now (``finished_sending``; each reported once,
+        only after vLLM finished it: ``vllm/v1/core/sched/scheduler.py``
+        frees a request's blocks at :3233-3235 and asserts it finished)."""
+        if not self._held_finished:
+            return set()
+        with self._holds:
+            sent = self._held_finished & self._held_over
+            self._holding -= sent
+            self._held_over -= sent
+            self._held_finished -= sent
+        if sent:
+            self.counters.add(holds_released=len(sent))
+        return sent
+
+    def _wait_holds(self) -> None:
+        """A step without tokens while only held requests remain: vLLM steps
+        again at once (``vllm/v1/core/sched/scheduler.py:2813-2821`` keeps the
+        engine busy while a finished request's blocks are held), about a
+        thousand times a second; wait here for a push to end, at most
+        ``IDLE_STEP_WAIT_S``, so the engine's core goes to the readers."""
+        with self._holds:
+            if not self._held_finished & self._held_over:
+                self._holds.wait(IDLE_STEP_WAIT_S)
+
+    def _push_over(self, req_id: str) -> None:
+        """The sender: no read of ``req_id``'s blocks is asked any more."""
+        with self._holds:
+            if req_id in self._holding:
+                self._held_over.add(req_id)
+                self._holds.notify_all()
 
     def _forget(self, finished_req_ids: set[str]) -> None:
         if self.sender is not None and finished_req_ids:

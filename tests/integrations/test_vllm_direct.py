@@ -1,0 +1,201 @@
+"""direct_reads between two workers (no vLLM engine): the prefiller hashes
+each computed chunk in its blocks and offers it, the decoder READs it into
+its store and loads it as a pushed chunk; vLLM keeps the prefiller's blocks
+until its worker reports the request sent, exactly once.
+
+Loopback data plane, small CPU caches; vLLM's order of calls per step
+(``start_load_kv``, ``wait_for_save``, ``get_finished``) as in
+``vllm/v1/worker/kv_connector_model_runner_mixin.py:77-100``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fabric.errors import ConfigError
+from fabric.integrations.vllm import worker as worker_module
+from fabric.integrations.vllm.config import ConnectorConfig
+from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
+from fabric.integrations.vllm.scheduler import chunk_block_counts
+from fabric.integrations.vllm.worker import FabricWorker
+
+from .test_vllm_worker import BS, CT, tokens, wait_results, worker
+
+SRC = [7, 8, 9, 10, 30, 31, 1, 2, 3, 4]
+DST = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[FabricWorker, FabricWorker]]:
+    p = worker(produce=True, consume=False, seed=1, direct_reads=True)
+    d = worker(produce=False, consume=True, seed=2, load_timeout_s=3, unknown_transfer_grace_s=0.5)
+    yield p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def step(p: FabricWorker, meta: FabricMetadata, finished: set[str] | None = None) -> set[str]:
+    """One prefiller step in vLLM's order; what it reports sent."""
+    p.start_load(meta)
+    p.pack_step(meta)
+    p.before_step()  # NOTE: the next step's first hook joins the packing
+    p.get_results(finished or set())
+    return p.take_sent()
+
+
+def prefill(num_tokens: int, endpoint: str, *, hold: bool = True) -> FabricMetadata:
+    counts = chunk_block_counts(num_tokens, CT, BS)
+    packs, start = [], 0
+    for index, n in enumerate(counts):
+        packs.append(PackChunk("p-req", index, SRC[start : start + n]))
+        start += n
+    sends = [SendPlan("p-req", "t1", endpoint, tokens(num_tokens), counts, hold=hold)]
+    return FabricMetadata(sends=sends, packs=packs)
+
+
+def sent_within(p: FabricWorker, timeout: float = 10) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p.get_results(set())
+        sent = p.take_sent()
+        if sent:
+            return sent
+        time.sleep(0.01)
+    return set()
+
+
+def released(p: FabricWorker) -> set[str]:
+    """vLLM finished ``p-req`` (named in the next step): what is reported sent."""
+    return step(p, FabricMetadata(), {"p-req"}) or sent_within(p)
+
+
+@pytest.mark.parametrize("first_block", [0, 2, 5])
+def test_direct_reads_land_the_prefillers_kv_and_release_its_blocks_once(
+    pair: tuple[FabricWorker, FabricWorker], first_block: int
+) -> None:
+    p, d = pair
+    assert d.node is not None
+    num_tokens = 150  # chunks of 4, 4, 2 blocks
+    plan = LoadPlan("d-req", "t1", first_block, DST[first_block:], num_tokens, tokens(num_tokens))
+    d.start_load(FabricMetadata(loads=[plan]))  # NOTE: admitted at dispatch
+    assert step(p, prefill(num_tokens, d.node.endpoint)) == set()  # NOTE: not finished yet
+    assert wait_results(d) == ({"d-req"}, set())
+    src = SRC[: -(-num_tokens // BS)]
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        for b in range(first_block, len(src)):
+            assert torch.equal(d_layer[DST[b]], p_layer[src[b]]), b
+    assert p.store.stats().filled == 0  # NOTE: nothing packed on the prefiller
+    assert released(p) == {"p-req"}
+    assert step(p, FabricMetadata()) == set()  # NOTE: reported once
+    pc, dc = p.counters.take(), d.counters.take()
+    assert pc["chunks_offered"] == 3 and pc["holds_released"] == 1
+    assert dc["loads_ok"] == 1
+    assert d.node.server is not None and d.node.server.stats.chunks_read == 3
+    assert p.own_table_sizes()["worker_holding"] == 0
+
+
+def test_a_hold_is_reported_only_after_vllm_finished_the_request(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """vLLM asserts a request it is told sent has finished (it frees its
+    blocks): a push over before ``request_finished`` waits for it."""
+    p, d = pair
+    assert d.node is not None
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST[:4], 64, tokens(64))]))
+    step(p, prefill(64, d.node.endpoint))
+    assert wait_results(d) == ({"d-req"}, set())
+    time.sleep(0.2)
+    assert sent_within(p, timeout=0.3) == set()
+    assert released(p) == {"p-req"}
+
+
+def test_blocks_reused_before_the_read_fail_the_load_not_the_tokens(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block the prefiller's vLLM reused after the chunk was hashed (a
+    preemption, a hold given up) reaches the decoder changed: its checksum
+    fails, the load fails (vLLM recomputes), and the hold is still released."""
+    p, d = pair
+    assert d.node is not None
+    real = worker_module.checksum_spans
+
+    def then_reuse(*args: object, **kw: object) -> int:
+        checksum = real(*args, **kw)  # type: ignore[arg-type]
+        p.kv_caches[1][SRC[2]] += 1  # NOTE: another request writes the block now
+        return checksum
+
+    monkeypatch.setattr(worker_module, "checksum_spans", then_reuse)
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST[:4], 64, tokens(64))]))
+    step(p, prefill(64, d.node.endpoint))
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    assert d.node.server is not None and d.node.server.stats.checksum_failures == 1
+    assert released(p) == {"p-req"}
+
+
+def test_a_failed_push_and_an_early_finish_still_release_the_hold(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    p, d = pair
+    assert d.node is not None
+    # the decoder is gone: the Reserve fails, nothing is read
+    meta = prefill(64, "tcp://127.0.0.1:9")
+    step(p, meta)
+    assert released(p) == {"p-req"}
+    # finished after its first chunk of three: the push fails, the hold ends
+    d.start_load(FabricMetadata(loads=[LoadPlan("d2", "t1", 0, DST, 150, tokens(150))]))
+    meta = prefill(150, d.node.endpoint)
+    first = FabricMetadata(sends=meta.sends, packs=meta.packs[:1])
+    step(p, first)
+    assert released(p) == {"p-req"}
+    assert wait_results(d) == ({"d2"}, {"d2"})
+
+
+def test_a_request_not_held_is_never_reported_sent(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """vLLM frees an unheld request's blocks itself: naming it sent would
+    trip its assert (``scheduler.py:3233``)."""
+    p, d = pair
+    assert d.node is not None
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST[:4], 64, tokens(64))]))
+    step(p, prefill(64, d.node.endpoint, hold=False))
+    assert wait_results(d) == ({"d-req"}, set())
+    assert step(p, FabricMetadata(), {"p-req"}) == set()
+    assert sent_within(p, timeout=0.5) == set()
+
+
+def test_an_idle_step_waits_for_the_readers_instead_of_spinning(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """While only held requests remain vLLM steps without tokens back to back;
+    each such step waits for a push to end (at most ``IDLE_STEP_WAIT_S``)."""
+    p, _ = pair
+    step(p, prefill(64, "tcp://127.0.0.1:9"))
+    with p._holds:  # NOTE: a push still being read
+        p._held_finished.add("p-req")
+        over = set(p._held_over)
+        p._held_over.clear()
+    steps, start = 0, time.monotonic()
+    while time.monotonic() - start < 0.5:
+        p.get_results(set(), idle=True)
+        steps += 1
+    assert steps <= 0.5 / worker_module.IDLE_STEP_WAIT_S + 2
+    with p._holds:
+        p._held_over |= over | {"p-req"}
+    assert p.take_sent() == {"p-req"}
+
+
+def test_direct_reads_refuse_a_transport_that_cannot_read() -> None:
+    with pytest.raises(ValueError, match="direct_reads"):
+        ConnectorConfig.from_extra({"transport": "tcp", "direct_reads": True})
+    config = ConnectorConfig.from_extra({"transport": "loopback", "direct_reads": True})
+    assert config.direct_reads
+    with pytest.raises(ConfigError, match="host memory"):
+        w = FabricWorker(config, produce=True, consume=False, block_size=BS, model="tiny")
+        w.kv_caches = [torch.zeros(1, device="meta")]
+        w.node = worker(produce=True, consume=False, seed=3).node
+        w._register_cache(None)  # type: ignore[arg-type]
