@@ -124,7 +124,7 @@ class CacheMap(msgspec.Struct, array_like=True, frozen=True):
     """Where a cache's blocks are, for a peer that reads them: row ``p`` (layer
     ``p // segments``, segment ``p % segments``) of block ``b`` is
     ``segment_bytes`` at ``bases[p] + b * block_strides[p]``, for
-    ``0 <= b < num_blocks``. Sent once per connection; the reader computes
+    ``0 <= b < num_blocks``. Sent with each offered chunk; the reader computes
     the chunk's addresses itself (:func:`map_spans`)."""
 
     bases: list[int]

@@ -277,15 +277,17 @@ class PeerLink:
             raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
         return reply
 
-    def _call_known(self, msg: proto.Message) -> proto.Message:
+    def _call_known(
+        self, msg: proto.Message, tick: Callable[[], None] | None = None
+    ) -> proto.Message:
         """``_call`` for messages that need a Hello first: a receiver that
         forgot this link (idle past its ``peer_idle_s``, restarted on the
         same endpoint, or seeing a rebuilt socket) answers ``no_hello``; say
         Hello again and resend once."""
-        reply = self._call(msg)
+        reply = self._call(msg, tick)
         if isinstance(reply, proto.Refused) and reply.code == proto.Refusal.NO_HELLO:
             self._adopt(self._handshake())
-            reply = self._call(msg)
+            reply = self._call(msg, tick)
         return reply
 
     def _adopt(self, ack: proto.HelloAck) -> None:
@@ -302,16 +304,17 @@ class PeerLink:
                 self._forget_leases()
                 self.client.release_agent(old, self)
 
-    def _call(self, msg: proto.Message) -> proto.Message:
+    def _call(self, msg: proto.Message, tick: Callable[[], None] | None = None) -> proto.Message:
         """Send ``msg`` and wait for the reply with its ``seq``; PeerUnreachable
-        (socket rebuilt) when none comes within ``control_timeout_ms``."""
+        (socket rebuilt) when none comes within ``control_timeout_ms``.
+        ``tick``: called about every ms while waiting (to drive the data plane)."""
         timeout_ms = self.client.config.control_timeout_ms
         frame = self.client.codec.encode(msg)
         with self._lock, self._using():
             if isinstance(msg, proto.Hello):
                 self._hello_sent = True
             try:
-                reply = self._exchange(msg, frame, time.monotonic() + timeout_ms / 1000)
+                reply = self._exchange(msg, frame, time.monotonic() + timeout_ms / 1000, tick)
             except PeerUnreachable:
                 self._sock.close(linger=0)
                 self._sock = self._open_socket()
@@ -337,7 +340,13 @@ class PeerLink:
             if closed:
                 self._sock.close(linger=0)
 
-    def _exchange(self, msg: proto.Message, frame: bytes, deadline: float) -> proto.Message:
+    def _exchange(
+        self,
+        msg: proto.Message,
+        frame: bytes,
+        deadline: float,
+        tick: Callable[[], None] | None = None,
+    ) -> proto.Message:
         seq = msg.seq  # type: ignore[union-attr]
         name, timeout_ms = type(msg).__name__, self.client.config.control_timeout_ms
         left_ms = max(1, int((deadline - time.monotonic()) * 1000))
@@ -348,7 +357,11 @@ class PeerLink:
         except zmq.Again as exc:
             raise PeerUnreachable(f"{self.endpoint}: cannot send {name}") from exc
         while (left := deadline - time.monotonic()) > 0:
-            if not self._sock.poll(max(1, int(left * 1000))):
+            if tick is not None:
+                tick()
+                if not self._sock.poll(1):
+                    continue
+            elif not self._sock.poll(max(1, int(left * 1000))):
                 break
             reply = decode_reply(self.client.codec, self._sock.recv(), self.endpoint)
             if getattr(reply, "seq", None) == seq:
@@ -782,7 +795,10 @@ class PeerLink:
             list(block_ids),
             cache,
         )
-        reply = self._call_known(msg)
+        # NOTE: the receiver's READ may need this side's agent to answer
+        # (connection wire-up; UCX transports that emulate RMA): it is
+        # driven while the answer is awaited
+        reply = self._call_known(msg, self.client.plane.progress)
         if isinstance(reply, proto.Refused):
             raise ReservationRefused(f"{reply.code}: {reply.reason}")
         if not isinstance(reply, proto.Ack) or reply.request_id != res.request_id:

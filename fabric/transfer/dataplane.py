@@ -129,9 +129,9 @@ class DataPlane(ABC):
 
     kind: ClassVar[str]
     fences_writes: ClassVar[bool] = False
+    """Whether writes into this plane pass its :class:`WriteGuard` first."""
     reads: ClassVar[bool] = False
     """Whether :meth:`post_read` works (NIXL, loopback)."""
-    """Whether writes into this plane pass its :class:`WriteGuard` first."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -231,6 +231,10 @@ class DataPlane(ABC):
     @abstractmethod
     def take_notifs(self) -> list[tuple[str, bytes]]:
         """Drain notifications received so far as (peer name, message)."""
+
+    def progress(self) -> None:  # noqa: B027 - optional hook
+        """Drive the transport once (a peer's READ of this process's memory
+        may need it), keeping any notification for ``take_notifs``."""
 
     def remove_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget a peer."""

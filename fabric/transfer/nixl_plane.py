@@ -67,6 +67,10 @@ def nixl_available() -> bool:
     return True
 
 
+MAX_KEPT_NOTIFS = 4096
+"""Notifications ``progress`` keeps for ``take_notifs`` at most (the newest)."""
+
+
 class _NixlWrite(WriteHandle):
     def __init__(self, plane: NixlDataPlane, handle: Any, state: str) -> None:
         self._plane = plane
@@ -135,6 +139,7 @@ class NixlDataPlane(DataPlane):
         self._reg: Any = None
         self._region_regs: list[Any] = []
         self._peers: dict[str, NixlDescriptor] = {}
+        self._kept: list[tuple[str, bytes]] = []  # notifications progress() took
         # Handles dropped unfinished (appended from any thread, released under the lock).
         self.orphans: deque[Any] = deque()
 
@@ -303,7 +308,17 @@ class NixlDataPlane(DataPlane):
         with self.lock:
             self._release_orphans()
             notifs = self.agent.get_new_notifs()
-        return [(peer, msg) for peer, msgs in notifs.items() for msg in msgs]
+            kept, self._kept = self._kept, []
+        return kept + [(peer, msg) for peer, msgs in notifs.items() for msg in msgs]
+
+    def progress(self) -> None:
+        # NOTE: NIXL's progress call is the notification poll; what it
+        # returns is kept for the owner of take_notifs (the server)
+        with self.lock:
+            notifs = self.agent.get_new_notifs()
+            self._kept.extend((peer, msg) for peer, msgs in notifs.items() for msg in msgs)
+            # NOTE: a node with no server never takes them: keep the newest few
+            del self._kept[:-MAX_KEPT_NOTIFS]
 
     def close(self) -> None:
         with self.lock:

@@ -178,6 +178,7 @@ class _Read:
     identity: bytes
     offer: proto.Offer
     slot: int
+    nbytes: int
     handle: WriteHandle
     started: float
 
@@ -764,11 +765,16 @@ class TransferServer:
             return self._refuse_offer(
                 msg, f"chunk {index} of {rid!r} is not reserved at that generation"
             )
+        slot, nbytes = res.slots[index], res.nbytes[index]
+        if layout.chunk_nbytes(len(msg.block_ids)) != nbytes:
+            return self._refuse_offer(
+                msg,
+                f"{len(msg.block_ids)} offered blocks do not hold chunk {index}'s {nbytes} bytes",
+            )
         try:
             src = map_spans(msg.cache, layout, msg.block_ids)
         except LayoutError as exc:
             return self._refuse_offer(msg, str(exc))
-        slot, nbytes = res.slots[index], res.nbytes[index]
         if src.nbytes != nbytes:
             return self._refuse_offer(
                 msg, f"the offered blocks hold {src.nbytes} bytes, chunk {index} has {nbytes}"
@@ -790,7 +796,7 @@ class TransferServer:
             return proto.Refused(
                 msg.seq, rid, proto.Refusal.READ_FAILED, str(exc)[:MAX_REASON_CHARS]
             )
-        self._reads.append(_Read(identity, msg, slot, handle, time.monotonic()))
+        self._reads.append(_Read(identity, msg, slot, nbytes, handle, time.monotonic()))
         return None
 
     def _refuse_offer(self, msg: proto.Offer, reason: str) -> proto.Refused:
@@ -802,35 +808,49 @@ class TransferServer:
         )
 
     def _progress_reads(self) -> None:
-        """Answer the offered chunks whose READ ended; abort those past
-        ``write_timeout_ms`` or whose transfer ended (:meth:`_end_reads`). A
-        chunk read is verified like a written one; a failed read fails its
-        chunk (its load then fails at once, and vLLM recomputes)."""
+        """Answer the offered chunks whose READ ended; abort those past their
+        bound (``write_timeout_ms``, at most 0.8 ``control_timeout_ms``: the
+        sender waits no longer for the answer) or whose transfer ended
+        (:meth:`_end_reads`). A chunk read is verified like a written one; a
+        failed read fails its chunk (its load then fails at once, and vLLM
+        recomputes). An exception ends that read only."""
         with self._cond:
             ending, self._reads_ending = self._reads_ending, set()
         now = time.monotonic()
-        limit = self.config.write_timeout_ms / 1000
-        running: list[_Read] = []
-        for read in self._reads:
-            rid, why = read.offer.request_id, ""
+        # NOTE: inside the sender's wait (the same control timeout, by default),
+        # so it hears why rather than timing out
+        limit = min(self.config.write_timeout_ms, 0.8 * self.config.control_timeout_ms) / 1000
+        reads, self._reads = self._reads, []
+        for read in reads:
             try:
-                state = read.handle.poll()
-            except Exception as exc:
-                state, why = XferState.ERR, f"{type(exc).__name__}: {exc}"
+                if not self._read_progressed(read, now, limit, read.offer.request_id in ending):
+                    self._reads.append(read)
+            except Exception:
+                self.stats.internal_errors += 1
+                logger.exception("READ of %s chunk %d", read.offer.request_id, read.offer.index)
+
+    def _read_progressed(self, read: _Read, now: float, limit: float, ending: bool) -> bool:
+        """Whether ``read`` ended (answered, its slot's write ended)."""
+        why = ""
+        try:
+            state = read.handle.poll()
+        except Exception as exc:
+            state, why = XferState.ERR, f"{type(exc).__name__}: {exc}"
+        if state is XferState.PROC and not ending and now - read.started <= limit:
+            return False
+        try:
             if state is XferState.PROC:
-                if rid not in ending and now - read.started <= limit:
-                    running.append(read)
-                    continue
-                why = "its transfer ended" if rid in ending else f"not done in {limit:.0f} s"
+                why = "its transfer ended" if ending else f"not done in {limit:.1f} s"
                 # NOTE: an abort that cannot promise no more bytes land leaves
                 # them to the slot's quarantine (the chunk is never filled)
                 read.handle.abort()
                 state = XferState.ERR
             else:
                 read.handle.release()
+        finally:
             self.store.end_write([read.slot])
             self._read_ended(read, state is XferState.DONE, why or "the READ failed")
-        self._reads = running
+        return True
 
     def _read_ended(self, read: _Read, ok: bool, why: str) -> None:
         offer = read.offer
@@ -845,7 +865,7 @@ class TransferServer:
             )
             return
         self.stats.chunks_read += 1
-        self.stats.bytes_read += self.store.slot_nbytes(read.slot)
+        self.stats.bytes_read += read.nbytes
         # NOTE: the sender may reuse its blocks from here on: what it offered is here
         self._reply(read.identity, proto.Ack(offer.seq, offer.request_id, True))
         landed = proto.WriteDone(

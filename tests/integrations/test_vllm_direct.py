@@ -194,8 +194,67 @@ def test_direct_reads_refuse_a_transport_that_cannot_read() -> None:
         ConnectorConfig.from_extra({"transport": "tcp", "direct_reads": True})
     config = ConnectorConfig.from_extra({"transport": "loopback", "direct_reads": True})
     assert config.direct_reads
-    with pytest.raises(ConfigError, match="host memory"):
+    real = worker(produce=True, consume=False, seed=3)
+    try:
         w = FabricWorker(config, produce=True, consume=False, block_size=BS, model="tiny")
         w.kv_caches = [torch.zeros(1, device="meta")]
-        w.node = worker(produce=True, consume=False, seed=3).node
-        w._register_cache(None)  # type: ignore[arg-type]
+        w.node = real.node
+        with pytest.raises(ConfigError, match="host memory"):
+            w._register_cache(None)  # type: ignore[arg-type]
+    finally:
+        real.shutdown()
+
+
+def test_a_chunk_that_waited_too_long_to_be_offered_gives_the_blocks_back(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """vLLM keeps the blocks until the push is over: a chunk that waited
+    ``push_timeout_s`` to be offered (a receiver slow to answer) fails the
+    push rather than hold them longer."""
+    p, d = pair
+    assert d.node is not None and p.sender is not None
+    p.sender.push_timeout_s = 0.0
+    d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST[:4], 64, tokens(64))]))
+    step(p, prefill(64, d.node.endpoint))
+    assert released(p) == {"p-req"}
+    assert wait_results(d) == ({"d-req"}, {"d-req"})
+    assert p.counters.take()["push_failures"] == 1
+
+
+def test_a_held_request_whose_load_vllm_frees_is_not_reported_sent() -> None:
+    """Aborted while it waited for a load of its own (vLLM then frees its
+    blocks when the load is reported, ``scheduler.py:3226-3229``): naming it
+    in ``finished_sending`` too would trip vLLM's assert (:3233)."""
+    both = worker(
+        produce=True,
+        consume=True,
+        seed=5,
+        direct_reads=True,
+        unknown_transfer_grace_s=0.2,
+    )
+    try:
+        step(both, prefill(64, "tcp://127.0.0.1:9"))  # NOTE: its push fails: over
+        both.start_load(
+            FabricMetadata(loads=[LoadPlan("p-req", "nobody", 0, DST[:4], 64, tokens(64))])
+        )
+        recving: set[str] = set()
+        sent: set[str] = set()
+        deadline = time.monotonic() + 15
+        finished = {"p-req"}  # NOTE: vLLM aborted it (named once, the next step)
+        while not recving and time.monotonic() < deadline:
+            recving |= both.get_results(finished)[0]
+            finished = set()
+            sent |= both.take_sent()
+            time.sleep(0.01)
+        assert recving == {"p-req"}
+        # NOTE: its push is over once its Hello times out (5 s): still not sent
+        assert both.sender is not None
+        while time.monotonic() < deadline and both.sender.table_sizes()["sender_jobs"]:
+            both.get_results(set())
+            sent |= both.take_sent()
+            time.sleep(0.05)
+        both.get_results(set())
+        assert sent | both.take_sent() == set()
+        assert both.own_table_sizes()["worker_holding"] == 0
+    finally:
+        both.shutdown()

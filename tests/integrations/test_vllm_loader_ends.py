@@ -71,6 +71,7 @@ def test_an_end_queued_with_its_plan_before_the_round_took_either_ends_the_load(
             "loader_finished": 0,
             "loader_failed": 0,
             "loader_claims": 0,
+            "loader_open": 0,
         }
         assert d.counters.take()["loads_ended"] == 1
     finally:

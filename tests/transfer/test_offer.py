@@ -6,6 +6,8 @@ verifies it as a written chunk (loopback plane; the NIXL one in
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ from fabric.kv import KVLayout, pack
 from fabric.kv.direct import CacheMap, cache_map, cache_regions, cache_spans, checksum_spans
 from fabric.store import ChunkStore, StoreConfig
 from fabric.transfer import TransferConfig, TransferNode
+from fabric.transfer.dataplane import XferState
 
 from .direct_peer import BLOCK_IDS, cache
 
@@ -45,9 +48,13 @@ class Pair:
         return out
 
 
-def node(layout: KVLayout, nbytes: int, *, serve: bool) -> TransferNode:
+def node(
+    layout: KVLayout, nbytes: int, *, serve: bool, control_timeout_ms: int = 5000
+) -> TransferNode:
     store = ChunkStore(StoreConfig(slot_bytes=nbytes, num_slots=4, quarantine_ms=10))
-    config = TransferConfig(transport="loopback", poll_interval_ms=0.5)
+    config = TransferConfig(
+        transport="loopback", poll_interval_ms=0.5, control_timeout_ms=control_timeout_ms
+    )
     return TransferNode(
         store, config, layout.fingerprint(), name=f"offer-{next(_names)}", serve=serve
     )
@@ -106,8 +113,7 @@ def test_offers_that_cannot_be_read_are_refused_and_counted(pair: Pair) -> None:
     good = pair.checksum()
     with pytest.raises(ReservationRefused, match="outside"):
         link.offer(res, 0, [*BLOCK_IDS[:-1], 32], good, pair.cmap)  # NOTE: 32 blocks
-    short = pair.layout.chunk_nbytes(len(BLOCK_IDS) - 1)
-    with pytest.raises(ReservationRefused, match=f"{short} bytes"):
+    with pytest.raises(ReservationRefused, match="do not hold"):
         link.offer(res, 0, BLOCK_IDS[:-1], good, pair.cmap)
     other = CacheMap(*[getattr(pair.cmap, f) for f in ("bases", "block_strides")], 1, 32, "x")
     with pytest.raises(ReservationRefused, match="does not fit"):
@@ -170,3 +176,92 @@ def test_a_plane_that_cannot_read_is_not_enabled() -> None:
             tcp.server.enable_reads(layout)
     finally:
         tcp.close()
+
+
+class _Stuck:
+    """A READ that runs until told to end (or raises when polled)."""
+
+    def __init__(self, fail_poll: bool = False) -> None:
+        self.state, self.fail_poll, self.aborted = XferState.PROC, fail_poll, False
+
+    def poll(self) -> XferState:
+        if self.fail_poll:
+            raise RuntimeError("agent gone")
+        return self.state
+
+    def release(self) -> None:
+        pass
+
+    def abort(self) -> bool:
+        self.aborted = True
+        return True
+
+
+def _offer_in_thread(pair: Pair, rid: str) -> tuple[threading.Thread, list[BaseException | None]]:
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve(rid, [rid.encode() * 4], [pair.nbytes])
+    outcome: list[BaseException | None] = []
+
+    def offer() -> None:
+        try:
+            link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=offer)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("how", ["release", "cancel", "poll raises"])
+def test_a_read_in_flight_ends_with_its_transfer_and_frees_its_slot(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A READ still running when its consumer releases the transfer, its
+    sender cancels it, or its handle breaks: aborted, answered read_failed,
+    its slot no longer held as being written (nothing stays reserved)."""
+    server = pair.receiver.server
+    assert server is not None
+    stuck = _Stuck(fail_poll=how == "poll raises")
+    monkeypatch.setattr(pair.receiver.plane, "post_read", lambda *a, **k: stuck)
+    thread, outcome = _offer_in_thread(pair, "t6")
+    deadline = time.monotonic() + 5
+    while not server.table_sizes()["server_reads"] and how != "poll raises":
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    if how == "release":
+        server.release("t6")
+    elif how == "cancel":  # NOTE: from another link: the offering one waits for its answer
+        layout = pair.layout
+        other = node(layout, pair.nbytes, serve=False)
+        try:
+            assert other.client.connect(pair.receiver.endpoint).cancel("t6")
+        finally:
+            other.close()
+    thread.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], ReservationRefused)
+    assert "read_failed" in str(outcome[0])
+    assert stuck.aborted == (how != "poll raises")
+    assert server.table_sizes()["server_reads"] == 0
+    server.release("t6")
+    assert pair.receiver.store.reserved_count() == 0
+    assert server.stats.read_failures == 1
+
+
+def test_a_read_past_its_bound_is_aborted(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded by the control timeout: the sender waits no longer."""
+    impatient = node(pair.layout, pair.nbytes, serve=True, control_timeout_ms=250)
+    pair.receiver.close()
+    pair.receiver = impatient
+    server = impatient.server
+    assert server is not None
+    server.enable_reads(pair.layout)
+    stuck = _Stuck()
+    monkeypatch.setattr(impatient.plane, "post_read", lambda *a, **k: stuck)
+    thread, outcome = _offer_in_thread(pair, "t7")
+    thread.join(10)
+    assert isinstance(outcome[0], ReservationRefused) and "not done in 0.2 s" in str(outcome[0])
+    assert stuck.aborted
+    prog = server.wait("t7", 1)
+    assert prog is not None and prog.failed == {0}

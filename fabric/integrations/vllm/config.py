@@ -50,8 +50,11 @@ class ConnectorConfig(Settings):
     finished request's blocks until every chunk was read (or its push
     failed). Needs the ``nixl`` transport (or ``loopback``) and a KV cache
     in host memory, and registers the whole KV cache with the data plane:
-    every peer that completed fabric's Hello with this engine can reach it
-    (sign the control channel beyond loopback). Chunks of pushed prompts are
+    every peer this engine says Hello to gets its data-plane descriptor
+    (NIXL's metadata names every registered region) and can READ and WRITE
+    the cache, and the decoders it pushes to are named by requests'
+    ``kv_transfer_params``: enable it only where just the proxy reaches
+    this engine's API, and sign the control channel beyond loopback. Chunks of pushed prompts are
     then not packed into this engine's own store (no reuse here, nothing
     saved to the shared store from them); layer groups do not apply to them.
     ``async_save``: pack computed chunks on a thread of their own while the

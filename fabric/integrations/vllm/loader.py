@@ -207,6 +207,7 @@ class Loader:
         self._results = threading.Condition(self._lock)  # notified when a load ends
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._open: set[str] = set()  # submitted, not yet reported (take_results)
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._swept_at = 0.0  # when every active load was last stepped
@@ -215,6 +216,8 @@ class Loader:
         self._thread.start()
 
     def submit(self, plan: LoadPlan) -> None:
+        with self._lock:
+            self._open.add(plan.req_id)
         self._plans.put(plan)
         self.server.wake()
 
@@ -240,11 +243,13 @@ class Loader:
         """Loads queued, active, and finished but not yet reported (name -> entries)."""
         with self._lock:
             finished, failed = len(self._finished), len(self._failed)
+            opened = len(self._open)
         return {
             "loader_plans": self._plans.qsize() + self._ended.qsize(),
             "loader_active": len(self._active),
             "loader_claims": len(self._claims),
             "loader_finished": finished,
+            "loader_open": opened,
             "loader_failed": failed,
         }
 
@@ -267,7 +272,13 @@ class Loader:
         with self._lock:
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
+            self._open -= finished
         return finished, failed
+
+    def loading(self) -> set[str]:
+        """Requests with a load submitted and not yet reported (any thread)."""
+        with self._lock:
+            return set(self._open)
 
     def close(self) -> None:
         self._stop.set()

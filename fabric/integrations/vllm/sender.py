@@ -373,7 +373,7 @@ class PushSender:
         """Chunk ``index`` is final in this engine's cache blocks ``block_ids``
         (held by vLLM until the request's push is over: ``on_over``), with
         ``checksum``: offered to the receiver, which READs it (direct reads)."""
-        self._events.put(("offer", (req_id, index, block_ids, checksum)))
+        self._events.put(("offer", (req_id, index, block_ids, checksum, time.monotonic())))
 
     def part(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
         """Chunk ``index``'s leading ``layers`` layers (its first ``nbytes``
@@ -816,13 +816,28 @@ class PushSender:
             self.client.disconnect(peer.endpoint, link)
 
     def _offer(
-        self, peer: _Peer, job: PushJob, index: int, block_ids: list[int], checksum: int
+        self,
+        peer: _Peer,
+        job: PushJob,
+        index: int,
+        block_ids: list[int],
+        checksum: int,
+        computed_at: float,
     ) -> None:
         """Offer chunk ``index`` (direct reads); the call returns once the
         receiver read it, so this endpoint's thread waits that long (bounded
-        by the control timeout; the receiver reads one chunk in a few ms)."""
+        by the control timeout; the receiver reads one chunk in a few ms).
+
+        vLLM keeps the request's blocks until its push is over, so a chunk
+        that waited ``push_timeout_s`` since it was computed (a receiver
+        slow to answer this push's or other pushes' calls) fails the push
+        instead: its blocks go back to vLLM (``on_over``)."""
         res = job.res
         if job.dropped or job.failed or job.link is None or res is None:
+            return
+        waited = time.monotonic() - computed_at
+        if waited > self.push_timeout_s:
+            self._fail(job, f"chunk {index} waited {waited:.0f} s to be offered", peer)
             return
         if res.already_present[index]:
             job.written += 1
@@ -1036,10 +1051,12 @@ class PushSender:
         with self._jobs_lock:
             if self._jobs.get(job.req_id) is job:
                 del self._jobs[job.req_id]
+            replaced = job.req_id in self._jobs  # NOTE: a new push of the request goes on
         if job.link is not None:
             job.link.forget(job.transfer_id)
         peer.dropped += 1
-        self._over(job.req_id)
+        if not replaced:
+            self._over(job.req_id)
 
     def _over(self, req_id: str) -> None:
         """The push of ``req_id`` is over (or there is none): no read of its

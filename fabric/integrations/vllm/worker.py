@@ -189,6 +189,7 @@ class FabricWorker:
             )
         self._keys: dict[str, list[bytes]] = {}
         self._keep_only: set[str] = set()
+        self._direct: set[str] = set()  # pushes whose chunks are offered, not packed
         self._load_errors: set[int] = set()
         self._tier_seen: dict[str, int] = {}
         self._shared_chunks: dict[str, int] = {}  # request -> full chunks it shares
@@ -392,6 +393,7 @@ class FabricWorker:
         sizes = {
             "worker_keys": len(self._keys),
             "worker_keep_only": len(self._keep_only),
+            "worker_direct": len(self._direct),
             "worker_shared_chunks": len(self._shared_chunks),
             "worker_load_errors": len(self._load_errors),
             "worker_packing": sum(not f.done() for f in list(self._packing)),
@@ -715,6 +717,7 @@ class FabricWorker:
         """Forget ``req_id``'s keys: no later chunk of it is packed."""
         self._keys.pop(req_id, None)
         self._keep_only.discard(req_id)
+        self._direct.discard(req_id)
         self._shared_chunks.pop(req_id, None)
 
     def _key_to_pack(self, chunk: PackChunk) -> bytes | None:
@@ -762,7 +765,8 @@ class FabricWorker:
             identity=plan.identity,
         )
         self._keys[plan.req_id] = keys
-        if self.shared is not None:
+        direct = plan.hold and self._cache_map is not None and plan.endpoint is not None
+        if self.shared is not None and not direct:  # NOTE: a direct push packs nothing to share
             full = len(plan.token_ids) // self.config.chunk_tokens
             self._shared_chunks[plan.req_id] = full
             self.shared.begin(plan.req_id, keys[:full])
@@ -779,6 +783,8 @@ class FabricWorker:
             self.counters.add(push_failures=1)
             self._keep_only.add(plan.req_id)  # still kept for reuse here
             return
+        if direct:
+            self._direct.add(plan.req_id)
         self.sender.begin(PushJob(plan.req_id, plan.transfer_id, endpoint, keys, nbytes))
 
     def _pack_chunk(self, chunk: PackChunk) -> None:
@@ -798,7 +804,7 @@ class FabricWorker:
         """Pack a computed chunk (unless the store has it) and hand it to the
         push thread; with direct_reads, hash it in place and offer it."""
         assert self.sender is not None
-        if self._cache_map is not None:
+        if chunk.req_id in self._direct:
             self._offer_chunk(chunk)
             return
         key = keys[chunk.index]
@@ -935,6 +941,8 @@ class FabricWorker:
             if idle and not finished_req_ids:
                 self.loader.wait_results(IDLE_STEP_WAIT_S)
             results = self.loader.take_results()
+            if self._held_finished and results[0] & self._held_finished:
+                self._drop_holds(results[0])
         if idle and not finished_req_ids and self._held_finished:
             if self.loader is not None and self.loader.busy:
                 pass  # NOTE: it waited for its loads above
@@ -952,14 +960,27 @@ class FabricWorker:
         frees a request's blocks at :3233-3235 and asserts it finished)."""
         if not self._held_finished:
             return set()
+        loading = self.loader.loading() if self.loader is not None else set()
         with self._holds:
-            sent = self._held_finished & self._held_over
+            sent = (self._held_finished & self._held_over) - loading
             self._holding -= sent
             self._held_over -= sent
             self._held_finished -= sent
         if sent:
             self.counters.add(holds_released=len(sent))
         return sent
+
+    def _drop_holds(self, recving: set[str]) -> None:
+        """Held requests vLLM finished while a load of theirs was still
+        reported (aborted while waiting for remote KV): vLLM frees their
+        blocks at that report (``scheduler.py:3226-3229``) and would fail
+        an assert at a later ``finished_sending`` (:3233), so they are not
+        reported sent (nor while their load is open: ``take_sent``)."""
+        with self._holds:
+            freed = recving & self._held_finished
+            self._holding -= freed
+            self._held_over -= freed
+            self._held_finished -= freed
 
     def _wait_holds(self) -> None:
         """A step without tokens while only held requests remain: vLLM steps
