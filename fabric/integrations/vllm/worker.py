@@ -331,7 +331,7 @@ class FabricWorker:
             plane.register_region(base, nbytes)
         logger.warning(
             "fabric: direct_reads: this engine's KV cache is registered with its data plane; "
-            "every peer that completed fabric's Hello can read and write it"
+            "every peer it says Hello to can read and write it"
         )
         return cache_map(self.kv_caches, layout)
 
@@ -943,11 +943,9 @@ class FabricWorker:
             results = self.loader.take_results()
             if self._held_finished and results[0] & self._held_finished:
                 self._drop_holds(results[0])
-        if idle and not finished_req_ids and self._held_finished:
-            if self.loader is not None and self.loader.busy:
-                pass  # NOTE: it waited for its loads above
-            else:
-                self._wait_holds()
+        waited = self.loader is not None and self.loader.busy  # NOTE: for its loads, above
+        if idle and not finished_req_ids and self._held_finished and not waited:
+            self._wait_holds()
 
         self.report_tables()
         self._joined = False  # NOTE: the step ends here; the next one joins again
