@@ -776,15 +776,19 @@ class PeerLink:
         block_ids: Sequence[int],
         checksum: int,
         cache: CacheMap,
+        layers: int = 0,
     ) -> None:
         """Offer chunk ``index`` for the receiver to READ from this process's
         cache (direct reads): ``block_ids`` hold it, final, and ``checksum``
-        is its checksum. Returns once the receiver read it (the blocks may
-        be reused from then on); raises ``ReservationRefused`` when it will
-        not or could not (a failed or timed-out read, a lease gone),
-        ``PeerUnreachable`` when no answer came within the control timeout
-        (a read may still be running then: the receiver verifies what it
-        read, so the blocks may be reused, but not trusted to have moved)."""
+        is its checksum; with ``layers`` short of the layout's, only its
+        leading ``layers`` layers are final (a part: ``checksum`` unused)
+        and the receiver reads those it has not read. Returns once the
+        receiver read it (the blocks may be reused from then on); raises
+        ``ReservationRefused`` when it will not or could not (a failed or
+        timed-out read, a lease gone), ``PeerUnreachable`` when no answer
+        came within the control timeout (a read may still be running then:
+        the receiver verifies what it read, so the blocks may be reused, but
+        not trusted to have moved)."""
         self._post_check(res.request_id)
         msg = proto.Offer(
             next(self._seq),
@@ -794,6 +798,7 @@ class PeerLink:
             checksum,
             list(block_ids),
             cache,
+            layers,
         )
         # NOTE: the receiver's READ may need this side's agent to answer
         # (connection wire-up; UCX transports that emulate RMA): it is

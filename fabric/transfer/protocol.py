@@ -219,7 +219,14 @@ class Offer(msgspec.Struct, tag="offer", array_like=True, frozen=True):
     order (the packed chunk's). The receiver READs them into the chunk's
     slot (reserved at ``generation``) and verifies them as a written chunk;
     it answers (``Ack``, or ``Refused``) once the read ended, so the sender
-    keeps the blocks until then. A receiver that does not read refuses it."""
+    keeps the blocks until then. A receiver that does not read refuses it.
+
+    ``layers`` (a prefiller offering each layer group while its forward
+    still runs): only the leading ``layers`` layers are final yet; the
+    receiver READs those it has not read (the chunk's bytes up to them)
+    and takes them as ``WritePart`` says, and ``checksum`` means nothing.
+    0 (an older sender) or the layer count: the whole chunk, its rest read
+    now, then verified with ``checksum``."""
 
     seq: int
     request_id: RequestId
@@ -228,6 +235,7 @@ class Offer(msgspec.Struct, tag="offer", array_like=True, frozen=True):
     checksum: U64
     block_ids: Annotated[list[Index], msgspec.Meta(max_length=1 << 16)]
     cache: CacheMap
+    layers: Count = 0
 
 
 class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):

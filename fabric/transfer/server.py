@@ -178,9 +178,13 @@ class _Read:
     identity: bytes
     offer: proto.Offer
     slot: int
-    nbytes: int
+    nbytes: int  # read now: the chunk's bytes from layer ``first`` to ``upto``
     handle: WriteHandle
     started: float
+    first: int  # layers read before
+    upto: int  # layers read once this read ended
+    final: bool  # the chunk's rest: verified once read
+    start: int  # the chunk's first byte this read carries
 
 
 class TransferServer:
@@ -743,23 +747,40 @@ class TransferServer:
         """READ an offered chunk into its slot (answered once the read ended,
         :meth:`_progress_reads`); Refused at once when there is nothing to
         read it into or from. The slot is held as being written until the
-        read ended, so no lease's end frees it under the read."""
+        read ended, so no lease's end frees it under the read.
+
+        An offer of the chunk's leading layers (``Offer.layers``) reads the
+        layers not read yet and, once read, counts them as a ``WritePart``
+        would (the consumer may unpack them, :meth:`stream`); the chunk's
+        final offer reads the rest and lands it with its checksum and the
+        first byte it carried, so a consumer that unpacked the parts trusts
+        its digest of them (:meth:`fill_streamed`)."""
         layout = self._read_layout
         if layout is None:
             return self._refuse_offer(msg, "this receiver does not read offered chunks")
         rid, index = msg.request_id, msg.index
+        num_layers = layout.num_layers
+        final = msg.layers in (0, num_layers)
+        upto = num_layers if final else msg.layers
+        if upto > num_layers:
+            return self._refuse_offer(msg, f"{upto} layers offered, the layout has {num_layers}")
         with self._cond:
             prog = self._progress.get(rid)
             waiting = (
                 prog is not None
                 and index in prog.expected
                 and not prog.finished
-                and index not in prog.landed | prog.filled | prog.failed | prog.streamed
+                and index not in prog.landed | prog.filled | prog.failed
             )
+            first = prog.parts.get(index, 0) if prog is not None else 0
         if not waiting or any(
             r.offer.request_id == rid and r.offer.index == index for r in self._reads
         ):
             return self._refuse_offer(msg, f"no chunk {index} of {rid!r} waits to be read")
+        if first >= upto:
+            return self._refuse_offer(
+                msg, f"layers {first}..{upto} of chunk {index} of {rid!r}: nothing left to read"
+            )
         res = self.store.reservation(rid)
         if res is None or index >= len(res.slots) or res.generations[index] != msg.generation:
             return self._refuse_offer(
@@ -783,10 +804,13 @@ class TransferServer:
         zero = np.zeros(1, dtype=np.int64)
         dst = Spans(zero, zero + pool.base_address + pool.slot_offset(slot), zero + nbytes, nbytes)
         try:
-            rows = direct_plan(src, dst).read_rows()
+            plan = direct_plan(src, dst).layers(layout, len(msg.block_ids), first, upto)
+            rows = plan.read_rows()
             writing = self.store.begin_write(rid, [(slot, msg.generation)])
-        except (LayoutError, ReservationExpired, SlotStateError) as exc:
+        except (LayoutError, ValueError, ReservationExpired, SlotStateError) as exc:
             return self._refuse_offer(msg, str(exc))
+        start = nbytes // num_layers * first
+        span = nbytes // num_layers * upto - start
         try:
             handle = self.plane.post_read(self._peers[identity], rows, b"")
         except FabricError as exc:
@@ -796,7 +820,9 @@ class TransferServer:
             return proto.Refused(
                 msg.seq, rid, proto.Refusal.READ_FAILED, str(exc)[:MAX_REASON_CHARS]
             )
-        self._reads.append(_Read(identity, msg, slot, nbytes, handle, time.monotonic()))
+        self._reads.append(
+            _Read(identity, msg, slot, span, handle, time.monotonic(), first, upto, final, start)
+        )
         return None
 
     def _refuse_offer(self, msg: proto.Offer, reason: str) -> proto.Refused:
@@ -864,12 +890,21 @@ class TransferServer:
                 proto.Refused(offer.seq, offer.request_id, proto.Refusal.READ_FAILED, reason),
             )
             return
-        self.stats.chunks_read += 1
         self.stats.bytes_read += read.nbytes
         # NOTE: the sender may reuse its blocks from here on: what it offered is here
         self._reply(read.identity, proto.Ack(offer.seq, offer.request_id, True))
+        if not read.final:
+            self.stats.parts_read += 1
+            with self._cond:
+                prog = self._progress.get(offer.request_id)
+                if prog is not None and offer.index in prog.expected:
+                    prog.parts[offer.index] = max(prog.parts.get(offer.index, 0), read.upto)
+                    self.stats.parts_landed += 1
+                    self._notify(offer.request_id)
+            return
+        self.stats.chunks_read += 1
         landed = proto.WriteDone(
-            offer.request_id, [offer.index], [offer.generation], [offer.checksum], [0]
+            offer.request_id, [offer.index], [offer.generation], [offer.checksum], [read.start]
         )
         with self._cond:
             prog = self._progress.get(offer.request_id)

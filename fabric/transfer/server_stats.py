@@ -32,7 +32,10 @@ class ServerStats:
     groups of chunks notified as landed (``WritePart``) before their chunk's
     ``WriteDone``. ``chunks_read`` / ``bytes_read``: offered chunks this
     receiver READ from its sender's cache (direct reads; verified like
-    written chunks, in ``chunks_filled``); ``read_failures``: offered
+    written chunks, in ``chunks_filled``); ``parts_read``: layer groups
+    of offered chunks READ before the rest of the chunk was final (counted
+    in ``parts_landed`` too; their bytes in ``bytes_read``);
+    ``read_failures``: offered
     chunks whose READ failed, timed out or was ended by its consumer;
     ``offers_refused``: Offers refused (no such pending chunk, a stale
     generation, a cache map that does not fit, a receiver that does not
@@ -63,6 +66,7 @@ class ServerStats:
     reserves_late: int = 0
     parts_landed: int = 0
     chunks_read: int = 0
+    parts_read: int = 0
     bytes_read: int = 0
     read_failures: int = 0
     offers_refused: int = 0

@@ -201,7 +201,10 @@ def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cl
     before_offered = metric(p_url, "vllm:fabric_chunks_offered_total")
     before_held = metric(p_url, "vllm:fabric_holds_released_total")
     before_failed = metric(d_url, "vllm:fabric_load_failures_total")
+    before_parts = metric(p_url, "vllm:fabric_parts_offered_total")
+    before_streamed = metric(d_url, "vllm:fabric_chunks_streamed_total")
     read = cluster.d_stats()["server_chunks_read"]
+    parts_read = cluster.d_stats()["server_parts_read"]
     lengths = [300, 1300, LONG]
     for i, n in enumerate(lengths):
         prompt = prompt_ids(n, seed=5400 + i)
@@ -212,6 +215,10 @@ def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cl
     assert metric(d_url, "vllm:fabric_load_failures_total") == before_failed
     assert cluster.d_stats()["server_chunks_read"] - read == chunks
     assert metric(p_url, "vllm:fabric_chunks_offered_total") - before_offered == chunks
+    # NOTE: each chunk's leading layer groups were read during its step's forward
+    parts = metric(p_url, "vllm:fabric_parts_offered_total") - before_parts
+    assert parts >= chunks and cluster.d_stats()["server_parts_read"] - parts_read == parts
+    assert metric(d_url, "vllm:fabric_chunks_streamed_total") - before_streamed == chunks
     assert metric(p_url, "vllm:fabric_bytes_saved_total") == 0  # NOTE: nothing packed
     # NOTE: vLLM kept each request's blocks until D read them, then freed them
     wait_idle(p_url)

@@ -258,3 +258,62 @@ def test_a_held_request_whose_load_vllm_frees_is_not_reported_sent() -> None:
         assert both.own_table_sizes()["worker_holding"] == 0
     finally:
         both.shutdown()
+
+
+def test_layer_groups_are_read_during_the_forward_and_the_decoder_gets_the_final_kv(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """With layer groups, each group of a chunk is hashed and offered once its
+    layers' hooks ran (``save_kv_layer``, the forward still computing the
+    rest), and the decoder reads and unpacks it then; the last group is
+    offered at ``wait_for_save`` with the chunk's checksum. The forward is
+    simulated as in ``test_vllm_layered``: every layer of the step's blocks
+    holds stale bytes until its attention writes them right before its
+    hook, so a group read before its hook would land stale KV."""
+    p, d = pair
+    assert d.node is not None and d.node.server is not None and p.layered is not None
+    num_tokens = 150
+    src = SRC[: -(-num_tokens // BS)]
+    d.start_load(
+        FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST, num_tokens, tokens(num_tokens))])
+    )
+    meta = prefill(num_tokens, d.node.endpoint)
+    names = list(p._named_caches)
+    g = torch.Generator().manual_seed(99)
+    new = [torch.randn(len(src), *c.shape[1:], generator=g).to(c.dtype) for c in p.kv_caches]
+    p.before_step()
+    p.start_load(meta)
+    server = d.node.server
+    for i, name in enumerate(names[:-1]):  # NOTE: the forward up to its last layer
+        p.kv_caches[i][src] = new[i]
+        p.pack_layer(name, meta)
+    p.flush()
+    deadline = time.monotonic() + 5
+    parts = 3 * (len(names) - 1)  # NOTE: 3 chunks, a group per layer but the last
+    while server.stats.parts_read < parts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.stats.parts_read == parts and server.stats.chunks_read == 0
+    deadline = time.monotonic() + 5
+    while d.get_results(set()) == (set(), set()) and time.monotonic() < deadline:
+        # NOTE: the decoder unpacks the groups that landed (its loader's steps)
+        layer = d.kv_caches[len(names) - 2]
+        if torch.equal(layer[DST[: len(src)]], new[len(names) - 2]):
+            break
+        time.sleep(0.01)
+    assert torch.equal(d.kv_caches[len(names) - 2][DST[: len(src)]], new[len(names) - 2])
+    assert not torch.equal(d.kv_caches[-1][DST[: len(src)]], new[-1])  # NOTE: not computed yet
+    p.kv_caches[-1][src] = new[-1]
+    p.pack_layer(names[-1], meta)
+    p.pack_step(meta)
+    p.before_step()
+    p.get_results(set())
+    assert wait_results(d) == ({"d-req"}, set())
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        assert torch.equal(d_layer[DST[: len(src)]], p_layer[src])
+    assert server.stats.chunks_read == 3 and server.stats.checksum_failures == 0
+    assert p.store.stats().filled == 0  # NOTE: nothing packed on the prefiller
+    assert released(p) == {"p-req"}
+    pc, dc = p.counters.take(), d.counters.take()
+    assert (pc["parts_offered"], pc["chunks_offered"]) == (parts, 3)
+    assert dc["chunks_streamed"] == 3 and dc.get("streams_redone", 0) == 0
+    assert p.table_sizes()["worker_layered_hashes"] == 0

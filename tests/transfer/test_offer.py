@@ -265,3 +265,88 @@ def test_a_read_past_its_bound_is_aborted(pair: Pair, monkeypatch: pytest.Monkey
     assert stuck.aborted
     prog = server.wait("t7", 1)
     assert prog is not None and prog.failed == {0}
+
+
+def _wait_parts(server, rid: str, index: int, layers: int) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        prog = server.progress(rid)
+        if prog is not None and prog.parts.get(index, 0) >= layers:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"layers {layers} of chunk {index} never counted")
+
+
+def test_layer_parts_are_read_as_offered_then_the_rest_verified(pair: Pair) -> None:
+    """A chunk offered a layer group at a time: each part reads only the
+    layers not read yet (the slot's leading bytes equal the pack's), counts
+    as landed layers for a consumer that streams, and the final offer reads
+    the rest and verifies the whole chunk against its checksum."""
+    server = pair.receiver.server
+    assert server is not None
+    per_layer = pair.nbytes // pair.layout.num_layers
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve("t10", [b"k" * 16], [pair.nbytes])
+    view = pair.receiver.store.pool.slot_view(res.slots[0])
+    link.offer(res, 0, BLOCK_IDS, 0, pair.cmap, layers=1)
+    _wait_parts(server, "t10", 0, 1)
+    assert torch.equal(view[:per_layer], pair.packed()[:per_layer])
+    assert not view[per_layer:].any()  # NOTE: nothing past the part was read
+    link.offer(res, 0, BLOCK_IDS, 0, pair.cmap, layers=3)
+    _wait_parts(server, "t10", 0, 3)
+    assert not view[3 * per_layer :].any()
+    with pytest.raises(ReservationRefused, match="nothing left"):
+        link.offer(res, 0, BLOCK_IDS, 0, pair.cmap, layers=2)  # NOTE: read already
+    with pytest.raises(ReservationRefused, match="layers offered"):
+        link.offer(res, 0, BLOCK_IDS, 0, pair.cmap, layers=9)
+    link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+    prog = server.wait("t10", 5)
+    assert prog is not None and prog.complete
+    assert torch.equal(view, pair.packed())
+    stats = server.stats
+    assert (stats.parts_read, stats.chunks_read, stats.bytes_read) == (2, 1, pair.nbytes)
+    assert (stats.offers_refused, stats.chunks_filled) == (2, 1)
+
+
+def test_the_final_read_of_a_streamed_chunk_says_where_it_began(pair: Pair) -> None:
+    """A consumer that unpacks the parts as they land (``stream``) is handed
+    the checksum with the first byte the final read carried: past what it
+    read, so its digest of the parts counts (``fill_streamed``)."""
+    server = pair.receiver.server
+    assert server is not None
+    per_layer = pair.nbytes // pair.layout.num_layers
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve("t11", [b"k" * 16], [pair.nbytes])
+    link.offer(res, 0, BLOCK_IDS, 0, pair.cmap, layers=2)
+    _wait_parts(server, "t11", 0, 2)
+    assert server.stream("t11", 0)
+    link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+    deadline = time.monotonic() + 5
+    while (prog := server.progress("t11")) is not None and 0 not in prog.sealed:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert prog is not None
+    assert prog.sealed[0] == (pair.checksum(), res.generations[0], 2 * per_layer)
+    slot = res.slots[0]
+    import xxhash
+
+    digest = xxhash.xxh3_64(pair.receiver.store.pool.slot_view(slot).numpy().data).intdigest()
+    assert server.fill_streamed("t11", 0, prog.sealed[0], (slot, digest))
+    assert server.wait("t11", 5).complete  # type: ignore[union-attr]
+
+
+def test_a_part_read_before_its_source_was_final_fails_the_chunk(pair: Pair) -> None:
+    """Layers read in a part that are not what the final checksum covers (the
+    prefiller's blocks changed under the part) fail the chunk, not load it."""
+    server = pair.receiver.server
+    assert server is not None
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve("t12", [b"k" * 16], [pair.nbytes])
+    checksum = pair.checksum()
+    pair.layers[0][0, BLOCK_IDS[0], 0, 0, 0] += 1  # NOTE: layer 0 differs from what was hashed
+    link.offer(res, 0, BLOCK_IDS, 0, pair.cmap, layers=1)
+    pair.layers[0][0, BLOCK_IDS[0], 0, 0, 0] -= 1  # NOTE: the rest read is as hashed
+    link.offer(res, 0, BLOCK_IDS, checksum, pair.cmap)
+    prog = server.wait("t12", 5)
+    assert prog is not None and prog.failed == {0} and not prog.filled
+    assert server.stats.checksum_failures == 1

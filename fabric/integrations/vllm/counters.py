@@ -29,6 +29,8 @@ COUNTERS = {
     "computed the later layers (before the chunk's last group)",
     "chunks_offered": "chunks the decoder READ out of this engine's KV cache (direct_reads; "
     "of chunks_sent)",
+    "parts_offered": "layer groups of chunks the decoder READ out of this engine's KV cache "
+    "while the forward pass still computed the later layers (direct_reads)",
     "holds_released": "requests whose KV blocks vLLM kept after they finished, for decoders "
     "to read (direct_reads), handed back once their push was over",
     "tokens_loaded": "prompt tokens whose KV arrived over the fabric",

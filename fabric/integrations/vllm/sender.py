@@ -369,11 +369,16 @@ class PushSender:
         """Chunk ``index`` is packed in ``slot`` (a ref is held; we release it)."""
         self._events.put(("chunk", (req_id, index, slot)))
 
-    def offer(self, req_id: str, index: int, block_ids: list[int], checksum: int) -> None:
+    def offer(
+        self, req_id: str, index: int, block_ids: list[int], checksum: int, layers: int = 0
+    ) -> None:
         """Chunk ``index`` is final in this engine's cache blocks ``block_ids``
         (held by vLLM until the request's push is over: ``on_over``), with
-        ``checksum``: offered to the receiver, which READs it (direct reads)."""
-        self._events.put(("offer", (req_id, index, block_ids, checksum, time.monotonic())))
+        ``checksum``: offered to the receiver, which READs it (direct reads).
+        ``layers`` > 0: only its leading ``layers`` layers are final yet (a
+        part, offered during the forward; no checksum); its final offer follows,
+        or its request fails."""
+        self._events.put(("offer", (req_id, index, block_ids, checksum, time.monotonic(), layers)))
 
     def part(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
         """Chunk ``index``'s leading ``layers`` layers (its first ``nbytes``
@@ -823,10 +828,13 @@ class PushSender:
         block_ids: list[int],
         checksum: int,
         computed_at: float,
+        layers: int = 0,
     ) -> None:
-        """Offer chunk ``index`` (direct reads); the call returns once the
-        receiver read it, so this endpoint's thread waits that long (bounded
-        by the control timeout; the receiver reads one chunk in a few ms).
+        """Offer chunk ``index`` (direct reads), or its leading ``layers``
+        layers (a part); the call returns once the receiver read it, so this
+        endpoint's thread waits that long (bounded by the control timeout;
+        the receiver reads one chunk in a few ms). A part that fails fails
+        the push as a chunk would.
 
         vLLM keeps the request's blocks until its push is over, so a chunk
         that waited ``push_timeout_s`` since it was computed (a receiver
@@ -846,12 +854,16 @@ class PushSender:
         if self.cache is None:
             raise FabricError("an offer reached a sender without a cache map")
         started = time.monotonic()
+        what = f"chunk {index}" if not layers else f"{layers} layers of chunk {index}"
         try:
             with peer.calling():
-                job.link.offer(res, index, block_ids, checksum, self.cache)
+                job.link.offer(res, index, block_ids, checksum, self.cache, layers)
         except FabricError as exc:
             self._peer_failed(peer, exc, started=started, link=job.link)
-            self._fail(job, f"offer of chunk {index} failed: {exc}", peer)
+            self._fail(job, f"offer of {what} failed: {exc}", peer)
+            return
+        if layers:
+            self.counters.add(parts_offered=1)
             return
         job.written += 1
         self._count_sent(res.nbytes[index], time.monotonic() - started)

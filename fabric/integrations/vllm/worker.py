@@ -239,7 +239,6 @@ class FabricWorker:
             StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots, quarantine_ms=quarantine_ms)
         )
         self.store = store
-        self._setup_layered(layout)
         if self.config.reuse:
             self.tier = TieredStore(
                 store,
@@ -273,6 +272,7 @@ class FabricWorker:
             self._cache_map = self._register_cache(layout)
         if self.consume and self.node.server is not None and self.node.plane.reads:
             self.node.server.enable_reads(layout)
+        self._setup_layered(layout)  # NOTE: after the cache map: offered chunks are hashed too
         if self.produce:
             self.sender = PushSender(
                 self.node.client,
@@ -348,7 +348,7 @@ class FabricWorker:
     def _setup_layered(self, layout: KVLayout) -> None:
         """Layer-wise packing with ``layer_groups`` > 1, where the cache allows it."""
         groups = self.config.layer_groups
-        if groups <= 1 or (self.produce and self.config.direct_reads):
+        if groups <= 1:
             return
         if (
             self.config.pack_threads != 1
@@ -366,6 +366,7 @@ class FabricWorker:
             )
             return
         on_part = self._part_packed if self.config.layer_writes else None
+        offering = self._cache_map is not None
         self.layered = LayeredPacks(
             self.store,
             self._named_caches,
@@ -374,6 +375,8 @@ class FabricWorker:
             self.counters,
             on_part,
             self._part_dropped,
+            self._direct.__contains__ if offering else None,
+            self._part_hashed if offering else None,
         )
 
     def _part_packed(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
@@ -381,6 +384,14 @@ class FabricWorker:
         now (pack thread; a request only kept here, or unknown, has none)."""
         if self.sender is not None and req_id in self._keys and req_id not in self._keep_only:
             self.sender.part(req_id, index, slot, layers, nbytes)
+
+    def _part_hashed(self, req_id: str, index: int, block_ids: list[int], layers: int) -> None:
+        """direct_reads: layers of a chunk hashed during the forward (final in
+        its blocks: :mod:`~fabric.integrations.vllm.layered`) are offered now,
+        so the decoder reads them while the later layers are computed (pack
+        thread)."""
+        if self.sender is not None and req_id in self._direct:
+            self.sender.offer(req_id, index, block_ids, 0, layers)
 
     def _part_dropped(self, req_id: str, index: int) -> None:
         """The slot a chunk's parts were written from went back to the store."""
@@ -831,8 +842,12 @@ class FabricWorker:
         blocks reused before it read them (a preemption, a push that gave
         up) fail its load instead of landing as this prompt's KV."""
         assert self.sender is not None and self.layout is not None
-        spans = cache_spans(self.kv_caches, self.layout, chunk.block_ids)
-        checksum = checksum_spans(spans.addrs, spans.lengths)
+        begun = self.layered.take_hash(chunk) if self.layered is not None else None
+        if begun is not None:
+            checksum = begun.finish()  # NOTE: its leading layers were offered already
+        else:
+            spans = cache_spans(self.kv_caches, self.layout, chunk.block_ids)
+            checksum = checksum_spans(spans.addrs, spans.lengths)
         self.sender.offer(chunk.req_id, chunk.index, list(chunk.block_ids), checksum)
 
     def _pack_new(self, chunk: PackChunk, key: bytes) -> int:
