@@ -895,12 +895,7 @@ class TransferServer:
         self._reply(read.identity, proto.Ack(offer.seq, offer.request_id, True))
         if not read.final:
             self.stats.parts_read += 1
-            with self._cond:
-                prog = self._progress.get(offer.request_id)
-                if prog is not None and offer.index in prog.expected:
-                    prog.parts[offer.index] = max(prog.parts.get(offer.index, 0), read.upto)
-                    self.stats.parts_landed += 1
-                    self._notify(offer.request_id)
+            self._part_landed(offer.request_id, offer.index, read.upto)
             return
         self.stats.chunks_read += 1
         landed = proto.WriteDone(
@@ -1077,12 +1072,7 @@ class TransferServer:
             self._warn("bad_notif", "dropped notification from %s: %s", peer, exc)
             return
         if isinstance(msg, proto.WritePart):
-            with self._cond:
-                prog = self._progress.get(msg.request_id)
-                if prog is not None and msg.index in prog.expected:
-                    prog.parts[msg.index] = max(prog.parts.get(msg.index, 0), msg.layers)
-                    self.stats.parts_landed += 1
-                    self._notify(msg.request_id)
+            self._part_landed(msg.request_id, msg.index, msg.layers)
             return
         if not isinstance(msg, proto.WriteDone):
             self.stats.protocol_errors += 1
@@ -1093,6 +1083,15 @@ class TransferServer:
                 prog.landed.update(msg.indices)
                 self._notify(msg.request_id)
         self._verify_q.put(msg)
+
+    def _part_landed(self, request_id: str, index: int, layers: int) -> None:
+        """The leading ``layers`` layers of chunk ``index`` landed (written or read)."""
+        with self._cond:
+            prog = self._progress.get(request_id)
+            if prog is not None and index in prog.expected:
+                prog.parts[index] = max(prog.parts.get(index, 0), layers)
+                self.stats.parts_landed += 1
+                self._notify(request_id)
 
     def _warn(self, kind: str, message: str, *args: object) -> None:
         """A warning about bad input, at most one per ``WARN_EVERY_S`` per kind
