@@ -263,10 +263,10 @@ def test_a_held_request_whose_load_vllm_frees_is_not_reported_sent() -> None:
 def test_layer_groups_are_read_during_the_forward_and_the_decoder_gets_the_final_kv(
     pair: tuple[FabricWorker, FabricWorker],
 ) -> None:
-    """With layer groups, each group of a chunk is offered once its layers'
-    hooks ran (``save_kv_layer``, the forward still computing the rest), and
-    the decoder reads and unpacks it then; the last group is offered after
-    the step with the chunk's checksum, taken then. The forward is
+    """With layer groups, each group of a chunk is hashed and offered once its
+    layers' hooks ran (``save_kv_layer``, the forward still computing the
+    rest), and the decoder reads and unpacks it then; the last group is
+    offered at ``wait_for_save`` with the chunk's checksum. The forward is
     simulated as in ``test_vllm_layered``: every layer of the step's blocks
     holds stale bytes until its attention writes them right before its
     hook, so a group read before its hook would land stale KV."""
@@ -316,4 +316,4 @@ def test_layer_groups_are_read_during_the_forward_and_the_decoder_gets_the_final
     pc, dc = p.counters.take(), d.counters.take()
     assert (pc["parts_offered"], pc["chunks_offered"]) == (parts, 3)
     assert dc["chunks_streamed"] == 3 and dc.get("streams_redone", 0) == 0
-    assert p.table_sizes()["worker_layered_offers"] == 0
+    assert p.table_sizes()["worker_layered_hashes"] == 0

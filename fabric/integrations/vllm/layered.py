@@ -65,6 +65,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fabric.errors import CapacityError
+from fabric.kv.direct import LayerwiseHash
 from fabric.kv.layerwise import LayerwisePack, group_ends
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class LayeredPacks:
         self.on_part = on_part  # (req_id, index, slot, layers, bytes) packed so far
         self.on_drop = on_drop  # (req_id, index): that slot went back (after on_part)
         self.offered = offered  # whether a request's chunks are offered, not packed
-        self.on_offer = on_offer  # (req_id, index, block_ids, layers) final so far
+        self.on_offer = on_offer  # (req_id, index, block_ids, layers) hashed so far
         self.kv_caches = list(kv_caches.values())
         self.layout = layout
         self.counters = counters
@@ -112,8 +113,7 @@ class LayeredPacks:
         # pack thread: the step whose chunks have slots, and those slots
         self._meta: FabricMetadata | None = None
         self._parts: dict[tuple[str, int], tuple[int, LayerwisePack]] = {}
-        # chunks offered, not packed: their block ids and the layers offered so far
-        self._offered: dict[tuple[str, int], tuple[list[int], int]] = {}
+        self._hashes: dict[tuple[str, int], LayerwiseHash] = {}  # chunks offered
 
     def layer_packed(self, layer_name: str, meta: FabricMetadata) -> int | None:
         """``save_kv_layer(layer_name)`` of the step ``meta``: the number of
@@ -141,7 +141,9 @@ class LayeredPacks:
         self._meta = meta
         for chunk in meta.packs:
             if self.offered is not None and self.offered(chunk.req_id):
-                self._offered[(chunk.req_id, chunk.index)] = (list(chunk.block_ids), 0)
+                self._hashes[(chunk.req_id, chunk.index)] = LayerwiseHash(
+                    self.kv_caches, self.layout, chunk.block_ids
+                )
                 continue
             key = key_of(chunk)
             if key is None or (chunk.req_id, chunk.index) in self._parts:
@@ -165,10 +167,18 @@ class LayeredPacks:
         chunk whose pack fails gives its slot back (packed whole later)."""
         if meta is not self._meta:
             return
-        for key, (block_ids, done) in list(self._offered.items()):
-            if upto > done and self.on_offer is not None:
-                self._offered[key] = (block_ids, upto)
-                self.on_offer(key[0], key[1], block_ids, upto)
+        for key, hashing in list(self._hashes.items()):
+            if upto <= hashing.layers_done:
+                continue
+            try:
+                hashing.hash_layers(upto)
+            except Exception:
+                self.counters.add(thread_errors=1)
+                logger.exception("fabric: hashing layers of %s chunk %d failed", *key)
+                del self._hashes[key]  # NOTE: hashed whole and offered at wait_for_save
+                continue
+            if self.on_offer is not None:
+                self.on_offer(key[0], key[1], list(hashing.block_ids), hashing.layers_done)
         for key, (slot, part) in list(self._parts.items()):
             try:
                 part.pack_layers(upto)
@@ -185,11 +195,15 @@ class LayeredPacks:
         """The slot and pack begun for ``chunk`` (the caller finishes or aborts it)."""
         return self._parts.pop((chunk.req_id, chunk.index), None)
 
+    def take_hash(self, chunk: PackChunk) -> LayerwiseHash | None:
+        """The checksum begun for offered ``chunk`` (the caller finishes it)."""
+        return self._hashes.pop((chunk.req_id, chunk.index), None)
+
     def end(self) -> None:
         """Give back the slots nobody took (chunks present meanwhile, requests
         that failed); pack thread, after a step's chunks were saved."""
         self._meta = None
-        self._offered = {}
+        self._hashes = {}  # NOTE: chunks whose push ended before their final offer
         parts, self._parts = self._parts, {}
         for key, (slot, _) in parts.items():
             self._give_back(key, slot)
@@ -208,5 +222,5 @@ class LayeredPacks:
     def table_sizes(self) -> dict[str, int]:
         return {
             "worker_layered_slots": len(self._parts),
-            "worker_layered_offers": len(self._offered),
+            "worker_layered_hashes": len(self._hashes),
         }

@@ -376,7 +376,7 @@ class FabricWorker:
             on_part,
             self._part_dropped,
             self._direct.__contains__ if offering else None,
-            self._part_final if offering else None,
+            self._part_hashed if offering else None,
         )
 
     def _part_packed(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
@@ -385,13 +385,11 @@ class FabricWorker:
         if self.sender is not None and req_id in self._keys and req_id not in self._keep_only:
             self.sender.part(req_id, index, slot, layers, nbytes)
 
-    def _part_final(self, req_id: str, index: int, block_ids: list[int], layers: int) -> None:
-        """direct_reads: layers of a chunk final in its blocks during the
-        forward (:mod:`~fabric.integrations.vllm.layered`) are offered now, so
-        the decoder reads them while the later layers are computed (pack
-        thread). The chunk's checksum is taken after the step, of what its
-        blocks hold then (:meth:`_offer_chunk`): a group read before it was
-        final, or changed since, fails the chunk at the decoder."""
+    def _part_hashed(self, req_id: str, index: int, block_ids: list[int], layers: int) -> None:
+        """direct_reads: layers of a chunk hashed during the forward (final in
+        its blocks: :mod:`~fabric.integrations.vllm.layered`) are offered now,
+        so the decoder reads them while the later layers are computed (pack
+        thread)."""
         if self.sender is not None and req_id in self._direct:
             self.sender.offer(req_id, index, block_ids, 0, layers)
 
@@ -844,8 +842,12 @@ class FabricWorker:
         blocks reused before it read them (a preemption, a push that gave
         up) fail its load instead of landing as this prompt's KV."""
         assert self.sender is not None and self.layout is not None
-        spans = cache_spans(self.kv_caches, self.layout, chunk.block_ids)
-        checksum = checksum_spans(spans.addrs, spans.lengths)
+        begun = self.layered.take_hash(chunk) if self.layered is not None else None
+        if begun is not None:
+            checksum = begun.finish()  # NOTE: its leading layers were offered already
+        else:
+            spans = cache_spans(self.kv_caches, self.layout, chunk.block_ids)
+            checksum = checksum_spans(spans.addrs, spans.lengths)
         self.sender.offer(chunk.req_id, chunk.index, list(chunk.block_ids), checksum)
 
     def _pack_new(self, chunk: PackChunk, key: bytes) -> int:
