@@ -783,7 +783,8 @@ class PeerLink:
         is its checksum; with ``layers`` short of the layout's, only its
         leading ``layers`` layers are final (a part: ``checksum`` unused)
         and the receiver reads those it has not read. Returns once the
-        receiver read it (the blocks may be reused from then on); raises
+        receiver read it (the blocks may be reused from then on, not after
+        a part: the rest is read from them later); raises
         ``ReservationRefused`` when it will not or could not (a failed or
         timed-out read, a lease gone), ``PeerUnreachable`` when no answer
         came within the control timeout (a read may still be running then:

@@ -185,6 +185,7 @@ class _Read:
     upto: int  # layers read once this read ended
     final: bool  # the chunk's rest: verified once read
     start: int  # the chunk's first byte this read carries
+    prog: RequestProgress  # the transfer's progress when offered (a part counts only there)
 
 
 class TransferServer:
@@ -773,8 +774,10 @@ class TransferServer:
                 and index not in prog.landed | prog.filled | prog.failed
             )
             first = prog.parts.get(index, 0) if prog is not None else 0
-        if not waiting or any(
-            r.offer.request_id == rid and r.offer.index == index for r in self._reads
+        if (
+            not waiting
+            or prog is None
+            or any(r.offer.request_id == rid and r.offer.index == index for r in self._reads)
         ):
             return self._refuse_offer(msg, f"no chunk {index} of {rid!r} waits to be read")
         if first >= upto:
@@ -821,7 +824,9 @@ class TransferServer:
                 msg.seq, rid, proto.Refusal.READ_FAILED, str(exc)[:MAX_REASON_CHARS]
             )
         self._reads.append(
-            _Read(identity, msg, slot, span, handle, time.monotonic(), first, upto, final, start)
+            _Read(
+                identity, msg, slot, span, handle, time.monotonic(), first, upto, final, start, prog
+            )
         )
         return None
 
@@ -895,7 +900,8 @@ class TransferServer:
         self._reply(read.identity, proto.Ack(offer.seq, offer.request_id, True))
         if not read.final:
             self.stats.parts_read += 1
-            self._part_landed(offer.request_id, offer.index, read.upto)
+            # NOTE: not in a transfer reserved anew meanwhile: its slot is another
+            self._part_landed(offer.request_id, offer.index, read.upto, read.prog)
             return
         self.stats.chunks_read += 1
         landed = proto.WriteDone(
@@ -1084,11 +1090,14 @@ class TransferServer:
                 self._notify(msg.request_id)
         self._verify_q.put(msg)
 
-    def _part_landed(self, request_id: str, index: int, layers: int) -> None:
-        """The leading ``layers`` layers of chunk ``index`` landed (written or read)."""
+    def _part_landed(
+        self, request_id: str, index: int, layers: int, within: RequestProgress | None = None
+    ) -> None:
+        """The leading ``layers`` layers of chunk ``index`` landed (written or
+        read; ``within``: only into that progress of the transfer)."""
         with self._cond:
             prog = self._progress.get(request_id)
-            if prog is not None and index in prog.expected:
+            if prog is not None and index in prog.expected and (within is None or within is prog):
                 prog.parts[index] = max(prog.parts.get(index, 0), layers)
                 self.stats.parts_landed += 1
                 self._notify(request_id)

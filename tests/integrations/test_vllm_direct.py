@@ -317,3 +317,53 @@ def test_layer_groups_are_read_during_the_forward_and_the_decoder_gets_the_final
     assert (pc["parts_offered"], pc["chunks_offered"]) == (parts, 3)
     assert dc["chunks_streamed"] == 3 and dc.get("streams_redone", 0) == 0
     assert p.table_sizes()["worker_layered_hashes"] == 0
+
+
+def test_parts_of_a_chunk_the_decoder_has_are_not_counted_as_chunks(
+    pair: tuple[FabricWorker, FabricWorker],
+) -> None:
+    """A prompt whose first chunk the decoder holds already (a shared prefix):
+    its layer groups are hashed and offered like the others' (the prefiller
+    does not know), and must not count as chunks sent: eight groups counted
+    as eight chunks ended the push early, its last chunks never offered
+    (the load waited out its timeout)."""
+    p, d = pair
+    assert d.node is not None and d.node.server is not None and p.layered is not None
+    src, dst = list(range(0, 16)), list(range(20, 36))
+    d.start_load(FabricMetadata(loads=[LoadPlan("d1", "t1", 0, dst, 64, tokens(64))]))
+    forward_step(p, "r1", "t1", d.node.endpoint, 64, src, hooks=False)
+    assert wait_results(d) == ({"d1"}, set())
+    assert step(p, FabricMetadata(), {"r1"}) == {"r1"} or sent_within(p) == {"r1"}
+    p.counters.take()
+    n = 4 * CT  # NOTE: chunk 0 is present at the decoder
+    d.start_load(FabricMetadata(loads=[LoadPlan("d2", "t2", 0, dst, n, tokens(n))]))
+    forward_step(p, "r2", "t2", d.node.endpoint, n, src, hooks=True)
+    assert wait_results(d) == ({"d2"}, set())
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        assert torch.equal(d_layer[dst], p_layer[src])
+    pc = p.counters.take()
+    assert pc.get("push_failures", 0) == 0 and pc["chunks_offered"] == 3
+    assert pc["parts_offered"] == 3 * (len(p.kv_caches) - 1)  # NOTE: none for chunk 0
+
+
+def forward_step(
+    p: FabricWorker, rid: str, tid: str, endpoint: str, n: int, src: list[int], *, hooks: bool
+) -> None:
+    """One prefill step of ``n`` tokens in blocks ``src``, its layer hooks run
+    (the KV as it is) when ``hooks``."""
+    counts = chunk_block_counts(n, CT, BS)
+    packs, start = [], 0
+    for index, c in enumerate(counts):
+        packs.append(PackChunk(rid, index, src[start : start + c]))
+        start += c
+    meta = FabricMetadata(
+        sends=[SendPlan(rid, tid, endpoint, tokens(n), counts, hold=True)], packs=packs
+    )
+    p.before_step()
+    p.start_load(meta)
+    if hooks:
+        for name in list(p._named_caches):
+            p.pack_layer(name, meta)
+    p.pack_step(meta)
+    p.before_step()
+    p.get_results(set())

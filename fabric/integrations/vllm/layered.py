@@ -50,6 +50,21 @@ then. A forward that raised is abandoned
 only (:func:`fabric.kv.layerwise.supported`), no microbatching: on an
 accelerator the forward is only enqueued when the hook runs.
 
+A prefiller with ``direct_reads`` packs nothing for a pushed prompt its
+decoder reads (the request is held): each group of such a chunk is hashed
+in its blocks instead (:class:`~fabric.kv.direct.LayerwiseHash`, the same
+streaming xxh3) and its leading layers offered, so the decoder READs them
+and unpacks them while the forward computes the rest; ``wait_for_save``
+hashes the last group and offers the chunk with its checksum
+(``FabricWorker._offer_chunk``). Its other pushes are packed layer-wise as
+above. The checksum covers every group, but a group is hashed and read
+after the same hook: that its layers were written by then rests on the
+hook order alone (pinned against vLLM's source in
+``tests/integrations/test_vllm_hook_order.py``). With a speculative
+decoder, a group that ends among the draft layers may be rewritten past
+the prompt in its last block between its hash and its read: that chunk
+fails at the decoder (recomputed), as a pack rewritten under its copy does.
+
 Threads: :meth:`LayeredPacks.layer_packed` runs on the forward thread and
 touches only the hook state (an exception there is caught by the worker,
 never raised into the forward); :meth:`prepare`, :meth:`pack`,

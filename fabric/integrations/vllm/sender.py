@@ -848,8 +848,10 @@ class PushSender:
             self._fail(job, f"chunk {index} waited {waited:.0f} s to be offered", peer)
             return
         if res.already_present[index]:
-            job.written += 1
-            self._count_sent(0, 0.0)
+            if not layers:  # NOTE: a part of a chunk the receiver has is nothing to count
+                job.written += 1
+                self._count_sent(0, 0.0)
+                self._maybe_drop(peer, job)
             return
         if self.cache is None:
             raise FabricError("an offer reached a sender without a cache map")

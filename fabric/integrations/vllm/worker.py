@@ -835,12 +835,16 @@ class FabricWorker:
             self._share(chunk.req_id, chunk.index, key)
 
     def _offer_chunk(self, chunk: PackChunk) -> None:
-        """direct_reads: the chunk's checksum, taken in its blocks now that
-        they are final (this runs where a pack would: after the step that
-        computed it, before the next one writes a block), is offered with
-        the block ids; the decoder reads them and checks that checksum, so
-        blocks reused before it read them (a preemption, a push that gave
-        up) fail its load instead of landing as this prompt's KV."""
+        """direct_reads: the chunk's checksum, taken in its blocks once they
+        are final, is offered with the block ids; the decoder reads them and
+        checks that checksum, so blocks reused before it read them (a
+        preemption, a push that gave up) fail its load instead of landing
+        as this prompt's KV. This runs where a pack would: after the step
+        that computed the chunk, before the next one writes a block. With
+        layer groups its leading groups were hashed (and offered) during
+        the forward as each was saved (:mod:`~fabric.integrations.vllm.
+        layered`: that they were final then rests on vLLM's hook order, which
+        no checksum can check); only the rest is hashed here."""
         assert self.sender is not None and self.layout is not None
         begun = self.layered.take_hash(chunk) if self.layered is not None else None
         if begun is not None:
