@@ -268,8 +268,9 @@ class Suite:
         if self._direct_plane is not end.node.plane:
             ids = ",".join(map(str, s.block_ids.tolist()))
             desc = end.node.plane.descriptor().hex()
+            regions = end.node.plane.region_descriptor().hex()
             cmap = msgspec.msgpack.encode(cache_map(s.views, s.layout)).hex()
-            out = self.receiver.ask("direct-peer", desc, cmap, ids)
+            out = self.receiver.ask("direct-peer", desc, cmap, ids, regions)
             if "error" in out:
                 raise TransferError(out["error"])
             self._direct_plane = end.node.plane

@@ -338,13 +338,16 @@ class BenchSide:
         server.release(rid)
         return {"complete": len(done) == count and bool(final and final.complete)}
 
-    def load_direct_peer(self, descriptor: str, cmap: str, ids: str) -> dict[str, Any]:
+    def load_direct_peer(
+        self, descriptor: str, cmap: str, ids: str, regions: str
+    ) -> dict[str, Any]:
         end = self.end
         if not end.direct:
             return {"error": f"no direct reads over {end.transport} from {self.device} memory"}
         if end.direct_peer is not None:
             end.node.plane.remove_peer(end.direct_peer)
         end.direct_peer = end.node.plane.add_peer(bytes.fromhex(descriptor))
+        end.node.plane.add_regions(end.direct_peer, bytes.fromhex(regions))
         self.peer_map = msgspec.msgpack.decode(bytes.fromhex(cmap), type=CacheMap)
         self.peer_ids = np.asarray([int(i) for i in ids.split(",")], dtype=np.int64)
         return {"ok": True}

@@ -191,8 +191,10 @@ class DataPlane(ABC):
 
     def register_region(self, base_address: int, nbytes: int, device: str = "cpu") -> None:
         """Register memory beyond the pool (a paged KV cache) for direct
-        transfers (:meth:`post_read`); peers learn of it from the
-        descriptor, so register before describing this plane."""
+        transfers (:meth:`post_read`). :meth:`descriptor` never names it (it
+        goes to every peer that asks for a Hello): a peer learns of it from
+        :meth:`region_descriptor`, which is sent only to peers that passed
+        the Hello (with an ``Offer``)."""
         if not self.pool_nbytes:
             raise TransportFailed("register the pool before any other region")
         if nbytes <= 0:
@@ -203,6 +205,15 @@ class DataPlane(ABC):
         self.regions.append((base_address, nbytes))
 
     def _register_region(self, base_address: int, nbytes: int, device: str) -> None:
+        raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
+
+    def region_descriptor(self) -> bytes:
+        """Opaque bytes a peer that loaded :meth:`descriptor` passes to
+        :meth:`add_regions` to READ the regions registered here."""
+        raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
+
+    def add_regions(self, peer: str, descriptor: bytes) -> None:
+        """Load ``peer``'s :meth:`region_descriptor`: its regions may be read from now on."""
         raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
 
     def registered(self) -> list[tuple[int, int]]:
@@ -284,6 +295,13 @@ class PoolInfo(msgspec.Struct, array_like=True, frozen=True):
     nbytes: int
 
 
+class RegionInfo(msgspec.Struct, array_like=True, frozen=True):
+    """Region descriptor of the loopback plane: its regions, by name."""
+
+    name: str
+    regions: list[tuple[int, int]]
+
+
 class DoneWrite(WriteHandle):
     """A write that completed when it was posted."""
 
@@ -307,6 +325,7 @@ class LoopbackDataPlane(DataPlane):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._notifs: deque[tuple[str, bytes]] = deque()
+        self._peer_regions: dict[str, list[tuple[int, int]]] = {}  # given by add_regions
         with self._registry_lock:
             if name in self._registry:
                 raise TransportFailed(f"loopback plane {name!r} exists")
@@ -352,11 +371,29 @@ class LoopbackDataPlane(DataPlane):
         if device != "cpu":
             raise TransportFailed("loopback plane moves host memory only")
 
+    def region_descriptor(self) -> bytes:
+        return msgspec.msgpack.encode(RegionInfo(self.name, list(self.regions)))
+
+    def add_regions(self, peer: str, descriptor: bytes) -> None:
+        try:
+            info = msgspec.msgpack.decode(descriptor, type=RegionInfo)
+        except msgspec.DecodeError as exc:
+            raise TransportFailed(f"bad loopback region descriptor: {exc}") from exc
+        if info.name != peer:
+            raise TransportFailed(f"regions of {info.name!r} offered as {peer!r}'s")
+        source = self._registry.get(peer)
+        if source is None or not set(map(tuple, info.regions)) <= set(source.regions):
+            raise TransportFailed(f"{peer!r} registered no such regions")
+        self._peer_regions[peer] = [(int(b), int(n)) for b, n in info.regions]
+
     def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
         source = self._registry.get(peer)
         if source is None:
             raise TransportFailed(f"loopback peer {peer!r} is gone")
-        rows = self.check_read(peer, spans, source.registered())
+        # NOTE: as over NIXL: only what this side was given (the pool, and
+        # the regions of a region descriptor)
+        given = [(source.pool_base, source.pool_nbytes), *self._peer_regions.get(peer, [])]
+        rows = self.check_read(peer, spans, given)
         for local, far, nbytes in rows.tolist():
             ctypes.memmove(local, far, nbytes)
         if notif:

@@ -55,7 +55,16 @@ class NixlDescriptor(msgspec.Struct, array_like=True, frozen=True):
     mem_type: str
     device_id: int
     regions: list[tuple[int, int]] = []
-    """Memory beyond the pool registered for direct transfers (base, nbytes)."""
+    """Memory beyond the pool a peer may READ (base, nbytes): empty in a
+    plane's descriptor, filled by its :class:`NixlRegions`."""
+
+
+class NixlRegions(msgspec.Struct, array_like=True, frozen=True):
+    """A plane's regions for a peer that loaded its descriptor: NIXL partial
+    metadata of each registration (no connection info) and the regions."""
+
+    metadata: list[bytes]
+    regions: list[tuple[int, int]]
 
 
 def nixl_available() -> bool:
@@ -138,6 +147,7 @@ class NixlDataPlane(DataPlane):
         self._device_id = 0
         self._reg: Any = None
         self._region_regs: list[Any] = []
+        self._regions_md: bytes | None = None  # region_descriptor, built once
         self._peers: dict[str, NixlDescriptor] = {}
         self._kept: list[tuple[str, bytes]] = []  # notifications progress() took
         # Handles dropped unfinished (appended from any thread, released under the lock).
@@ -157,12 +167,13 @@ class NixlDataPlane(DataPlane):
 
     def _register_region(self, base_address: int, nbytes: int, device: str) -> None:
         """NOTE: the trust boundary. NIXL does not limit a registration to
-        reads: every agent that loaded this plane's descriptor can READ and
-        WRITE all of a registered region, as it can the pool. Register a
-        cache only on a plane whose descriptor goes to peers that passed
-        fabric's Hello (signed beyond loopback); a peer's own checks
-        (:meth:`~fabric.transfer.dataplane.DataPlane.check_read`) protect
-        it, not the side being read.
+        reads: every agent that loaded this plane's :meth:`region_descriptor`
+        can READ and WRITE all of a registered region. :meth:`descriptor`
+        (which every Hello carries, before its answer is checked) holds the
+        pool's registration only; the region descriptor goes in Offers, to
+        peers that answered the Hello (signed beyond loopback). A peer's own
+        checks (:meth:`~fabric.transfer.dataplane.DataPlane.check_read`)
+        protect it, not the side being read.
         """
         mem_type = "VRAM" if device.startswith("cuda") else "DRAM"
         device_id = int(device.partition(":")[2] or 0) if mem_type == "VRAM" else 0
@@ -181,19 +192,50 @@ class NixlDataPlane(DataPlane):
             if reg is None:
                 raise TransportFailed(f"NIXL refused to register {nbytes} bytes of {device}")
             self._region_regs.append(reg)
+            self._regions_md = None
 
     def descriptor(self) -> bytes:
+        """The agent's connection info and the pool's registration only
+        (NIXL partial metadata): a peer that loads it cannot reach the
+        regions (the cache), whose keys only :meth:`region_descriptor` holds."""
         with self.lock:
-            metadata = self.agent.get_agent_metadata()
+            if self._reg is None:
+                metadata = self.agent.get_partial_agent_metadata(
+                    self.agent.get_reg_descs([], self._mem_type), True, ["UCX"]
+                )
+            else:
+                metadata = self.agent.get_partial_agent_metadata(self._reg, True, ["UCX"])
         info = NixlDescriptor(
-            metadata,
-            self.pool_base,
-            self.pool_nbytes,
-            self._mem_type,
-            self._device_id,
-            list(self.regions),
+            metadata, self.pool_base, self.pool_nbytes, self._mem_type, self._device_id
         )
         return msgspec.msgpack.encode(info)
+
+    def region_descriptor(self) -> bytes:
+        with self.lock:
+            if self._regions_md is None:
+                metadata = [
+                    self.agent.get_partial_agent_metadata(reg, False, ["UCX"])
+                    for reg in self._region_regs
+                ]
+                self._regions_md = msgspec.msgpack.encode(NixlRegions(metadata, list(self.regions)))
+            return self._regions_md
+
+    def add_regions(self, peer: str, descriptor: bytes) -> None:
+        info = self._peer(peer)
+        try:
+            given = msgspec.msgpack.decode(descriptor, type=NixlRegions)
+            with self.lock:
+                for metadata in given.metadata:
+                    name = self.agent.add_remote_agent(metadata)
+                    name = name.decode() if isinstance(name, bytes) else str(name)
+                    if name != peer:
+                        raise TransportFailed(f"regions of {name!r} offered as {peer!r}'s")
+        except TransportFailed:
+            raise
+        except Exception as exc:
+            raise TransportFailed(f"bad NIXL region descriptor: {exc}") from exc
+        regions = [(int(b), int(n)) for b, n in given.regions]
+        self._peers[peer] = msgspec.structs.replace(info, regions=regions)
 
     def add_peer(self, descriptor: bytes) -> str:
         try:

@@ -226,7 +226,11 @@ class Offer(msgspec.Struct, tag="offer", array_like=True, frozen=True):
     receiver READs those it has not read (the chunk's bytes up to them)
     and takes them as ``WritePart`` says, and ``checksum`` means nothing.
     0 (an older sender) or the layer count: the whole chunk, its rest read
-    now, then verified with ``checksum``."""
+    now, then verified with ``checksum``.
+
+    ``regions``: the sender data plane's region descriptor (its cache's
+    registration), which its Hello's descriptor never holds: a peer learns
+    it only once the sender checked its HelloAck and offers it a chunk."""
 
     seq: int
     request_id: RequestId
@@ -236,6 +240,7 @@ class Offer(msgspec.Struct, tag="offer", array_like=True, frozen=True):
     block_ids: Annotated[list[Index], msgspec.Meta(max_length=1 << 16)]
     cache: CacheMap
     layers: Count = 0
+    regions: Annotated[bytes, msgspec.Meta(max_length=1 << 16)] = b""
 
 
 class Lookup(msgspec.Struct, tag="lookup", array_like=True, frozen=True):

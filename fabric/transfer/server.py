@@ -250,6 +250,7 @@ class TransferServer:
         warn_if_insecure(config.host, config.secret, f"the fabric server at {self.endpoint}")
         self._peers: dict[bytes, str] = {}  # control identity -> data-plane agent
         self._peer_seen: dict[bytes, float] = {}
+        self._regions_of: dict[bytes, bytes] = {}  # identity -> region descriptor loaded
         self._next_prune = 0.0
         self._progress: dict[str, RequestProgress] = {}
         self._ended: dict[str, float] = {}  # request -> when its reservation was found gone
@@ -689,6 +690,7 @@ class TransferServer:
             self.stats.refused += 1
             return proto.Refused(msg.seq, "", proto.Refusal.BAD_DESCRIPTOR, str(exc))
         self._peers[identity] = msg.agent_name
+        self._regions_of.pop(identity, None)  # NOTE: the next Offer loads them anew
         self._peer_seen[identity] = time.monotonic()
         self.stats.hellos += 1
         pool = self.store.pool
@@ -803,6 +805,14 @@ class TransferServer:
             return self._refuse_offer(
                 msg, f"the offered blocks hold {src.nbytes} bytes, chunk {index} has {nbytes}"
             )
+        if self._regions_of.get(identity) != msg.regions:
+            # NOTE: the sender's cache is named to peers that passed its Hello
+            # only, in its Offers, never in the descriptor every Hello carries
+            try:
+                self.plane.add_regions(self._peers[identity], msg.regions)
+            except FabricError as exc:
+                return self._refuse_offer(msg, f"the sender's cache: {exc}")
+            self._regions_of[identity] = msg.regions
         pool = self.store.pool
         zero = np.zeros(1, dtype=np.int64)
         dst = Spans(zero, zero + pool.base_address + pool.slot_offset(slot), zero + nbytes, nbytes)
@@ -1124,6 +1134,7 @@ class TransferServer:
         limit = now - self.config.peer_idle_s
         for identity in [i for i, seen in self._peer_seen.items() if seen < limit]:
             del self._peer_seen[identity]
+            self._regions_of.pop(identity, None)
             agent = self._peers.pop(identity, None)
             self.stats.peers_pruned += 1
             if agent is not None and agent not in self._peers.values():

@@ -5,7 +5,7 @@
 Builds the cache of :func:`cache` (random bytes from SEED), registers it
 with a NIXL data plane (driven every ms, as fabric's server drives its own)
 and prints one JSON line: the plane's descriptor
-(hex), and where the chunk of ``BLOCK_IDS`` lies in the cache (offsets,
+and region descriptor (hex), and where the chunk of ``BLOCK_IDS`` lies in the cache (offsets,
 addresses, lengths) with its checksum. Then one JSON line per command:
     flip       flip a byte of the chunk; answers the new checksum
     quit
@@ -49,6 +49,7 @@ def main() -> None:
     spans = cache_spans(layers, layout, BLOCK_IDS)
     hello = {
         "descriptor": plane.descriptor().hex(),
+        "regions": plane.region_descriptor().hex(),
         "offsets": spans.offsets.tolist(),
         "addrs": spans.addrs.tolist(),
         "lengths": spans.lengths.tolist(),

@@ -90,14 +90,17 @@ def plane() -> Iterator[NixlDataPlane]:
 
 
 def reader(
-    peer: Peer, plane: NixlDataPlane, *, register: bool = True
+    peer: Peer, plane: NixlDataPlane, *, register: bool = True, regions: bool = True
 ) -> tuple[list[torch.Tensor], str, DirectPlan]:
-    """The reader's cache (registered unless told not), the peer's name, the plan."""
+    """The reader's cache (registered unless told not), the peer's name (its
+    regions loaded unless told not), the plan."""
     dst = [torch.zeros_like(t) for t in cache(0)]
     if register:
         for base, nbytes in cache_regions(dst):
             plane.register_region(base, nbytes)
     name = plane.add_peer(bytes.fromhex(str(peer.hello["descriptor"])))
+    if regions:
+        plane.add_regions(name, bytes.fromhex(str(peer.hello["regions"])))
     plan = direct_plan(peer.spans(), cache_spans(dst, KVLayout.from_tensors(dst), DST_IDS))
     return dst, name, plan
 
@@ -153,6 +156,35 @@ def test_reads_outside_registered_memory_are_refused(peer: Peer, plane: NixlData
         plane.post_read("nobody", plan.read_rows())
     with pytest.raises(TransportFailed, match="overlaps"):
         plane.register_region(*cache_regions(dst)[0])
+
+
+def test_the_descriptor_every_hello_carries_opens_no_cache(
+    peer: Peer, plane: NixlDataPlane
+) -> None:
+    """A peer that loaded only the prefiller's descriptor (what its Hello
+    carries, to whoever it connects to, before it checked the answer) cannot
+    READ its cache: the descriptor names no region, and NIXL itself, asked
+    past fabric's checks, has no registration to read it with. The region
+    descriptor (sent in Offers, after the Hello was answered) opens it."""
+    _dst, name, plan = reader(peer, plane, regions=False)
+    with pytest.raises(TransportFailed, match="outside what"):
+        plane.post_read(name, plan.read_rows())
+    rows = plan.read_rows()
+    local = np.stack([rows[:, 0], rows[:, 2], np.zeros(len(rows), dtype=np.int64)], axis=1)
+    remote = np.stack([rows[:, 1], rows[:, 2], np.zeros(len(rows), dtype=np.int64)], axis=1)
+    with plane.lock, pytest.raises(Exception, match="NOT_FOUND"):
+        plane.agent.initialize_xfer(
+            "READ",
+            plane.agent.get_xfer_descs(local.astype(np.uint64), "DRAM"),
+            plane.agent.get_xfer_descs(remote.astype(np.uint64), "DRAM"),
+            name,
+            b"",
+        )
+    with pytest.raises(TransportFailed, match="bad NIXL region descriptor"):
+        plane.add_regions(name, b"\x93junk")
+    plane.add_regions(name, bytes.fromhex(str(peer.hello["regions"])))
+    assert finish(plane.post_read(name, plan.read_rows())) is XferState.DONE
+    assert checksum_spans(plan.dst, plan.lengths) == peer.hello["checksum"]
 
 
 def test_a_dead_prefiller_ends_the_read_with_an_error(peer: Peer, plane: NixlDataPlane) -> None:

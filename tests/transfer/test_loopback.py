@@ -316,6 +316,11 @@ def test_loopback_reads_registered_memory_and_refuses_the_rest() -> None:
         b.register_region(src.data_ptr(), 256)
         peer = a.add_peer(b.descriptor())
         rows = np.array([[dst.data_ptr() + 8, src.data_ptr() + 100, 50]], dtype=np.int64)
+        with pytest.raises(TransportFailed, match="outside what"):
+            a.post_read(peer, rows)  # NOTE: the descriptor alone opens no region
+        with pytest.raises(TransportFailed, match="no such regions"):
+            a.add_regions(peer, a.region_descriptor().replace(b"read-a", b"read-b"))
+        a.add_regions(peer, b.region_descriptor())
         a.post_read(peer, rows, b"read").poll()
         assert torch.equal(dst[8:58], src[100:150]) and int(dst[:8].sum()) == 0
         assert b.take_notifs() == [("read-a", b"read")]

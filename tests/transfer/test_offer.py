@@ -350,3 +350,29 @@ def test_a_part_read_before_its_source_was_final_fails_the_chunk(pair: Pair) -> 
     prog = server.wait("t12", 5)
     assert prog is not None and prog.failed == {0} and not prog.filled
     assert server.stats.checksum_failures == 1
+
+
+def test_an_offer_whose_cache_cannot_be_loaded_is_refused(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender's cache is named in its Offers only (not in the descriptor
+    its Hello carries): an Offer whose region descriptor does not load, or
+    names regions its sender did not register, is refused and nothing read."""
+    server = pair.receiver.server
+    assert server is not None
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve("t13", [b"k" * 16], [pair.nbytes])
+    plane = pair.sender.client.plane
+    real = plane.region_descriptor()
+    monkeypatch.setattr(plane, "region_descriptor", lambda: b"junk")
+    with pytest.raises(ReservationRefused, match="sender's cache"):
+        link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+    forged = real.replace(plane.name.encode(), pair.receiver.client.plane.name.encode())
+    monkeypatch.setattr(plane, "region_descriptor", lambda: forged)
+    with pytest.raises(ReservationRefused, match="sender's cache"):
+        link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+    monkeypatch.setattr(plane, "region_descriptor", lambda: real)
+    link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+    prog = server.wait("t13", 5)
+    assert prog is not None and prog.complete
+    assert server.stats.offers_refused == 2 and server.stats.chunks_read == 1

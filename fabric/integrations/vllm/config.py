@@ -49,14 +49,17 @@ class ConnectorConfig(Settings):
     the copies run on the decoder's cores, not the prefill's. vLLM keeps a
     finished request's blocks until every chunk was read (or its push
     failed). Needs the ``nixl`` transport (or ``loopback``) and a KV cache
-    in host memory, and registers the whole KV cache with the data plane:
-    every peer this engine says Hello to gets its data-plane descriptor
-    (NIXL's metadata names every registered region) and can READ and WRITE
-    the cache, and the decoders it pushes to are named by requests'
-    ``kv_transfer_params``: enable it only where just the proxy reaches
-    this engine's API, and sign the control channel beyond loopback. Chunks of pushed prompts are
-    then not packed into this engine's own store (no reuse here, nothing
-    saved to the shared store from them); layer groups do not apply to them.
+    in host memory, and registers the whole KV cache with the data plane.
+    The cache's registration (NIXL partial metadata) goes only in Offers,
+    to a decoder that answered this engine's Hello and granted a Reserve
+    (both signed beyond loopback), never in the descriptor every Hello
+    carries; such a decoder can READ and WRITE the cache, and the decoders
+    this engine pushes to are named by requests' ``kv_transfer_params``:
+    sign the control channel beyond loopback, and on one host enable it
+    only where just the proxy reaches this engine's API. Chunks of pushed
+    prompts are then not packed into this engine's own store (no reuse
+    here, nothing saved to the shared store from them); with layer groups
+    each group is hashed and offered as the forward writes it.
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).

@@ -331,7 +331,8 @@ class FabricWorker:
             plane.register_region(base, nbytes)
         logger.warning(
             "fabric: direct_reads: this engine's KV cache is registered with its data plane; "
-            "every peer it says Hello to can read and write it"
+            "a decoder it offers chunks to (one that answered its Hello and granted a Reserve) "
+            "can read and write it"
         )
         return cache_map(self.kv_caches, layout)
 
