@@ -200,9 +200,8 @@ class NixlDataPlane(DataPlane):
         regions (the cache), whose keys only :meth:`region_descriptor` holds."""
         with self.lock:
             if self._reg is None:
-                metadata = self.agent.get_partial_agent_metadata(
-                    self.agent.get_reg_descs([], self._mem_type), True, ["UCX"]
-                )
+                # NOTE: no pool, so no region either (the pool comes first)
+                metadata = self.agent.get_agent_metadata()
             else:
                 metadata = self.agent.get_partial_agent_metadata(self._reg, True, ["UCX"])
         info = NixlDescriptor(

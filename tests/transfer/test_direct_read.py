@@ -197,3 +197,15 @@ def test_a_dead_prefiller_ends_the_read_with_an_error(peer: Peer, plane: NixlDat
         assert "outside" not in str(exc) and "registered memory" not in str(exc)
         return
     assert state is XferState.ERR
+
+
+def test_a_plane_without_a_pool_describes_itself_and_no_region() -> None:
+    a, b = NixlDataPlane("no-pool-a", ucx_net_devices="lo"), NixlDataPlane("no-pool-b")
+    try:
+        assert b.add_peer(a.descriptor()) == "no-pool-a"
+        with pytest.raises(TransportFailed, match="pool before"):
+            a.register_region(0x1000, 4096)
+        b.add_regions("no-pool-a", a.region_descriptor())  # NOTE: nothing to open
+    finally:
+        a.close()
+        b.close()
