@@ -75,6 +75,7 @@ from fabric.errors import (
     TransportFailed,
 )
 from fabric.transfer import protocol as proto
+from fabric.transfer.addresses import is_loopback
 from fabric.transfer.dataplane import Segment, WriteFence, WriteHandle, XferState
 from fabric.transfer.faults import FaultInjector
 
@@ -278,15 +279,26 @@ class PeerLink:
         return reply
 
     def _call_known(
-        self, msg: proto.Message, tick: Callable[[], None] | None = None
+        self,
+        msg: proto.Message,
+        tick: Callable[[], None] | None = None,
+        *,
+        same_agent: bool = False,
     ) -> proto.Message:
         """``_call`` for messages that need a Hello first: a receiver that
         forgot this link (idle past its ``peer_idle_s``, restarted on the
         same endpoint, or seeing a rebuilt socket) answers ``no_hello``; say
-        Hello again and resend once."""
+        Hello again and resend once. ``same_agent``: not to a new process
+        (its reservations are not ours): ``ReservationRefused`` instead."""
         reply = self._call(msg, tick)
         if isinstance(reply, proto.Refused) and reply.code == proto.Refusal.NO_HELLO:
+            before = self.peer_agent
             self._adopt(self._handshake())
+            if same_agent and self.peer_agent != before:
+                raise ReservationRefused(
+                    f"{self.endpoint} is another process now (agent {self.peer_agent!r}); "
+                    f"{type(msg).__name__} not sent to it"
+                )
             reply = self._call(msg, tick)
         return reply
 
@@ -791,6 +803,15 @@ class PeerLink:
         the receiver verifies what it read, so the blocks may be reused, but
         not trusted to have moved)."""
         self._post_check(res.request_id)
+        config = self.client.config
+        host = self.endpoint.removeprefix("tcp://").rpartition(":")[0]
+        if config.secret is None and not config.insecure and not is_loopback(host):
+            # NOTE: unsigned, whoever answers on that address would be handed the
+            # cache (its Hello and Reserve are not checked): refused, as binding is
+            raise ReservationRefused(
+                f"{self.endpoint} is beyond loopback and no secret is set: no Offer "
+                "names this side's cache to it (set a secret, or insecure: true)"
+            )
         msg = proto.Offer(
             next(self._seq),
             res.request_id,
@@ -805,7 +826,9 @@ class PeerLink:
         # NOTE: the receiver's READ may need this side's agent to answer
         # (connection wire-up; UCX transports that emulate RMA): it is
         # driven while the answer is awaited
-        reply = self._call_known(msg, self.client.plane.progress)
+        # NOTE: never to a process that did not grant the reservation: the
+        # Offer names this side's cache
+        reply = self._call_known(msg, self.client.plane.progress, same_agent=True)
         if isinstance(reply, proto.Refused):
             raise ReservationRefused(f"{reply.code}: {reply.reason}")
         if not isinstance(reply, proto.Ack) or reply.request_id != res.request_id:

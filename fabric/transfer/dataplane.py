@@ -157,8 +157,9 @@ class DataPlane(ABC):
         """Register the chunk pool once; every write reads from or lands in it."""
         if self.pool_nbytes:
             raise TransportFailed(f"{self.kind}: pool already registered")
-        self.pool_base, self.pool_nbytes = base_address, nbytes
         self._register(base_address, nbytes, device)
+        # NOTE: after: a pool that did not register lets no region register
+        self.pool_base, self.pool_nbytes = base_address, nbytes
 
     @abstractmethod
     def _register(self, base_address: int, nbytes: int, device: str) -> None: ...
@@ -342,6 +343,7 @@ class LoopbackDataPlane(DataPlane):
         info = msgspec.msgpack.decode(descriptor, type=PoolInfo)
         if info.name not in self._registry:
             raise TransportFailed(f"no loopback plane {info.name!r}")
+        self._peer_regions.pop(info.name, None)  # NOTE: as NIXL's: loaded anew from Offers
         return info.name
 
     def post_write(

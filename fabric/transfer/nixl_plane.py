@@ -223,6 +223,12 @@ class NixlDataPlane(DataPlane):
         info = self._peer(peer)
         try:
             given = msgspec.msgpack.decode(descriptor, type=NixlRegions)
+            if len(given.metadata) != len(given.regions):
+                # NOTE: ranges with no registration of their own would name
+                # sections another descriptor loaded for this agent
+                raise TransportFailed(
+                    f"{len(given.regions)} regions with {len(given.metadata)} registrations"
+                )
             with self.lock:
                 for metadata in given.metadata:
                     name = self.agent.add_remote_agent(metadata)

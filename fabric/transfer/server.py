@@ -685,12 +685,21 @@ class TransferServer:
             reason = f"sender uses {msg.transport}, receiver {self.plane.kind}"
             return proto.Refused(msg.seq, "", proto.Refusal.TRANSPORT_MISMATCH, reason)
         try:
-            self.plane.add_peer(msg.data_descriptor)
+            agent = self.plane.add_peer(msg.data_descriptor)
         except Exception as exc:
             self.stats.refused += 1
             return proto.Refused(msg.seq, "", proto.Refusal.BAD_DESCRIPTOR, str(exc))
-        self._peers[identity] = msg.agent_name
-        self._regions_of.pop(identity, None)  # NOTE: the next Offer loads them anew
+        if agent != msg.agent_name:
+            # NOTE: a sender named after another one would have that one's
+            # cache read into its own slots (its regions, loaded from its Offers)
+            self.stats.refused += 1
+            reason = f"the descriptor is agent {agent!r}'s, the Hello says {msg.agent_name!r}"
+            return proto.Refused(msg.seq, "", proto.Refusal.BAD_DESCRIPTOR, reason)
+        self._peers[identity] = agent
+        # NOTE: loading a descriptor resets the agent's regions in the plane,
+        # for every connection of that agent: each one's next Offer loads them
+        for other in [i for i, a in self._peers.items() if a == agent]:
+            self._regions_of.pop(other, None)
         self._peer_seen[identity] = time.monotonic()
         self.stats.hellos += 1
         pool = self.store.pool

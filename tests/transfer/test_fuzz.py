@@ -338,7 +338,14 @@ def test_well_typed_requests_with_hostile_values(rig: Rig) -> None:
     link = rig.sender.client.connect(rig.receiver.endpoint)
     request_ids = [f"h-{i}" for i in range(6)]
     try:
+        # NOTE: named after another agent than its descriptor's: refused (it
+        # would have that agent's cache read into its own slots)
         hello = proto.Hello(1, "fuzzer", "loopback", FINGERPRINT, plane.descriptor())
+        sock.send(CODEC.encode(hello))
+        assert sock.poll(5000)
+        refused = CODEC.decode(sock.recv())
+        assert isinstance(refused, proto.Refused) and refused.code == "bad_descriptor"
+        hello = proto.Hello(2, plane.name, "loopback", FINGERPRINT, plane.descriptor())
         sock.send(CODEC.encode(hello))
         assert sock.poll(5000) and isinstance(CODEC.decode(sock.recv()), proto.HelloAck)
         for _ in range(2000):

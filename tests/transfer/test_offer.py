@@ -376,3 +376,81 @@ def test_an_offer_whose_cache_cannot_be_loaded_is_refused(
     prog = server.wait("t13", 5)
     assert prog is not None and prog.complete
     assert server.stats.offers_refused == 2 and server.stats.chunks_read == 1
+
+
+def test_a_second_connection_of_the_sender_does_not_strand_the_first(pair: Pair) -> None:
+    """A Hello loads the sender's descriptor anew, which resets the regions the
+    receiver's plane holds for that agent (as NIXL's loading does), for every
+    connection of it: the first connection's next Offer loads them again
+    instead of reading outside what it was given."""
+    import zmq
+
+    from fabric.transfer import protocol as proto
+
+    server = pair.receiver.server
+    assert server is not None
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve("t14", [b"a" * 16, b"b" * 16], [pair.nbytes, pair.nbytes])
+    link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)  # NOTE: regions loaded
+    plane, codec = pair.sender.client.plane, pair.sender.client.codec
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pair.receiver.endpoint)
+    try:
+        hello = proto.Hello(
+            1, plane.name, plane.kind, pair.layout.fingerprint(), plane.descriptor()
+        )
+        sock.send(codec.encode(hello))
+        assert sock.poll(5000) and isinstance(codec.decode(sock.recv()), proto.HelloAck)
+    finally:
+        sock.close()
+    link.offer(res, 1, BLOCK_IDS, pair.checksum(), pair.cmap)
+    prog = server.wait("t14", 5)
+    assert prog is not None and prog.complete and server.stats.read_failures == 0
+
+
+def test_an_offer_is_not_resent_to_a_process_that_did_not_grant_its_reservation(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver that answers no_hello may be a new process on the endpoint
+    (a restart, a port taken over): the link says Hello again, and when its
+    agent is another one the Offer, which names this side's cache, is not
+    sent to it; the push fails instead."""
+    from fabric.transfer import protocol as proto
+    from fabric.transfer.dataplane import LoopbackDataPlane
+
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve("t15", [b"k" * 16], [pair.nbytes])
+    other = LoopbackDataPlane("offer-new-process")
+    sent: list[proto.Message] = []
+    try:
+        ack = proto.HelloAck(
+            0, other.name, other.kind, pair.layout.fingerprint(), other.descriptor(), 1, 1
+        )
+
+        def call(msg: proto.Message, tick: object = None) -> proto.Message:
+            sent.append(msg)
+            return proto.Refused(msg.seq, "", proto.Refusal.NO_HELLO, "who are you")  # type: ignore[attr-defined]
+
+        monkeypatch.setattr(link, "_call", call)
+        monkeypatch.setattr(link, "_handshake", lambda: ack)
+        with pytest.raises(ReservationRefused, match="another process"):
+            link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+        assert len(sent) == 1  # NOTE: not sent again to the new process
+    finally:
+        other.close()
+
+
+def test_no_offer_beyond_loopback_without_a_secret(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unsigned, a Hello's and a Reserve's answers prove nothing: an Offer (it
+    names this side's cache) goes beyond loopback only with a secret (or
+    ``insecure``), as a receiver binds beyond loopback only with one."""
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    res = link.reserve("t16", [b"k" * 16], [pair.nbytes])
+    monkeypatch.setattr(link, "endpoint", "tcp://10.9.8.7:5555")
+    with pytest.raises(ReservationRefused, match="beyond loopback"):
+        link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+    monkeypatch.setattr(link, "endpoint", pair.receiver.endpoint)
+    link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)

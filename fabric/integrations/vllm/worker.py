@@ -315,8 +315,9 @@ class FabricWorker:
             self.node.server.extra_tables.append(self.own_table_sizes)
 
     def _register_cache(self, layout: KVLayout) -> CacheMap:
-        """direct_reads: register the KV cache with the data plane (before
-        any Hello carries its descriptor) and describe it for readers."""
+        """direct_reads: register the KV cache with the data plane (its
+        registration goes to decoders in Offers, never in the descriptor a
+        Hello carries) and describe it for readers."""
         assert self.node is not None
         plane = self.node.plane
         devices = {str(t.device) for t in self.kv_caches}
