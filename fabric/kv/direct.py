@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CacheMap",
     "DirectPlan",
-    "LayerwiseHash",
     "Spans",
     "cache_map",
     "cache_regions",
@@ -230,46 +229,6 @@ def checksum_spans(
     for at, n in zip((addrs - lo).tolist(), lengths.tolist(), strict=True):
         h.update(view[at : at + n])
     return h.intdigest()
-
-
-class LayerwiseHash:
-    """The checksum of the chunk in blocks ``block_ids`` of a CPU cache, taken
-    in place a layer group at a time (a chunk offered while the forward still
-    computes its later layers): ``hash_layers(n)`` adds layers ``done .. n -
-    1`` (each final by then), ``finish()`` the rest and returns the digest,
-    the one :func:`checksum_spans` gives for the whole chunk (xxh3-64 fed in
-    chunk order, which is layer-major)."""
-
-    def __init__(self, kv_caches: KVCaches, layout: KVLayout, block_ids: BlockIds) -> None:
-        self.block_ids = list(block_ids)
-        self.spans = cache_spans(kv_caches, layout, block_ids)
-        self.num_layers = layout.num_layers
-        # NOTE: a copy plan lists every (layer, segment) row's runs in chunk
-        # order, the same number of runs per row
-        self._per_layer = len(self.spans.offsets) // layout.num_layers
-        if self._per_layer * layout.num_layers != len(self.spans.offsets):
-            raise LayoutError("layer-wise hash: the pieces do not tile the chunk by layer")
-        self._hasher = xxhash.xxh3_64()
-        self._done = 0
-
-    @property
-    def layers_done(self) -> int:
-        return self._done
-
-    def hash_layers(self, upto: int) -> None:
-        """Hash layers ``layers_done .. upto - 1``; a no-op when ``upto`` is not past them."""
-        if not 0 <= upto <= self.num_layers:
-            raise LayoutError(f"hash_layers: layer {upto} of {self.num_layers}")
-        if upto <= self._done:
-            return
-        a, b = self._done * self._per_layer, upto * self._per_layer
-        self._done = upto
-        checksum_spans(self.spans.addrs[a:b], self.spans.lengths[a:b], self._hasher)
-
-    def finish(self) -> int:
-        """Hash the layers left; the whole chunk's checksum."""
-        self.hash_layers(self.num_layers)
-        return self._hasher.intdigest()
 
 
 def cache_regions(kv_caches: KVCaches) -> list[tuple[int, int]]:

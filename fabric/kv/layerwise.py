@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from fabric.errors import LayoutError
+from fabric.kv.direct import checksum_spans
 from fabric.kv.layout import KVLayout, named_layers
 from fabric.kv.pack import (
     FUSED_MIN_COPY_BYTES,
@@ -55,7 +56,14 @@ if TYPE_CHECKING:
     from fabric.kv.layout import KVCaches
     from fabric.kv.pack import BlockIds
 
-__all__ = ["LayerwisePack", "LayerwiseUnpack", "group_ends", "layer_bytes", "supported"]
+__all__ = [
+    "LayerwiseHash",
+    "LayerwisePack",
+    "LayerwiseUnpack",
+    "group_ends",
+    "layer_bytes",
+    "supported",
+]
 
 
 def supported(kv_caches: KVCaches) -> bool:
@@ -79,6 +87,30 @@ def layer_bytes(layout: KVLayout, chunk_blocks: int) -> int:
     return layout.chunk_nbytes(chunk_blocks) // layout.num_layers
 
 
+class _LayerSteps:
+    """A copy plan's rows taken a layer group at a time: the plan lists every
+    (layer, segment) row's runs in chunk order, the same number per row, so
+    layers ``a .. b - 1`` are its rows ``a * per_layer .. b * per_layer - 1``."""
+
+    def __init__(self, rows: int, num_layers: int, what: str) -> None:
+        self.per_layer = rows // num_layers
+        if self.per_layer * num_layers != rows:
+            raise LayoutError(f"{what}: the copies do not tile the chunk by layer")
+        self.num_layers = num_layers
+        self.done = 0
+
+    def advance(self, upto: int, what: str) -> tuple[int, int] | None:
+        """The rows of layers ``done .. upto - 1`` (now done); None when
+        ``upto`` is not past them."""
+        if not 0 <= upto <= self.num_layers:
+            raise LayoutError(f"{what}: layer {upto} of {self.num_layers}")
+        if upto <= self.done:
+            return None
+        rows = self.done * self.per_layer, upto * self.per_layer
+        self.done = upto
+        return rows
+
+
 class LayerwisePack:
     """The pack of blocks ``block_ids`` into ``dst``, a layer group at a time.
 
@@ -98,34 +130,28 @@ class LayerwisePack:
         self._dst = dst
         offsets, cache, lengths = copy_plan(kv_caches, layout, ids, 0)
         self._offsets, self._cache, self._lengths = offsets, cache, lengths
-        # NOTE: copy_plan lists every (layer, segment) row's runs in chunk
-        # order, the same number of runs per row
-        self._per_layer = len(offsets) // layout.num_layers
-        if self._per_layer * layout.num_layers != len(offsets) or lengths.sum() != self._nbytes:
-            raise LayoutError("layer-wise pack: the copies do not tile the chunk by layer")
-        self._num_layers = layout.num_layers
+        if lengths.sum() != self._nbytes:
+            raise LayoutError("layer-wise pack: the copies do not tile the chunk")
+        self._steps = _LayerSteps(len(offsets), layout.num_layers, "layer-wise pack")
         self._fused = bool(lengths.size) and lengths.mean() >= FUSED_MIN_COPY_BYTES
         self._hasher = xxhash.xxh3_64()
-        self._done = 0
 
     @property
     def layers_done(self) -> int:
         """Layers packed so far (``0 .. num_layers``)."""
-        return self._done
+        return self._steps.done
 
     @property
     def bytes_done(self) -> int:
         """The chunk's leading bytes packed so far (those of ``layers_done``)."""
-        return self._nbytes * self._done // self._num_layers
+        return self._nbytes * self._steps.done // self._steps.num_layers
 
     def pack_layers(self, upto: int) -> None:
         """Pack layers ``layers_done .. upto - 1``; a no-op when ``upto`` is not past them."""
-        if not 0 <= upto <= self._num_layers:
-            raise LayoutError(f"pack_layers: layer {upto} of {self._num_layers}")
-        if upto <= self._done:
+        rows = self._steps.advance(upto, "pack_layers")
+        if rows is None:
             return
-        a, b = self._done * self._per_layer, upto * self._per_layer
-        self._done = upto
+        a, b = rows
         offsets, cache, lengths = self._offsets[a:b], self._cache[a:b], self._lengths[a:b]
         if not offsets.size:
             return
@@ -139,8 +165,41 @@ class LayerwisePack:
 
     def finish(self) -> tuple[int, int]:
         """Pack the layers left; ``(nbytes, checksum)`` of the whole chunk."""
-        self.pack_layers(self._num_layers)
+        self.pack_layers(self._steps.num_layers)
         return self._nbytes, self._hasher.intdigest()
+
+
+class LayerwiseHash:
+    """The checksum of the chunk in blocks ``block_ids`` of a CPU cache, taken
+    in place a layer group at a time (a chunk offered while the forward still
+    computes its later layers): ``hash_layers(n)`` adds layers ``done .. n -
+    1`` (each final by then), ``finish()`` the rest and returns the digest,
+    the one :func:`~fabric.kv.direct.checksum_spans` gives for the whole
+    chunk (xxh3-64 fed in chunk order, which is layer-major)."""
+
+    def __init__(self, kv_caches: KVCaches, layout: KVLayout, block_ids: BlockIds) -> None:
+        self.block_ids = list(block_ids)
+        _, self._addrs, self._lengths = copy_plan(
+            kv_caches, layout, _block_ids(block_ids, layout), 0
+        )
+        self._steps = _LayerSteps(len(self._addrs), layout.num_layers, "layer-wise hash")
+        self._hasher = xxhash.xxh3_64()
+
+    @property
+    def layers_done(self) -> int:
+        return self._steps.done
+
+    def hash_layers(self, upto: int) -> None:
+        """Hash layers ``layers_done .. upto - 1``; a no-op when ``upto`` is not past them."""
+        rows = self._steps.advance(upto, "hash_layers")
+        if rows is not None:
+            a, b = rows
+            checksum_spans(self._addrs[a:b], self._lengths[a:b], self._hasher)
+
+    def finish(self) -> int:
+        """Hash the layers left; the whole chunk's checksum."""
+        self.hash_layers(self._steps.num_layers)
+        return self._hasher.intdigest()
 
 
 class LayerwiseUnpack:

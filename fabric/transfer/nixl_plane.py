@@ -223,35 +223,38 @@ class NixlDataPlane(DataPlane):
         info = self._peer(peer)
         try:
             given = msgspec.msgpack.decode(descriptor, type=NixlRegions)
-            if len(given.metadata) != len(given.regions):
-                # NOTE: ranges with no registration of their own would name
-                # sections another descriptor loaded for this agent
-                raise TransportFailed(
-                    f"{len(given.regions)} regions with {len(given.metadata)} registrations"
-                )
-            with self.lock:
-                for metadata in given.metadata:
-                    name = self.agent.add_remote_agent(metadata)
-                    name = name.decode() if isinstance(name, bytes) else str(name)
-                    if name != peer:
-                        raise TransportFailed(f"regions of {name!r} offered as {peer!r}'s")
-        except TransportFailed:
-            raise
-        except Exception as exc:
+        except msgspec.DecodeError as exc:
             raise TransportFailed(f"bad NIXL region descriptor: {exc}") from exc
+        if len(given.metadata) != len(given.regions):
+            # NOTE: ranges with no registration of their own would name
+            # sections another descriptor loaded for this agent
+            raise TransportFailed(
+                f"{len(given.regions)} regions with {len(given.metadata)} registrations"
+            )
+        for metadata in given.metadata:
+            name = self._load(metadata, "region descriptor")
+            if name != peer:
+                raise TransportFailed(f"regions of {name!r} offered as {peer!r}'s")
         regions = [(int(b), int(n)) for b, n in given.regions]
         self._peers[peer] = msgspec.structs.replace(info, regions=regions)
 
     def add_peer(self, descriptor: bytes) -> str:
         try:
             info = msgspec.msgpack.decode(descriptor, type=NixlDescriptor)
-            with self.lock:
-                name = self.agent.add_remote_agent(info.metadata)
-        except Exception as exc:
+        except msgspec.DecodeError as exc:
             raise TransportFailed(f"bad NIXL peer descriptor: {exc}") from exc
-        name = name.decode() if isinstance(name, bytes) else str(name)
+        name = self._load(info.metadata, "peer descriptor")
         self._peers[name] = info
         return name
+
+    def _load(self, metadata: bytes, what: str) -> str:
+        """Load NIXL metadata (whole or partial); the agent it names."""
+        try:
+            with self.lock:
+                name = self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransportFailed(f"bad NIXL {what}: {exc}") from exc
+        return name.decode() if isinstance(name, bytes) else str(name)
 
     def remove_peer(self, peer: str) -> None:
         if self._peers.pop(peer, None) is not None:

@@ -178,10 +178,9 @@ class _Read:
     identity: bytes
     offer: proto.Offer
     slot: int
-    nbytes: int  # read now: the chunk's bytes from layer ``first`` to ``upto``
+    nbytes: int  # read now: the chunk's bytes from ``start`` to layer ``upto``
     handle: WriteHandle
     started: float
-    first: int  # layers read before
     upto: int  # layers read once this read ended
     final: bool  # the chunk's rest: verified once read
     start: int  # the chunk's first byte this read carries
@@ -843,9 +842,7 @@ class TransferServer:
                 msg.seq, rid, proto.Refusal.READ_FAILED, str(exc)[:MAX_REASON_CHARS]
             )
         self._reads.append(
-            _Read(
-                identity, msg, slot, span, handle, time.monotonic(), first, upto, final, start, prog
-            )
+            _Read(identity, msg, slot, span, handle, time.monotonic(), upto, final, start, prog)
         )
         return None
 

@@ -52,7 +52,7 @@ accelerator the forward is only enqueued when the hook runs.
 
 A prefiller with ``direct_reads`` packs nothing for a pushed prompt its
 decoder reads (the request is held): each group of such a chunk is hashed
-in its blocks instead (:class:`~fabric.kv.direct.LayerwiseHash`, the same
+in its blocks instead (:class:`~fabric.kv.layerwise.LayerwiseHash`, the same
 streaming xxh3) and its leading layers offered, so the decoder READs them
 and unpacks them while the forward computes the rest; ``wait_for_save``
 hashes the last group and offers the chunk with its checksum
@@ -80,8 +80,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fabric.errors import CapacityError
-from fabric.kv.direct import LayerwiseHash
-from fabric.kv.layerwise import LayerwisePack, group_ends
+from fabric.kv.layerwise import LayerwiseHash, LayerwisePack, group_ends
 
 if TYPE_CHECKING:
     import torch
@@ -193,7 +192,7 @@ class LayeredPacks:
                 del self._hashes[key]  # NOTE: hashed whole and offered at wait_for_save
                 continue
             if self.on_offer is not None:
-                self.on_offer(key[0], key[1], list(hashing.block_ids), hashing.layers_done)
+                self.on_offer(key[0], key[1], hashing.block_ids, hashing.layers_done)
         for key, (slot, part) in list(self._parts.items()):
             try:
                 part.pack_layers(upto)
