@@ -17,7 +17,9 @@ gone (P's held blocks are free again), P killed mid-read.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -256,18 +258,38 @@ def _kill_mid_prefill(
     cluster: Cluster, proxy: Proxy, prefiller: str, landed: str, *, seed: int
 ) -> None:
     """SIGKILL ``prefiller`` once D's stat ``landed`` grew during a long
-    prompt's prefill; the answer must still equal the colocated engine's."""
-    prompt = prompt_ids(LONG, seed=seed)
-    want = cluster.want(prompt)
-    before = cluster.d_stats()[landed]
-    result: list[tuple[list[int], list[float]]] = []
-    request = threading.Thread(
-        target=lambda: result.append(complete(proxy.url("/v1/completions"), body(prompt)))
-    )
-    request.start()
-    _wait_until(lambda: cluster.d_stats()[landed] > before)
+    prompt's prefill; the answer must still equal the colocated engine's.
+
+    The kill must land mid-prefill: P's process group is stopped first, and
+    killed only while the proxy still waits on its prefill leg (the
+    ``early_transfers`` table; a P answer already sent is read within the
+    pause). A prefill that ended before the stop (a slow poll on a busy
+    machine) is let go and another prompt tried.
+    """
+    engine = cluster.engines[prefiller]
+    for attempt in range(4):
+        prompt = prompt_ids(LONG, seed=seed + attempt)
+        want = cluster.want(prompt)
+        before = cluster.d_stats()[landed]
+        result: list[tuple[list[int], list[float]]] = []
+        request = threading.Thread(
+            target=lambda: result.append(complete(proxy.url("/v1/completions"), body(prompt)))
+        )
+        request.start()
+        _wait_until(lambda: cluster.d_stats()[landed] > before)
+        os.killpg(engine.process.pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        if _tables(proxy)["early_transfers"] == 1:
+            break
+        os.killpg(engine.process.pid, signal.SIGCONT)  # NOTE: too late: P answered
+        request.join(120)
+        assert result, "the request did not finish"
+        assert_same(result[0], want)
+        print(f"attempt {attempt}: the prefill ended before P was stopped")
+    else:
+        pytest.fail("every prefill ended before the prefiller could be stopped")
     killed = time.monotonic()
-    cluster.engines[prefiller].process.stop(timeout=0)  # SIGKILL mid-prefill
+    engine.process.stop(timeout=0)  # SIGKILL mid-prefill
     request.join(120)
     print(f"answer {time.monotonic() - killed:.1f} s after the kill")
     assert result, "the request did not finish"
