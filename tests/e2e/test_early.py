@@ -270,13 +270,7 @@ def _kill_mid_prefill(
     for attempt in range(4):
         prompt = prompt_ids(LONG, seed=seed + attempt)
         want = cluster.want(prompt)
-        before = cluster.d_stats()[landed]
-        result: list[tuple[list[int], list[float]]] = []
-        request = threading.Thread(
-            target=lambda: result.append(complete(proxy.url("/v1/completions"), body(prompt)))
-        )
-        request.start()
-        _wait_until(lambda: cluster.d_stats()[landed] > before)
+        request, result = _send_until_landed(cluster, proxy, prompt, landed)
         os.killpg(engine.process.pid, signal.SIGSTOP)
         time.sleep(0.5)
         if _tables(proxy)["early_transfers"] == 1:
@@ -294,6 +288,20 @@ def _kill_mid_prefill(
     print(f"answer {time.monotonic() - killed:.1f} s after the kill")
     assert result, "the request did not finish"
     assert_same(result[0], want)
+
+
+def _send_until_landed(
+    cluster: Cluster, proxy: Proxy, prompt: list[int], landed: str
+) -> tuple[threading.Thread, list[tuple[list[int], list[float]]]]:
+    """Send ``prompt`` in a thread; return once D's stat ``landed`` grew."""
+    before = cluster.d_stats()[landed]
+    result: list[tuple[list[int], list[float]]] = []
+    request = threading.Thread(
+        target=lambda: result.append(complete(proxy.url("/v1/completions"), body(prompt)))
+    )
+    request.start()
+    _wait_until(lambda: cluster.d_stats()[landed] > before)
+    return request, result
 
 
 def _wait_until(predicate: Any, timeout: float = 60.0) -> None:
