@@ -15,8 +15,10 @@ fabric.bench.transfer_side ARGS_JSON``) answers one JSON line per command:
                           separated)
     direct N BATCH        read chunks 0 .. N-1 from the sender's cache into
                           this one, BATCH chunks per READ, and verify each
-                          against the checksums the sender sends next, as one
-                          line ``sums S0,S1,..`` (read while the reads run)
+                          against the checksum the sender sends for it next,
+                          one line ``sum I S`` per chunk as the sender hashed
+                          it (read while the reads run; a chunk is verified
+                          once both its read and its line are in)
     fabric-wait RID       wait until fabric verified every chunk of RID
     full RID N WHEN T     unpack RID's N chunks into the cache (T threads) as
                           each lands (WHEN=landed: verified meanwhile by the
@@ -356,9 +358,9 @@ class BenchSide:
         """Read chunks ``0 .. count - 1`` of the sender's cache into this one and
         verify each against the sender's checksum (see the module docstring).
 
-        The reads are posted first; the checksums line is taken while they
-        run, and a chunk is hashed once its read is done and its checksum
-        known. Complete only when every chunk matched.
+        The reads are posted first; the sender's checksum lines are taken
+        while they run, and a chunk is hashed once its read is done and its
+        checksum known. Complete only when every chunk matched.
         """
         end = self.end
         assert end.direct_peer is not None, "direct-peer first"
@@ -370,14 +372,15 @@ class BenchSide:
             # NOTE: the sender learns its blocks were read from the READ's notification
             handle = end.node.plane.post_read(end.direct_peer, rows, b"direct-read")
             pending.append((handle, group))
-        sums: list[int] | None = None
+        sums: dict[int, int] = {}
         landed: list[int] = []
         bad: list[int] = []
         verified, failed = 0, False
         deadline = time.monotonic() + 120
         while (verified + len(bad) < count) and not failed and time.monotonic() < deadline:
-            if sums is None and (line := lines.poll()) is not None:
-                sums = [int(v) for v in line.split()[1].split(",")]
+            while len(sums) < count and (line := lines.poll()) is not None:
+                _, index, value = line.split()
+                sums[int(index)] = int(value)
             for entry in list(pending):
                 state = entry[0].poll()
                 if state is XferState.PROC:
@@ -388,19 +391,22 @@ class BenchSide:
                     failed = True
                 else:
                     landed.extend(entry[1])
-            if sums is not None:
-                for i in landed:
-                    if checksum_spans(plans[i].dst, plans[i].lengths) == sums[i]:
-                        verified += 1
-                    else:
-                        bad.append(i)
-                landed.clear()
-            else:
+            ready = [i for i in landed if i in sums]
+            for i in ready:
+                landed.remove(i)
+                if checksum_spans(plans[i].dst, plans[i].lengths) == sums[i]:
+                    verified += 1
+                else:
+                    bad.append(i)
+            if not ready:
                 time.sleep(0)
         for handle, _ in pending:  # NOTE: nothing may land after the answer
             handle.abort()
-        if sums is None:  # NOTE: keep the pipe in step
-            lines.get()
+        while len(sums) < count:  # NOTE: keep the pipe in step
+            line = lines.get()
+            if line is None:
+                break
+            sums[int(line.split()[1])] = 0
         return {"complete": verified == count, "bad": bad, "failed": failed}
 
     def handle(self, cmd: str, rest: list[str]) -> dict[str, Any]:
