@@ -491,7 +491,11 @@ def test_groups_packed_during_the_forward_land_and_are_unpacked_before_the_step_
     assert_same_kv(p, d)
     counts = d.counters.take()
     assert counts["chunks_streamed"] == 3 and "streams_redone" not in counts
-    assert p.counters.take()["parts_sent"] >= 3
+    sent = p.counters.take()
+    assert sent["parts_sent"] >= 3
+    # NOTE: the parts' bytes count as sent: the chunks' bytes in all, once
+    assert p.layout is not None
+    assert sent["bytes_sent"] == sum(p.layout.chunk_nbytes(n) for n in (4, 4, 2))
     assert d.node is not None and d.node.server is not None
     assert d.node.server.stats.parts_landed >= 3
     assert d.store.reserved_count() == 0 and d.loader is not None

@@ -17,7 +17,7 @@ a ValueError inside a vLLM hook or a fabric thread would fail the engine)."""
 
 COUNTERS = {
     "chunks_sent": "chunks pushed to decoders",
-    "bytes_sent": "bytes pushed to decoders",
+    "bytes_sent": "bytes pushed to decoders (a chunk's parts written during the forward included)",
     "push_failures": "pushes abandoned (decoder unreachable, refused, timed out)",
     "chunks_loaded": "chunks unpacked into the KV cache",
     "bytes_loaded": "bytes unpacked into the KV cache",

@@ -926,7 +926,10 @@ class PushSender:
             if done:
                 part.pending, part.landed, part.epoch = None, nbytes, push.route_epoch
                 part.rewrote = part.rewrote or push.rewrote
-                self.counters.add(parts_sent=1)
+                # NOTE: its bytes count as sent (the chunk's last write carries
+                # only the rest); a part sent again from byte 0 carried them all
+                sent = nbytes if push.rewrote else push.nbytes
+                self.counters.add(parts_sent=1, **{self.names.bytes: sent})
                 self._post_part(job, index, part)
             elif now - started > self.push_timeout_s:
                 push.abort()
