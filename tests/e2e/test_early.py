@@ -16,6 +16,7 @@ gone (P's held blocks are free again), P killed mid-read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -258,43 +259,62 @@ def _kill_mid_prefill(
     cluster: Cluster, proxy: Proxy, prefiller: str, landed: str, *, seed: int
 ) -> None:
     """SIGKILL ``prefiller`` once D's stat ``landed`` grew during a long
-    prompt's prefill; the answer must still equal the colocated engine's.
+    prompt's prefill; the answer must still equal the colocated engine's,
+    and D must have failed the load (it recomputed).
 
-    The kill must land mid-prefill: P's process group is stopped first, and
-    killed only while the proxy still waits on its prefill leg (the
-    ``early_transfers`` table; a P answer already sent is read within the
-    pause). A prefill that ended before the stop (a slow poll on a busy
-    machine) is let go and another prompt tried.
+    The kill must land mid-prefill: P's engine core and workers are stopped
+    first (its API server runs on, so an answer already computed reaches the
+    proxy meanwhile), and P is killed only if after 0.5 s the proxy still
+    waits on the prefill leg (the ``early_transfers`` table) and D lacks
+    some of the prompt's chunks (so it cannot load them all). Otherwise the
+    prefill ended first (a slow poll on a busy machine): P goes on, its
+    answer is checked, and another prompt is tried.
     """
     engine = cluster.engines[prefiller]
+    d_url = cluster.engines["decode"].base_url
+    failures = metric(d_url, "vllm:fabric_load_failures_total")
     for attempt in range(4):
         prompt = prompt_ids(LONG, seed=seed + attempt)
         want = cluster.want(prompt)
-        request, result = _send_until_landed(cluster, proxy, prompt, landed)
-        os.killpg(engine.process.pid, signal.SIGSTOP)
-        time.sleep(0.5)
-        if _tables(proxy)["early_transfers"] == 1:
-            break
-        os.killpg(engine.process.pid, signal.SIGCONT)  # NOTE: too late: P answered
+        before = cluster.d_stats()[landed]
+        request, result = _send_until_landed(cluster, proxy, prompt, landed, before)
+        core = [pid for pid in engine.process.group_pids() if pid != engine.process.pid]
+        assert core, "the prefiller has no engine core process"
+        killed = False
+        try:
+            _signal_all(core, signal.SIGSTOP)
+            time.sleep(0.5)
+            held = cluster.d_stats()[landed] - before
+            if _tables(proxy)["early_transfers"] == 1 and held < LONG // 256:
+                killed_at = time.monotonic()
+                engine.process.stop(timeout=0)  # SIGKILL mid-prefill
+                killed = True
+        finally:
+            if not killed:
+                _signal_all(core, signal.SIGCONT)
         request.join(120)
         assert result, "the request did not finish"
         assert_same(result[0], want)
+        if killed:
+            print(f"answer {time.monotonic() - killed_at:.1f} s after the kill")
+            break
         print(f"attempt {attempt}: the prefill ended before P was stopped")
     else:
         pytest.fail("every prefill ended before the prefiller could be stopped")
-    killed = time.monotonic()
-    engine.process.stop(timeout=0)  # SIGKILL mid-prefill
-    request.join(120)
-    print(f"answer {time.monotonic() - killed:.1f} s after the kill")
-    assert result, "the request did not finish"
-    assert_same(result[0], want)
+    wait_idle(d_url)
+    _wait_until(lambda: metric(d_url, "vllm:fabric_load_failures_total") - failures == 1)
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _send_until_landed(
-    cluster: Cluster, proxy: Proxy, prompt: list[int], landed: str
+    cluster: Cluster, proxy: Proxy, prompt: list[int], landed: str, before: int
 ) -> tuple[threading.Thread, list[tuple[list[int], list[float]]]]:
-    """Send ``prompt`` in a thread; return once D's stat ``landed`` grew."""
-    before = cluster.d_stats()[landed]
+    """Send ``prompt`` in a thread; return once D's stat ``landed`` grew past ``before``."""
     result: list[tuple[list[int], list[float]]] = []
     request = threading.Thread(
         target=lambda: result.append(complete(proxy.url("/v1/completions"), body(prompt)))
