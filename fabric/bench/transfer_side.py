@@ -392,8 +392,8 @@ class BenchSide:
                 else:
                     landed.extend(entry[1])
             ready = [i for i in landed if i in sums]
+            landed = [i for i in landed if i not in sums]
             for i in ready:
-                landed.remove(i)
                 if checksum_spans(plans[i].dst, plans[i].lengths) == sums[i]:
                     verified += 1
                 else:
@@ -402,11 +402,9 @@ class BenchSide:
                 time.sleep(0)
         for handle, _ in pending:  # NOTE: nothing may land after the answer
             handle.abort()
-        while len(sums) < count:  # NOTE: keep the pipe in step
-            line = lines.get()
-            if line is None:
+        for _ in range(count - len(sums)):  # NOTE: keep the pipe in step
+            if lines.get() is None:
                 break
-            sums[int(line.split()[1])] = 0
         return {"complete": verified == count, "bad": bad, "failed": failed}
 
     def handle(self, cmd: str, rest: list[str]) -> dict[str, Any]:

@@ -90,20 +90,22 @@ def layer_bytes(layout: KVLayout, chunk_blocks: int) -> int:
 class _LayerSteps:
     """A copy plan's rows taken a layer group at a time: the plan lists every
     (layer, segment) row's runs in chunk order, the same number per row, so
-    layers ``a .. b - 1`` are its rows ``a * per_layer .. b * per_layer - 1``."""
+    layers ``a .. b - 1`` are its rows ``a * per_layer .. b * per_layer - 1``.
+    ``what`` names the user in errors."""
 
     def __init__(self, rows: int, num_layers: int, what: str) -> None:
         self.per_layer = rows // num_layers
         if self.per_layer * num_layers != rows:
             raise LayoutError(f"{what}: the copies do not tile the chunk by layer")
         self.num_layers = num_layers
+        self.what = what
         self.done = 0
 
-    def advance(self, upto: int, what: str) -> tuple[int, int] | None:
+    def advance(self, upto: int) -> tuple[int, int] | None:
         """The rows of layers ``done .. upto - 1`` (now done); None when
         ``upto`` is not past them."""
         if not 0 <= upto <= self.num_layers:
-            raise LayoutError(f"{what}: layer {upto} of {self.num_layers}")
+            raise LayoutError(f"{self.what}: layer {upto} of {self.num_layers}")
         if upto <= self.done:
             return None
         rows = self.done * self.per_layer, upto * self.per_layer
@@ -148,7 +150,7 @@ class LayerwisePack:
 
     def pack_layers(self, upto: int) -> None:
         """Pack layers ``layers_done .. upto - 1``; a no-op when ``upto`` is not past them."""
-        rows = self._steps.advance(upto, "pack_layers")
+        rows = self._steps.advance(upto)
         if rows is None:
             return
         a, b = rows
@@ -191,7 +193,7 @@ class LayerwiseHash:
 
     def hash_layers(self, upto: int) -> None:
         """Hash layers ``layers_done .. upto - 1``; a no-op when ``upto`` is not past them."""
-        rows = self._steps.advance(upto, "hash_layers")
+        rows = self._steps.advance(upto)
         if rows is not None:
             a, b = rows
             checksum_spans(self._addrs[a:b], self._lengths[a:b], self._hasher)

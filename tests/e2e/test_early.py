@@ -34,7 +34,16 @@ import pytest
 from fabric.launch.process import free_port
 from fabric.transfer.store_client import StoreClient
 from tests.e2e._engines import Engine, EngineFactory
-from tests.e2e._pd import Proxy, assert_same, body, complete, kv_config, metric, prompt_ids
+from tests.e2e._pd import (
+    CHUNK_TOKENS,
+    Proxy,
+    assert_same,
+    body,
+    complete,
+    kv_config,
+    metric,
+    prompt_ids,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -285,7 +294,7 @@ def _kill_mid_prefill(
             _signal_all(core, signal.SIGSTOP)
             time.sleep(0.5)
             held = cluster.d_stats()[landed] - before
-            if _tables(proxy)["early_transfers"] == 1 and held < LONG // 256:
+            if _tables(proxy)["early_transfers"] == 1 and held < LONG // CHUNK_TOKENS:
                 killed_at = time.monotonic()
                 engine.process.stop(timeout=0)  # SIGKILL mid-prefill
                 killed = True
