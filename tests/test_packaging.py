@@ -39,7 +39,8 @@ def test_the_wheel_holds_the_package_the_command_and_the_copy_kernel(tmp_path: P
     assert "fabric/cli.py" in names and "fabric/py.typed" in names
     assert "fabric/kv/_copy.c" in names  # NOTE: pack can rebuild it where the wheel cannot load
     # NOTE: the CUDA kernels' sources, for fabric.kv.cuda's JIT build on a GPU machine
-    csrc = {"pack_binding.cpp", "pack_kernels.cu", "pack_kernels.h"}
+    csrc = {"pack_binding.cpp", "pack_kernels.cu", "pack_kernels.h", "checksum_kernels.cu"}
+    csrc |= {"checksum_kernels.h", "fold64.h"}
     assert {f"fabric/kv/csrc/{name}" for name in csrc} <= set(names), names
     assert any(n.startswith("fabric/kv/_copy.") and n.endswith(".so") for n in names), names
     assert not any(n.startswith(("tests/", "benchmarks/", "scripts/")) for n in names)

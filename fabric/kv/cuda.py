@@ -51,7 +51,7 @@ Implementation = Literal["cpu", "cuda-kernels", "torch-index"]
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 """The kernels' sources, shipped in the package (an installed wheel can JIT-build them)."""
-SOURCES = ("pack_binding.cpp", "pack_kernels.cu")
+SOURCES = ("pack_binding.cpp", "pack_kernels.cu", "checksum_kernels.cu")
 CUDA_FLAGS = ("-O3", "--expt-relaxed-constexpr")
 AOT_MODULE = "fabric.kv._cuda_pack"
 JIT_NAME = "fabric_cuda_pack"

@@ -46,11 +46,16 @@ MakeCaches = Callable[..., list[torch.Tensor]]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-def test_kernels_compile_with_plain_nvcc(tmp_path: Path) -> None:
-    obj = tmp_path / "pack_kernels.o"
+@pytest.mark.parametrize(
+    ("source", "symbol"),
+    [("pack_kernels", "fabric::launch_block_copy"), ("checksum_kernels", "fabric::launch_fold64")],
+)
+def test_kernels_compile_with_plain_nvcc(tmp_path: Path, source: str, symbol: str) -> None:
+    assert f"{source}.cu" in kv_cuda.SOURCES  # NOTE: what the JIT build compiles
+    obj = tmp_path / f"{source}.o"
     start = time.monotonic()
     result = subprocess.run(
-        ["nvcc", *NVCC_FLAGS, str(CSRC / "pack_kernels.cu"), "-o", str(obj)],
+        ["nvcc", *NVCC_FLAGS, str(CSRC / f"{source}.cu"), "-o", str(obj)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -60,7 +65,7 @@ def test_kernels_compile_with_plain_nvcc(tmp_path: Path) -> None:
     assert time.monotonic() - start < 60
     if shutil.which("nm"):
         symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True).stdout
-        assert "fabric::launch_block_copy" in symbols
+        assert symbol in symbols
 
 
 def _cuda_include() -> Path | None:

@@ -2,6 +2,7 @@
 //
 //   pack(row_bases, row_strides, block_ids, chunk, segment_bytes, stream)
 //   unpack(row_bases, row_strides, block_ids, chunk, segment_bytes, stream)
+//   fold64(chunk, out, stream)     (checksum_kernels.cu: out = int64 CUDA tensor [1])
 //
 // row_bases / row_strides: int64 CUDA tensors [rows], byte addresses and block
 // strides of each (layer, segment) row; block_ids: int64 CUDA tensor [n];
@@ -15,6 +16,7 @@
 
 #include <c10/cuda/CUDAGuard.h>
 
+#include "checksum_kernels.h"
 #include "pack_kernels.h"
 
 namespace {
@@ -66,6 +68,21 @@ void unpack(const at::Tensor& row_bases, const at::Tensor& row_strides,
               fabric::CopyDirection::kUnpack);
 }
 
+void fold64(const at::Tensor& chunk, const at::Tensor& out, int64_t stream) {
+  TORCH_CHECK(chunk.is_cuda(), "chunk must be a CUDA tensor");
+  TORCH_CHECK(chunk.scalar_type() == at::kByte, "chunk must be uint8");
+  TORCH_CHECK(chunk.dim() == 1 && chunk.is_contiguous(), "chunk must be contiguous 1-D");
+  TORCH_CHECK(out.is_cuda() && out.device() == chunk.device(), "out must be on ", chunk.device());
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.numel() == 1 && out.is_contiguous(),
+              "out must be one contiguous int64");
+  const c10::cuda::CUDAGuard guard(chunk.device());
+  const cudaError_t err = fabric::launch_fold64(
+      chunk.data_ptr<uint8_t>(), chunk.numel(),
+      reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
+      reinterpret_cast<cudaStream_t>(stream));
+  TORCH_CHECK(err == cudaSuccess, "fabric fold64 launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -74,4 +91,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_ids"), py::arg("chunk"), py::arg("segment_bytes"), py::arg("stream"));
   m.def("unpack", &unpack, "chunk -> cache blocks", py::arg("row_bases"), py::arg("row_strides"),
         py::arg("block_ids"), py::arg("chunk"), py::arg("segment_bytes"), py::arg("stream"));
+  m.def("fold64", &fold64, "fold64 checksum of chunk into out (see fold64.h)", py::arg("chunk"),
+        py::arg("out"), py::arg("stream"));
 }
