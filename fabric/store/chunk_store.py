@@ -66,7 +66,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fabric.errors import ChecksumMismatch, ConfigError, ReservationExpired, SlotStateError
-from fabric.store.checksum import checksum as compute_checksum
 from fabric.store.leases import (
     Lease,
     LeaseTable,
@@ -207,7 +206,7 @@ class ChunkStore:
         with self._lock:
             generation = self._local_slot(slot).generation
         if checksum is None:
-            checksum = compute_checksum(self.pool.memoryview(slot, nbytes))
+            checksum = self.pool.checksum(slot, nbytes)
         with self._lock:
             if self._local_slot(slot).generation != generation:
                 raise SlotStateError(f"slot {slot} was aborted while being committed")
@@ -303,7 +302,7 @@ class ChunkStore:
             slot, nbytes = target
             writes = self._slots.slots[slot].writes
         if actual is None:
-            actual = compute_checksum(self.pool.memoryview(slot, nbytes))
+            actual = self.pool.checksum(slot, nbytes)
         with self._lock:
             if self._leases.get(request_id) is not lease:
                 raise ReservationExpired(f"request {request_id!r} ended while being filled")

@@ -15,26 +15,80 @@ resized; everything else hands out views into it::
 
     slot_offset(s) = s * slot_bytes        (relative to base_address)
 
-Only ``device="cpu"`` exists today; the argument is there so pinned host
-memory or VRAM can be added without changing callers.
+Where the region lives (``device``)::
+
+    device     memory                          NIXL kind   checksum
+    cpu        pageable host memory            DRAM        xxh3   (fabric.store.checksum)
+    pinned     page-locked host memory (CUDA)  DRAM        xxh3
+    cuda[:N]   VRAM of GPU N                   VRAM        fold64 (fabric.kv.fold64)
+
+:meth:`ChunkPool.checksum` hashes a slot with the pool's own algorithm, on the
+host for host pools and on the GPU for a VRAM pool (no device-to-host copy of
+the chunk). :meth:`ChunkPool.memoryview` exists for host pools only; code that
+must see a VRAM chunk's bytes on the host (the disk tier) stages them through
+:meth:`ChunkPool.staging_buffer`, pinned host memory.
 """
 
 from __future__ import annotations
 
 import builtins
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fabric.errors import ConfigError
+from fabric.store.checksum import checksum as compute_checksum
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALIGNMENT", "ChunkPool"]
+__all__ = ["ALIGNMENT", "HOST_DEVICES", "ChunkPool", "check_device", "resolve_pool_device"]
 
 ALIGNMENT = 4096
 """Byte alignment of :attr:`ChunkPool.base_address` (one page)."""
 
-_DEVICES = ("cpu",)
+HOST_DEVICES = ("cpu", "pinned")
+
+
+def check_device(device: str) -> str:
+    """``device`` if it names a pool device (cpu, pinned, cuda, cuda:N), else ConfigError."""
+    if device in HOST_DEVICES or device == "cuda":
+        return device
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and index.isdigit():
+        return device
+    raise ConfigError(
+        f"device: {device!r} is not a pool device (expected cpu, pinned, cuda or cuda:N)"
+    )
+
+
+def resolve_pool_device(
+    requested: str, cache_devices: set[str], host_only: str | None = None
+) -> str:
+    """The pool device a connector's ``pool_device`` stands for.
+
+    ``cache_devices``: where the KV cache's tensors are (``{"cuda:0"}``,
+    ``{"cpu"}``). ``host_only``: why this engine's pool must be host memory
+    (the TCP transport, a shared store), or None. ``auto`` is VRAM on the
+    cache's GPU unless ``host_only`` (then pinned host memory), and the host
+    for a CPU cache; ``cuda`` asks for VRAM and is a ConfigError where it
+    cannot be had.
+    """
+    if requested in HOST_DEVICES:
+        return requested
+    gpus = sorted(d for d in cache_devices if d.startswith("cuda"))
+    if requested not in ("auto", "cuda"):
+        raise ConfigError(f"pool_device: {requested!r} is not one of auto, cuda, pinned or cpu")
+    if len(gpus) != len(cache_devices) or len(gpus) > 1:
+        if requested == "cuda":
+            where = ", ".join(sorted(cache_devices)) or "nowhere"
+            raise ConfigError(
+                f"pool_device: 'cuda' needs the KV cache on one GPU; it is on {where}"
+            )
+        return "cpu"
+    if host_only is not None:
+        if requested == "cuda":
+            raise ConfigError(f"pool_device: 'cuda' is not possible here: {host_only}")
+        return "pinned"
+    return gpus[0]
 
 
 class ChunkPool:
@@ -45,12 +99,11 @@ class ChunkPool:
     ) -> None:
         _check_positive("num_slots", num_slots)
         _check_positive("slot_bytes", slot_bytes)
-        if device not in _DEVICES:
-            raise ConfigError(f"device: {device!r} is not supported (expected one of {_DEVICES})")
+        check_device(device)
         self._num_slots = num_slots
         self._slot_bytes = slot_bytes
         self._device = device
-        self._raw, self._buffer = _allocate_aligned(num_slots * slot_bytes)
+        self._raw, self._buffer = _allocate_aligned(num_slots * slot_bytes, device)
         if prefault:
             # NOTE: touch every page now. A first write to a fresh page costs
             # ~10x a warm one here (1.3 vs 12 GiB/s), and when it happens inside
@@ -58,7 +111,7 @@ class ChunkPool:
             self._buffer.zero_()
         # NOTE: one numpy view of the whole buffer, shared by every memoryview
         # handed out, so building a memoryview costs a slice and no copy.
-        self._array: Any = self._buffer.numpy()
+        self._array: Any = self._buffer.numpy() if self.is_host else None
 
     @classmethod
     def carve(cls, region: ChunkPool, slot_bytes: int) -> ChunkPool:
@@ -99,8 +152,42 @@ class ChunkPool:
 
     @property
     def device(self) -> str:
-        """Where the region lives (``"cpu"``)."""
+        """Where the region lives: ``cpu``, ``pinned``, ``cuda`` or ``cuda:N``."""
         return self._device
+
+    @property
+    def is_host(self) -> bool:
+        """Whether the region is host memory (``cpu`` or ``pinned``)."""
+        return self._device in HOST_DEVICES
+
+    @property
+    def memory_kind(self) -> str:
+        """How NIXL registers the region: ``DRAM`` (host) or ``VRAM``."""
+        return "DRAM" if self.is_host else "VRAM"
+
+    @property
+    def checksum_name(self) -> Literal["xxh3", "fold64"]:
+        """The chunk checksum of this pool: ``xxh3`` (host) or ``fold64`` (VRAM)."""
+        return "xxh3" if self.is_host else "fold64"
+
+    def checksum(self, slot: int, nbytes: int) -> int:
+        """The pool's checksum of ``slot``'s first ``nbytes`` bytes, where they live.
+
+        A VRAM pool hashes on the device (fabric.kv.fold64, on the current
+        stream) and reads back only the 8-byte result.
+        """
+        if self.is_host:
+            return compute_checksum(self.memoryview(slot, nbytes))
+        from fabric.kv.fold64 import fold64
+
+        if not 0 <= nbytes <= self._slot_bytes:
+            raise ValueError(f"nbytes {nbytes} outside [0, {self._slot_bytes}]")
+        return fold64(self.slot_view(slot).narrow(0, 0, nbytes))
+
+    def staging_buffer(self) -> torch.Tensor:
+        """A fresh host buffer of ``slot_bytes`` to copy a slot through
+        (pinned when the pool is in VRAM, so the copy is a plain DMA)."""
+        return _allocate_staging(self._slot_bytes, pinned=not self.is_host)
 
     @property
     def base_address(self) -> int:
@@ -122,7 +209,13 @@ class ChunkPool:
         return self._buffer.narrow(0, self.slot_offset(slot), self._slot_bytes)
 
     def memoryview(self, slot: int, nbytes: int | None = None) -> builtins.memoryview:
-        """A writable memoryview of the first ``nbytes`` bytes of ``slot`` (all if None)."""
+        """A writable memoryview of the first ``nbytes`` bytes of ``slot`` (all if None).
+
+        Host pools only: a VRAM slot has no host address (copy it through
+        :meth:`staging_buffer`).
+        """
+        if self._array is None:
+            raise ValueError(f"memoryview: the pool is in {self._device} memory, not the host's")
         size = self._slot_bytes if nbytes is None else nbytes
         if not 0 <= size <= self._slot_bytes:
             raise ValueError(f"nbytes {size} outside [0, {self._slot_bytes}]")
@@ -145,11 +238,34 @@ def _check_positive(field: str, value: int) -> None:
         raise ConfigError(f"{field}: must be a positive int, got {value!r}")
 
 
-def _allocate_aligned(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate ``nbytes`` (+ slack) once; return (raw tensor, aligned view of nbytes)."""
+def _allocate_aligned(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate ``nbytes`` (+ slack) once; return (raw tensor, aligned view of nbytes).
+
+    ConfigError when ``device`` cannot be had here (no CUDA for pinned or
+    VRAM memory, a GPU index out of range, not enough memory).
+    """
     import torch
 
-    # NOTE: torch.empty; ChunkPool decides whether to touch the pages up front.
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device="cpu")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device: {device!r} needs a CUDA device, and this torch "
+            f"({torch.__version__}) sees none; use device 'cpu'"
+        )
+    try:
+        # NOTE: torch.empty; ChunkPool decides whether to touch the pages up front.
+        if device == "pinned":
+            raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
+        else:
+            raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device)
+    except (RuntimeError, AssertionError) as exc:  # OOM, bad ordinal, no driver
+        raise ConfigError(f"device: cannot allocate {nbytes} bytes on {device!r}: {exc}") from exc
     shift = -raw.data_ptr() % ALIGNMENT
     return raw, raw.narrow(0, shift, nbytes)
+
+
+def _allocate_staging(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """A host uint8 buffer of ``nbytes``; pinned ones come from torch's caching
+    host allocator, so asking again per chunk costs no new page-locking."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING
 from fabric.errors import CapacityError, ConfigError, SlotStateError
 from fabric.kv.identity import BASE, KeyIdentity
 from fabric.kv.keys import chunk_keys
+from fabric.store.checksum import checksum as compute_checksum
 from fabric.threads import thread as named_thread
 
 if TYPE_CHECKING:
@@ -392,7 +393,7 @@ class TieredStore:
             logger.info("fabric: no slot to read a chunk back from disk: %s", exc)
             return None
         try:
-            nbytes = self.disk.read_into(key, self.store.pool.slot_view(slot))
+            nbytes = self._read_from_disk(key, slot)
             if nbytes is not None:
                 self.store.commit(slot, key, nbytes)
         except BaseException:
@@ -406,6 +407,23 @@ class TieredStore:
             return None
         got = self.store.acquire([key])
         return got[0] if got else None
+
+    def _read_from_disk(self, key: bytes, slot: int) -> int | None:
+        """Read ``key`` from disk into ``slot``; its size, or None (absent, corrupt).
+
+        Host pools are read into straight; a VRAM pool's chunk goes through a
+        pinned staging buffer (the disk verified it there) and one copy up.
+        The caller commits the slot, which hashes it with the pool's checksum.
+        """
+        assert self.disk is not None
+        pool = self.store.pool
+        if pool.is_host:
+            return self.disk.read_into(key, pool.slot_view(slot))
+        staging = pool.staging_buffer()
+        nbytes = self.disk.read_into(key, staging)
+        if nbytes is not None:
+            pool.slot_view(slot).narrow(0, 0, nbytes).copy_(staging.narrow(0, 0, nbytes))
+        return nbytes
 
     def _on_present(self, key: bytes) -> None:
         with self._writer.idle:
@@ -438,6 +456,15 @@ class TieredStore:
             checksum = self.store.slot_checksum(slot)
             nbytes = self.store.slot_nbytes(slot)
             assert checksum is not None
-            self.disk.put(key, self.store.pool.memoryview(slot, nbytes), checksum)
+            pool = self.store.pool
+            if pool.is_host:
+                self.disk.put(key, pool.memoryview(slot, nbytes), checksum)
+            else:
+                # NOTE: the disk's files carry xxh3 of their bytes, not the
+                # VRAM pool's fold64: hash the staged copy (the slot itself
+                # was verified when it was filled).
+                staging = pool.staging_buffer().narrow(0, 0, nbytes)
+                staging.copy_(pool.slot_view(slot).narrow(0, 0, nbytes))
+                self.disk.put(key, staging, compute_checksum(staging))
         finally:
             self.store.release_slots([slot])

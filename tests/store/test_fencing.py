@@ -6,7 +6,7 @@ import pytest
 
 from fabric.errors import CapacityError, ReservationExpired, SlotStateError
 from fabric.store import ChunkDigest, ChunkStore, SlotState, StoreConfig
-from fabric.store import chunk_store as store_index
+from fabric.store import pool as hashing  # NOTE: the host pools hash through its compute_checksum
 from fabric.store.records import DEFAULT_QUARANTINE_MS
 from fabric.transfer import TransferConfig
 
@@ -115,7 +115,7 @@ def test_write_that_began_during_verification_fails_the_fill(
 ) -> None:
     slot, gen = reserve_one(store, "r")
     value = write(store, slot, payload(2))
-    real = store_index.compute_checksum
+    real = hashing.compute_checksum
 
     def racing_checksum(buf: memoryview) -> int:
         # a write admitted (and ended) while the verifier hashes the slot
@@ -123,10 +123,10 @@ def test_write_that_began_during_verification_fails_the_fill(
         store.end_write([slot])
         return real(buf)
 
-    monkeypatch.setattr(store_index, "compute_checksum", racing_checksum)
+    monkeypatch.setattr(hashing, "compute_checksum", racing_checksum)
     with pytest.raises(SlotStateError, match="written while verified"):
         store.fill("r", 0, value, gen)
-    monkeypatch.setattr(store_index, "compute_checksum", real)
+    monkeypatch.setattr(hashing, "compute_checksum", real)
     store.fill("r", 0, value, gen)  # a fill after the write is verified normally
     assert store.slot_state(slot) is SlotState.FILLED
 

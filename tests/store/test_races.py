@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-import fabric.store.chunk_store as index_module
+import fabric.store.pool as hashing  # NOTE: the host pools hash through its compute_checksum
 from fabric.errors import ReservationExpired, SlotStateError
 from fabric.store import ChunkStore, SlotState, checksum
 
@@ -27,7 +27,7 @@ def interleave(monkeypatch: pytest.MonkeyPatch, competitor: Callable[[], object]
             competitor()
         return checksum(buf)
 
-    monkeypatch.setattr(index_module, "compute_checksum", hash_after_competitor)
+    monkeypatch.setattr(hashing, "compute_checksum", hash_after_competitor)
 
 
 def test_abort_during_commit(store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,7 +99,7 @@ def test_a_digest_taken_by_its_user_indexes_only_the_slot_it_was_taken_of(
     reservation holds (the request id reserved anew meanwhile) indexes
     nothing."""
     hashed: list[int] = []
-    monkeypatch.setattr(index_module, "compute_checksum", lambda buf: hashed.append(1) or 0)
+    monkeypatch.setattr(hashing, "compute_checksum", lambda buf: hashed.append(1) or 0)
     old = store.reserve("r", [key(0)], [SLOT_BYTES])
     value = write(store, old.slots[0], payload(0))
     store.cancel("r")
