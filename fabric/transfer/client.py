@@ -265,7 +265,12 @@ class PeerLink:
     def _hello(self) -> proto.Hello:
         plane = self.client.plane
         return proto.Hello(
-            next(self._seq), plane.name, plane.kind, self.client.fingerprint, plane.descriptor()
+            next(self._seq),
+            plane.name,
+            plane.kind,
+            self.client.fingerprint,
+            plane.descriptor(),
+            self.client.store.pool.checksum_name,
         )
 
     def _handshake(self) -> proto.HelloAck:

@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 
 from fabric.errors import TransportFailed
+from fabric.store.pool import HOST_DEVICES
 
 Segment = tuple[int, int, int]
 """(local_offset, remote_offset, nbytes) in bytes from each pool's base."""
@@ -333,7 +334,7 @@ class LoopbackDataPlane(DataPlane):
             self._registry[name] = self
 
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
-        if device != "cpu":
+        if device not in HOST_DEVICES:
             raise TransportFailed("loopback plane moves host memory only")
 
     def descriptor(self) -> bytes:
@@ -370,7 +371,7 @@ class LoopbackDataPlane(DataPlane):
         return DoneWrite()
 
     def _register_region(self, base_address: int, nbytes: int, device: str) -> None:
-        if device != "cpu":
+        if device not in HOST_DEVICES:
             raise TransportFailed("loopback plane moves host memory only")
 
     def region_descriptor(self) -> bytes:

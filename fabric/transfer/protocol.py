@@ -94,6 +94,9 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
     transport: Name
     fingerprint: Name
     data_descriptor: bytes
+    # NOTE: last and defaulted, so a Hello without it (an older sender) reads
+    # as xxh3, the only checksum there was
+    checksum: Name = "xxh3"  # the sender's pool's: xxh3 (host) or fold64 (VRAM)
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", array_like=True, frozen=True):

@@ -683,6 +683,16 @@ class TransferServer:
             self.stats.refused += 1
             reason = f"sender uses {msg.transport}, receiver {self.plane.kind}"
             return proto.Refused(msg.seq, "", proto.Refusal.TRANSPORT_MISMATCH, reason)
+        if msg.checksum != self.store.pool.checksum_name:
+            # NOTE: each side hashes chunks where its pool lives (xxh3 on the
+            # host, fold64 in VRAM); mixed, every chunk would fail to verify
+            self.stats.refused += 1
+            reason = (
+                f"chunk checksum: the sender's pool hashes with {msg.checksum}, this "
+                f"receiver's ({self.store.pool.device}) with {self.store.pool.checksum_name}; "
+                "give both the same kind of pool_device (host: cpu or pinned, or cuda)"
+            )
+            return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, reason)
         try:
             agent = self.plane.add_peer(msg.data_descriptor)
         except Exception as exc:

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 import msgspec
 
 from fabric.errors import TransportFailed
+from fabric.store.pool import HOST_DEVICES
 from fabric.threads import thread as named_thread
 from fabric.transfer.addresses import advertised_host, bind_host
 from fabric.transfer.dataplane import (
@@ -267,7 +268,7 @@ class TcpDataPlane(DataPlane):
         self._accepter.start()
 
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
-        if device != "cpu":
+        if device not in HOST_DEVICES:
             raise TransportFailed("the TCP data plane moves host memory only")
 
     def tag(self, header: bytes) -> bytes:
