@@ -283,7 +283,8 @@ class TopologyConnectorConfig(Settings):
 
     Passed to vLLM as ``kv_connector_extra_config`` (see :meth:`extra_config`).
     ``store_slots`` or ``store_mib`` sizes the chunk store (neither: the
-    connector's default). ``load_timeout_s``: how long a decoder waits for
+    connector's default), ``pool_device`` where the pool lives (None: the
+    connector's ``auto``). ``load_timeout_s``: how long a decoder waits for
     pushed chunks before recomputing (None: the connector's default). ``extra``
     is passed through verbatim (the connector refuses keys it does not know).
 
@@ -311,6 +312,7 @@ class TopologyConnectorConfig(Settings):
     chunk_tokens: PositiveInt = 256
     store_slots: PositiveInt | None = None
     store_mib: PositiveInt | None = None
+    pool_device: Literal["auto", "cuda", "pinned", "cpu"] | None = None
     transport: Literal["auto", "nixl", "tcp"] = "auto"
     load_timeout_s: Seconds | None = None
     reuse: Literal["all", "prefill", "decode", "none"] = "all"
@@ -355,6 +357,7 @@ class TopologyConnectorConfig(Settings):
         optional = {
             "store_slots": self.store_slots,
             "store_mib": self.store_mib,
+            "pool_device": self.pool_device,
             "load_timeout_s": self.load_timeout_s,
             "disk_gib": self.disk_gib,
             "secret_env": self.secret_env,

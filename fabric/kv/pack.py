@@ -41,6 +41,7 @@ import xxhash
 from fabric.errors import ChecksumMismatch, ConfigError, LayoutError
 from fabric.kv import verify as kv_verify
 from fabric.kv.cuda import kernels_for
+from fabric.kv.fold64 import fold64
 from fabric.kv.layout import KVLayout, LayoutKind, SegmentTable, named_layers, segment_table
 from fabric.kv.verify import hash_range_while_copying, hash_while_copying, split_at_pieces
 
@@ -65,6 +66,7 @@ _copy = _load_copy()
 
 log = logging.getLogger(__name__)
 
+ChecksumKind = Literal["xxh3", "fold64"]
 Backend = Literal["c", "torch"]
 
 # NOTE: chosen by measurement on the 2-core dev VM (the benchmarks/pack.py
@@ -202,6 +204,7 @@ def unpack(
     first: int = 0,
     checksum: int | None = None,
     nbytes: int | None = None,
+    checksum_kind: ChecksumKind = "xxh3",
 ) -> int:
     """Scatter the chunk in ``src`` into blocks ``block_ids`` of every layer.
 
@@ -218,9 +221,21 @@ def unpack(
     the copy: the blocks written hold garbage and must be recomputed. The
     hash is sequential, so a verified unpack copies on one thread
     (``num_threads`` is not used). A cache on an accelerator is verified in
-    a pass of its own before it is unpacked (``src`` must be in host memory).
+    a pass of its own before it is unpacked (``src`` in host memory).
+    ``checksum_kind`` is the checksum's algorithm, the pool's
+    (:attr:`~fabric.store.pool.ChunkPool.checksum_name`): ``fold64`` (a VRAM
+    pool's, :mod:`fabric.kv.fold64`) is computed where ``src`` is (host or
+    the cache's device) in a pass before the copy, and a chunk that fails is
+    then not copied at all. On an accelerator the copy has ended when this
+    returns (``src`` may be reused at once).
     """
     if checksum is not None:
+        if checksum_kind == "fold64":
+            return _unpack_fold64(
+                src, kv_caches, layout, block_ids, chunk_blocks, first, checksum, nbytes
+            )
+        if checksum_kind != "xxh3":
+            raise LayoutError(f"unpack: unknown checksum_kind {checksum_kind!r}")
         return _unpack_verified(
             src, kv_caches, layout, block_ids, backend, chunk_blocks, first, checksum, nbytes
         )
@@ -233,7 +248,12 @@ def unpack(
     nbytes = _check_buffer(src, layout, len(ids), "src", device)
     if device.type != "cpu":
         views = segment_views(kv_caches, layout)
-        device_kernels(device.type).unpack(src[:nbytes], views, ids)
+        kernels = device_kernels(device.type)
+        kernels.unpack(src[:nbytes], views, ids)
+        # NOTE: the copy runs on a stream and ``src`` is a pool slot that is
+        # released (and may be written by the next NIXL WRITE, outside any
+        # stream order) once this returns: wait until the copy has read it
+        _wait_for(kernels, device)
     elif _resolve(backend) == "c":
         _copy_c(kv_caches, layout, ids, src, into_chunk=False, num_threads=num_threads)
     else:
@@ -272,6 +292,32 @@ def _unpack_verified(
     return layout.chunk_nbytes(len(ids))
 
 
+def _unpack_fold64(
+    src: torch.Tensor,
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    block_ids: BlockIds,
+    chunk_blocks: int | None,
+    first: int,
+    checksum: int,
+    nbytes: int | None,
+) -> int:
+    """``unpack`` of a chunk whose checksum is fold64 (a VRAM pool's): hashed
+    where it is, before any of it is copied (a chunk that fails is not)."""
+    ids = _unique_block_ids(block_ids, layout)
+    blocks = len(ids) if chunk_blocks is None else chunk_blocks
+    device = named_layers(kv_caches)[0][1].device
+    hashed = verified_span(src, layout, len(ids), blocks, first, nbytes, device, True)[1]
+    actual = fold64(src[:hashed])
+    if actual != checksum:
+        raise ChecksumMismatch(
+            f"chunk bytes fold to {actual:#018x} over {hashed} bytes, expected "
+            f"{checksum:#018x}: nothing was unpacked"
+        )
+    unpack(src, kv_caches, layout, ids, chunk_blocks=chunk_blocks, first=first)
+    return layout.chunk_nbytes(len(ids))
+
+
 def verified_span(
     src: torch.Tensor,
     layout: KVLayout,
@@ -280,15 +326,17 @@ def verified_span(
     first: int,
     nbytes: int | None,
     device: torch.device,
+    on_device: bool = False,
 ) -> tuple[int, int]:
     """(chunk bytes, bytes hashed) of a verified unpack of ``count`` blocks
     from ``first`` of the ``blocks``-block chunk in ``src``, whose checksum
     covers its first ``nbytes`` (None: the chunk); LayoutError unless they fit
-    in host memory."""
+    in host memory (``on_device``: or in the cache's device memory)."""
     _check_part(blocks, first, count)
     covered = _check_buffer(src, layout, blocks, "src", device)
     hashed = covered if nbytes is None else nbytes
-    if not covered <= hashed <= src.numel() or src.device.type != "cpu":
+    where_ok = src.device.type == "cpu" or (on_device and src.device == device)
+    if not covered <= hashed <= src.numel() or not where_ok:
         raise LayoutError(
             f"checksum over {hashed} bytes of a {src.numel()}-byte {src.device} buffer "
             f"cannot verify a chunk of {covered} bytes (host memory, nbytes >= chunk)"
@@ -507,6 +555,21 @@ def _chunk_view(buffer: torch.Tensor, layout: KVLayout, num_blocks: int) -> torc
     rows = layout.num_layers * layout.segments
     nbytes = layout.chunk_nbytes(num_blocks)
     return buffer[:nbytes].view(rows, num_blocks, layout.segment_bytes)
+
+
+def _wait_for(kernels: DeviceKernels, device: torch.device) -> None:
+    """Block until ``kernels``' latest copy on ``device`` has ended: its own
+    event when it keeps one (the fused kernels' side stream), else the
+    current stream, on which torch indexing ran."""
+    import torch
+
+    synchronize = getattr(kernels, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
+        return
+    module = getattr(torch, device.type, None)
+    if module is not None and hasattr(module, "current_stream"):
+        module.current_stream(device).synchronize()
 
 
 def device_kernels(device_type: str) -> DeviceKernels:

@@ -206,6 +206,13 @@ def test_config_from_extra_names_bad_fields() -> None:
     with pytest.raises(ConfigError, match="lookup_deadline_ms: 100 is below lookup_timeout_ms 200"):
         ConnectorConfig.from_extra({"lookup_timeout_ms": 200, "lookup_deadline_ms": 100})
     assert ConnectorConfig.from_extra({"lookup_deadline_ms": "5000"}).lookup_deadline_ms == 5000
+    assert ConnectorConfig.from_extra({}).pool_device == "auto"
+    with pytest.raises(ConfigError, match="pool_device"):
+        ConnectorConfig.from_extra({"pool_device": "vram"})
+    with pytest.raises(ConfigError, match="pool_device: 'cuda' with the tcp transport"):
+        ConnectorConfig.from_extra({"pool_device": "cuda", "transport": "tcp"})
+    with pytest.raises(ConfigError, match="pool_device: 'cuda' with a shared_store"):
+        ConnectorConfig.from_extra({"pool_device": "cuda", "shared_store": "127.0.0.1:1"})
     wild = ConnectorConfig.from_extra(
         {"host": "0.0.0.0", "advertise_host": "10.0.0.9", "secret": "s"}
     )

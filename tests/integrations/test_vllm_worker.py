@@ -7,6 +7,7 @@ plane, with small random CPU-layout KV caches standing in for vLLM's.
 from __future__ import annotations
 
 import importlib
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,9 @@ from fabric.integrations.vllm.counters import TABLES_KEY
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import ENGINE_IDLE_POLL_MS, FabricWorker, rank_endpoint
+from fabric.kv.fold64 import fold64_reference
+from fabric.store import checksum
+from fabric.testing.host_vram import host_backed_vram
 from tests.transfer.patterns import loop_wakeups
 
 BS, CT, LAYERS, BLOCKS = 16, 64, 3, 40
@@ -346,3 +350,49 @@ def test_an_idle_engines_receiver_wakes_a_few_times_a_second_not_hundreds() -> N
         assert 0 < steps <= 1000 / ENGINE_IDLE_POLL_MS + 10  # 5 ms polls: ~200
     finally:
         d.shutdown()
+
+
+def test_vram_pools_push_and_load_with_fold64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both engines' pools in "VRAM" (host memory posing as cuda:0, the CPU
+    caches unchanged): P's chunks are committed under fold64 (not the xxh3
+    its fused pack computes), the Hello agrees, D verifies every chunk with
+    fold64 on landing and again at unpack, and the blocks equal P's."""
+    staged = host_backed_vram(monkeypatch)
+    monkeypatch.setattr(FabricWorker, "_pool_device", lambda self: "cuda:0")
+    p = worker(produce=True, consume=False, seed=1)
+    d = worker(produce=False, consume=True, seed=2, load_timeout_s=3)
+    try:
+        assert d.node is not None and d.node.server is not None
+        assert (p.store.pool.checksum_name, d.store.pool.checksum_name) == ("fold64", "fold64")
+        assert p.layered is None, "layer groups are hashed with xxh3: host pools only"
+        num_tokens = 150
+        src = [7, 8, 9, 10, 30, 31, 1, 2, 3, 4]
+        push(p, d.node.endpoint, num_tokens, src)
+        dst = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+        d.start_load(FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, dst, 150, tokens(150))]))
+        assert wait_results(d) == ({"d-req"}, set())
+        for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+            for b in range(len(src)):
+                assert torch.equal(d_layer[dst[b]], p_layer[src[b]]), b
+        assert d.node.server.stats.checksum_failures == 0 and staged == []
+        for slot in range(p.store.pool.num_slots):
+            value, nbytes = p.store.slot_checksum(slot), p.store.slot_nbytes(slot)
+            if value is not None:
+                data = bytes(p.store.pool.slot_view(slot)[:nbytes].tolist())
+                assert value == fold64_reference(data) != checksum(data)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch sees a CUDA device")
+@pytest.mark.parametrize(
+    ("pool_device", "message"),
+    [
+        ("pinned", "pool_device: device: 'pinned' needs a CUDA device"),
+        ("cuda", "kv_connector_extra_config.pool_device: 'cuda' with the loopback transport"),
+    ],
+)
+def test_a_pool_device_that_cannot_be_had_fails_at_start(pool_device: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        worker(produce=True, consume=False, seed=1, pool_device=pool_device)

@@ -19,7 +19,7 @@ prefill:
 decode:
   - {name: d, port: 8200, kv_port: 8201, args: ["--max-model-len", "2048"]}
   - {url: "http://10.0.0.7:8000/", kv_port: 9000, role: both}
-connector: {store_slots: 64, load_timeout_s: 5, extra: {pack_threads: 2}}
+connector: {store_slots: 64, pool_device: pinned, load_timeout_s: 5, extra: {pack_threads: 2}}
 """
 
 
@@ -66,6 +66,7 @@ def test_good_yaml_fills_defaults_from_the_list_and_the_top(tmp_path: Path) -> N
         "transport": "auto",
         "reuse": True,
         "store_slots": 64,
+        "pool_device": "pinned",
         "load_timeout_s": 5.0,
         "pack_threads": 2,
     }

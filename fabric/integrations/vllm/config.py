@@ -30,6 +30,13 @@ class ConnectorConfig(Settings):
     ``kv_port``: where a decoding engine's fabric server binds (0 = free port,
     only useful when nobody needs to address it). ``chunk_tokens``: tokens per
     chunk, a multiple of vLLM's block size. ``store_mib``: the chunk pool.
+    ``pool_device``: where the chunk pool lives: ``auto`` (VRAM on the KV
+    cache's GPU, where chunks are packed by the fused kernels and hashed with
+    fold64 on the device; pinned host memory instead where the pool must be
+    host memory: the tcp transport, a shared store; the host for a CPU
+    cache), ``cuda`` (VRAM, or an error), ``pinned`` or ``cpu``. Engines that
+    exchange chunks must agree on host memory or VRAM (a Hello across the two
+    is refused: their chunk checksums differ).
     ``load_timeout_s``: how long a decoder waits for pushed KV before it
     recomputes. ``unknown_transfer_grace_s``: how long it waits for a transfer
     it has not heard of at all. ``waiting_hold_s``: how long it keeps a
@@ -105,6 +112,7 @@ class ConnectorConfig(Settings):
     chunk_tokens: PositiveInt = 256
     store_mib: PositiveInt = 1024
     store_slots: NonNegativeInt = 0
+    pool_device: Literal["auto", "cuda", "pinned", "cpu"] = "auto"
     lease_ms: PositiveInt = 30_000
     load_timeout_s: PositiveFloat = 20.0
     unknown_transfer_grace_s: PositiveFloat = 2.0
@@ -154,6 +162,16 @@ class ConnectorConfig(Settings):
             )
         advertised_host(self.host, self.advertise_host)
         check_exposure(self.host, self.resolved_secret(), self.insecure, "host")
+        if self.pool_device == "cuda" and self.transport in ("tcp", "loopback"):
+            raise ValueError(
+                f"pool_device: 'cuda' with the {self.transport} transport, which moves host "
+                "memory only; use nixl (or auto where nixl is installed)"
+            )
+        if self.pool_device == "cuda" and self.shared_store is not None:
+            raise ValueError(
+                "pool_device: 'cuda' with a shared_store, which keeps chunks in host memory; "
+                "use auto or pinned"
+            )
         if self.shared_store is not None:
             if not self.shared_store.strip():
                 raise ValueError("shared_store: must not be empty")

@@ -138,6 +138,7 @@ def unpack_slot(
         first=span.first,
         checksum=digest.checksum,
         nbytes=digest.nbytes,
+        checksum_kind=store.pool.checksum_name,
     )
     first_layer = kv_caches[0] if kv_caches else None
     if first_layer is not None and first_layer.device.type == "cuda":
@@ -211,7 +212,8 @@ class Loader:
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._swept_at = 0.0  # when every active load was last stepped
-        self._streaming = bool(kv_caches) and supported(kv_caches)
+        # NOTE: streamed chunks are hashed with xxh3 as they are unpacked: host pools only
+        self._streaming = bool(kv_caches) and supported(kv_caches) and store.pool.is_host
         self._thread = named_thread(self._run, name="fabric-load")
         self._thread.start()
 

@@ -108,8 +108,9 @@ from fabric.integrations.vllm.shared import SharedSaver
 from fabric.kv import KVLayout, chunk_keys, layerwise, pack, pack_checksummed
 from fabric.kv.direct import CacheMap, cache_map, cache_regions, cache_spans, checksum_spans
 from fabric.kv.spans import chunk_spans
-from fabric.store import ChunkStore, StoreConfig
+from fabric.store import ChunkPool, ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
+from fabric.store.pool import HOST_DEVICES, resolve_pool_device
 from fabric.store.tier import TieredStore
 from fabric.threads import set_os_name
 from fabric.transfer import TransferConfig, TransferNode, default_agent_name
@@ -235,8 +236,15 @@ class FabricWorker:
         # NOTE: a slot whose write may still be in flight (its reservation
         # expired or was cancelled) waits out the longest write's life first.
         quarantine_ms = int(self.config.push_timeout_s * 1000) + QUARANTINE_MARGIN_MS
+        try:
+            pool = ChunkPool(num_slots, slot_bytes, device=self._pool_device())
+        except ConfigError as exc:
+            if str(exc).startswith("pool_device:"):
+                raise
+            raise ConfigError(f"pool_device: {exc}") from exc
         store = ChunkStore(
-            StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots, quarantine_ms=quarantine_ms)
+            StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots, quarantine_ms=quarantine_ms),
+            pool,
         )
         self.store = store
         if self.config.reuse:
@@ -258,12 +266,13 @@ class FabricWorker:
         if serve and self.engine_id is not None and not self.config.kv_port:
             self._publish_endpoint(self.node.endpoint)
         logger.info(
-            "fabric: %s layout, %d layers, %d-token chunks of %.1f MiB, %d slots, %s%s%s",
+            "fabric: %s layout, %d layers, %d-token chunks of %.1f MiB, %d slots in %s, %s%s%s",
             layout.kind.value,
             layout.num_layers,
             self.config.chunk_tokens,
             slot_bytes / 2**20,
             num_slots,
+            pool.device,
             self.node.plane.kind,
             f", serving on {self.node.endpoint}" if serve else "",
             self._tier_description(),
@@ -314,6 +323,19 @@ class FabricWorker:
             self.node.server.extra_stats.append(self.thread_health)
             self.node.server.extra_tables.append(self.own_table_sizes)
 
+    def _pool_device(self) -> str:
+        """Where the chunk pool goes (``pool_device``; see ConnectorConfig)."""
+        devices = {str(t.device) for t in self.kv_caches}
+        if self.config.pool_device in HOST_DEVICES or devices == {"cpu"}:
+            return resolve_pool_device(self.config.pool_device, devices)
+        host_only = None
+        transport = self._transfer_config(False).resolved_transport()
+        if transport != "nixl":
+            host_only = f"the {transport} transport moves host memory only"
+        elif self.config.shared_store is not None:
+            host_only = "the shared store keeps and verifies chunks in host memory"
+        return resolve_pool_device(self.config.pool_device, devices, host_only)
+
     def _register_cache(self, layout: KVLayout) -> CacheMap:
         """direct_reads: register the KV cache with the data plane (its
         registration goes to decoders in Offers, never in the descriptor a
@@ -356,6 +378,7 @@ class FabricWorker:
             self.config.pack_threads != 1
             or self.microbatched
             or not layerwise.supported(self._named_caches)
+            or not self.store.pool.is_host  # NOTE: groups are hashed with xxh3 as they go
         ):
             # NOTE: microbatches (vLLM's ubatching) run each attention layer
             # once per microbatch: its first save_kv_layer comes before the
@@ -896,6 +919,12 @@ class FabricWorker:
         except BaseException:
             self.store.abort(slot)
             raise
+        if not self.store.pool.is_host:
+            # NOTE: a VRAM pool's chunks are hashed with its fold64, by commit,
+            # on this thread's stream after the pack (the fused kernels make it
+            # wait on the pack's event) and read back: the slot is complete
+            # before the sender can post a WRITE of it
+            checksum = None
         self.store.commit(slot, key, nbytes, checksum)
         return nbytes
 
