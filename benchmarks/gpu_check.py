@@ -6,16 +6,26 @@ environment and calls this). Steps:
 1. build (JIT) or import the extension, fail loudly if it does not load;
 2. bit-exact round trips of the fused kernels against the torch indexing
    path for every layout (FLASH, HND, CPU-style, MLA) and dtype (bf16, fp16,
-   fp8 bytes), full and partial chunks, unaligned chunk buffers;
+   fp8 bytes), full and partial chunks, unaligned chunk buffers; the fold64
+   checksum kernel against torch ops (and the plain definition) for odd
+   lengths and unaligned starts, and a VRAM ChunkPool's slot checksum;
 3. Llama-3-8B KV geometry (32 layers, 8 KV heads, head_dim 128, bf16,
    16-token blocks, flash layout), a prompt's shuffled blocks cut into
    256-token chunks: pack/unpack GB/s of the fused kernel (launched directly,
    and through ``fabric.kv.pack`` with its side stream), of torch indexing,
-   and of a device-to-device ``copy_`` of each chunk's bytes.
+   of the fold64 kernel over each chunk, and of a device-to-device ``copy_``
+   of each chunk's bytes;
+4. two processes on this GPU push the same prompt's cache through fabric's
+   store with its pool in VRAM (``fabric bench transfer --memory vram``:
+   fused pack, fold64, NIXL WRITE, fold64 verify, fused unpack) next to a
+   raw NIXL VRAM WRITE of the same bytes (needs nixl; skipped, and said so,
+   without it).
 
 Writes ``benchmarks/results/gpu-check-<date>.json`` and ends with one JSON
-line ``{"bit_exact": .., "pack_vs_d2d": .., "unpack_vs_d2d": ..}`` (fused
-kernel launched directly vs ``copy_``, same bytes, same number of launches).
+line ``{"bit_exact": .., "pack_vs_d2d": .., "unpack_vs_d2d": ..,
+"push_vs_raw_vram": .., "fold64_vs_d2d": ..}`` (fused kernel launched
+directly vs ``copy_``, same bytes, same number of launches; the push is
+fabric's full path over raw NIXL, GB/s).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch
 
 from fabric.kv import KVLayout, LayoutKind, pack, unpack
 from fabric.kv import cuda as kv_cuda
+from fabric.kv.fold64 import fold64, fold64_reference, fold64_tensor
 from fabric.kv.kernels import TorchIndexKernels
 from fabric.kv.pack import segment_views
 
@@ -51,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pool-factor", type=float, default=1.5, help="cache pool / prompt size")
     parser.add_argument("--reps", type=int, default=10, help="timed reps per variant")
     parser.add_argument("--skip-bench", action="store_true", help="correctness checks only")
+    parser.add_argument("--push-reps", type=int, default=5, help="timed reps of the VRAM push")
+    parser.add_argument("--skip-push", action="store_true", help="no two-process NIXL push")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON file")
     return parser.parse_args(argv)
 
@@ -144,6 +157,32 @@ def correctness(kernels: kv_cuda.CudaKernels) -> list[dict[str, Any]]:
     return [check_case(kernels, *case) for case in cases]
 
 
+def fold64_cases() -> list[dict[str, Any]]:
+    """The fold64 kernel against torch ops on the device (and the plain
+    definition where it is fast enough): odd lengths, unaligned starts, a
+    chunk-sized buffer, and a VRAM ChunkPool's slot checksum."""
+    from fabric.store import ChunkPool
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cases = []
+    for nbytes in (0, 1, 7, 8, 9, 4097, 1 << 20, (32 << 20) + 3):
+        for offset in (0, 1, 3):
+            buf = torch.randint(
+                0, 256, (nbytes + offset,), dtype=torch.uint8, device="cuda", generator=gen
+            )
+            data = buf[offset:]
+            kernel, ops = fold64(data), int(fold64_tensor(data).item()) & ((1 << 64) - 1)
+            exact = kernel == ops
+            if nbytes <= 4097:
+                exact = exact and kernel == fold64_reference(bytes(data.cpu().tolist()))
+            cases.append({"fold64_bytes": nbytes, "offset": offset, "exact": exact})
+    pool = ChunkPool(2, 4096, device="cuda")
+    pool.slot_view(1).copy_(torch.arange(4096, device="cuda").to(torch.uint8))
+    want = fold64_reference(bytes(i % 256 for i in range(4000)))
+    cases.append({"fold64_pool_slot": True, "exact": pool.checksum(1, 4000) == want})
+    return cases
+
+
 # --- benchmark ------------------------------------------------------------------
 
 
@@ -229,6 +268,13 @@ def benchmark(bench: Bench, extension: Any, reps: int) -> dict[str, Any]:
     def d2d_one() -> None:
         dst.copy_(src)
 
+    out = torch.empty(1, dtype=torch.int64, device="cuda")
+
+    def fold64_kernel() -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        for i in range(len(bench.chunks)):
+            extension.fold64(bench.slot(i), out, stream)
+
     def api_pack() -> None:
         for i, ids in enumerate(bench.chunks):
             pack(bench.caches, bench.layout, ids, bench.slot(i))
@@ -255,6 +301,7 @@ def benchmark(bench: Bench, extension: Any, reps: int) -> dict[str, Any]:
             "unpack_torch": torch_unpack,
             "d2d_per_chunk": d2d,
             "d2d_one_copy": d2d_one,
+            "fold64_kernel": fold64_kernel,
         },
         bench.nbytes,
         reps,
@@ -274,6 +321,42 @@ def bench_exact(bench: Bench) -> bool:
         if not torch.equal(bench.slot(i), want):
             return False
     return True
+
+
+def push_check(tokens: int, reps: int) -> dict[str, Any]:
+    """fabric's full path with its pool in VRAM (fused pack -> fold64 -> NIXL
+    WRITE -> fold64 verify -> fused unpack), two processes on this GPU,
+    against a raw NIXL VRAM WRITE of the same bytes (``fabric bench
+    transfer --memory vram``; Llama-3-8B, 256-token chunks, 4 per WRITE)."""
+    try:
+        import nixl  # noqa: F401
+    except ImportError as exc:
+        return {"error": f"nixl does not import ({exc}); bring its wheel (gpu_check.sh)"}
+    from fabric.bench.sweep import run_sweep
+    from fabric.bench.sweep_plan import Grid, SweepConfig, plan_sweep
+
+    grid = Grid(
+        geometries=("llama3-8b",),
+        chunk_tokens=(CHUNK_TOKENS,),
+        batches=(4,),
+        transports=("nixl",),
+        memories=("vram",),
+        progress=(False,),
+    )
+    config = SweepConfig(grids=(grid,), tokens=tokens, reps=reps, paths=("raw", "push", "full"))
+    result = run_sweep(config, plan_sweep(config, has_cuda=lambda: True))
+    if result["errors"] or not result["points"]:
+        return {"error": "the sweep failed", "errors": result["errors"]}
+    point = result["points"][0]
+    gbps = {name: path["gbps"] for name, path in point["paths"].items()}
+    return {
+        "gbps": gbps,
+        "cpu_ms": {name: path.get("cpu_ms") for name, path in point["paths"].items()},
+        "bytes": point["bytes"],
+        "bytes_match": point["bytes_match"],
+        "full_vs_raw": round(gbps["full"] / gbps["raw"], 3),
+        "push_vs_raw": round(gbps["push"] / gbps["raw"], 3),
+    }
 
 
 # --- report -----------------------------------------------------------------------
@@ -314,7 +397,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"correctness: {len(cases) - len(failed)}/{len(cases)} cases bit-exact")
     for case in failed:
         print(f"  MISMATCH {json.dumps(case)}")
-    report["cases"], summary = cases, {"bit_exact": not failed}
+    sums = fold64_cases()
+    bad_sums = [c for c in sums if not c["exact"]]
+    print(f"fold64: {len(sums) - len(bad_sums)}/{len(sums)} cases equal torch ops")
+    for case in bad_sums:
+        print(f"  MISMATCH {json.dumps(case)}")
+    report["cases"], report["fold64_cases"] = cases, sums
+    summary: dict[str, Any] = {"bit_exact": not failed and not bad_sums}
     if not args.skip_bench:
         bench = build_bench(args.prompt_tokens, args.pool_factor)
         report["bench"] = benchmark(bench, extension, args.reps)
@@ -323,6 +412,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print_table(gbps)
         summary["pack_vs_d2d"] = round(gbps["pack_kernel"] / gbps["d2d_per_chunk"], 3)
         summary["unpack_vs_d2d"] = round(gbps["unpack_kernel"] / gbps["d2d_per_chunk"], 3)
+        summary["fold64_vs_d2d"] = round(gbps["fold64_kernel"] / gbps["d2d_per_chunk"], 3)
+    if not args.skip_push:
+        push = push_check(args.prompt_tokens, args.push_reps)
+        report["push"] = push
+        print(f"push (VRAM pool vs raw NIXL VRAM WRITE): {json.dumps(push)}")
+        if "error" not in push:
+            summary["push_vs_raw_vram"] = push["full_vs_raw"]
+            summary["bit_exact"] = summary["bit_exact"] and all(push["bytes_match"].values())
     report["summary"] = summary
     report["total_s"] = round(time.perf_counter() - start)
     return report
@@ -332,7 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: gpu_check needs a GPU machine", file=sys.stderr, flush=True)
-        print(json.dumps({"bit_exact": False, "pack_vs_d2d": None, "unpack_vs_d2d": None}))
+        empty = {"bit_exact": False, "pack_vs_d2d": None, "unpack_vs_d2d": None}
+        print(json.dumps({**empty, "push_vs_raw_vram": None}))
         sys.exit(1)
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -346,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
                 "bit_exact": summary["bit_exact"],
                 "pack_vs_d2d": summary.get("pack_vs_d2d"),
                 "unpack_vs_d2d": summary.get("unpack_vs_d2d"),
+                "push_vs_raw_vram": summary.get("push_vs_raw_vram"),
+                "fold64_vs_d2d": summary.get("fold64_vs_d2d"),
             }
         )
     )

@@ -7,11 +7,19 @@
 #      system site packages visible) with torch from PyPI (a CUDA build);
 #   2. this repo (pip install -e . unless fabric imports already; if pip cannot reach an index the repo is
 #      used from PYTHONPATH), ninja for the JIT build, nvcc from the toolkit;
-#   3. python benchmarks/gpu_check.py "$@": builds the extension, checks
-#      bit-exact round trips, measures GB/s, writes
-#      benchmarks/results/gpu-check-<date>.json (copied to $OUT when set).
-# Always ends with one JSON line {"bit_exact": .., "pack_vs_d2d": .., "unpack_vs_d2d": ..}.
-# Usage: benchmarks/gpu_check.sh [--reps N] [--skip-bench] ...
+#   3. nixl for the push step: pip's if it imports, else wheels from
+#      $FABRIC_WHEELS (default .whl: nixl==1.5.1 and nixl-cu13==1.5.1, fetched
+#      where an index is reachable with `pip download --no-deps --only-binary=:all:
+#      --python-version 3.12 ... -d .whl`), installed with --no-index into
+#      $FABRIC_GPU_SITE; without it the push is skipped (and said so);
+#   4. python benchmarks/gpu_check.py "$@": builds the extension, checks
+#      bit-exact round trips (pack/unpack kernels, fold64), measures GB/s,
+#      pushes a 16k-token Llama-3-8B cache through a VRAM pool next to a raw
+#      NIXL VRAM WRITE, writes benchmarks/results/gpu-check-<date>.json
+#      (copied to $OUT when set).
+# Always ends with one JSON line {"bit_exact": .., "pack_vs_d2d": .., "unpack_vs_d2d": ..,
+# "push_vs_raw_vram": .., "fold64_vs_d2d": ..}.
+# Usage: benchmarks/gpu_check.sh [--reps N] [--skip-bench] [--skip-push] ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -19,7 +27,7 @@ started=$(date +%s)
 
 fail() {
   echo "gpu_check: $*" >&2
-  echo '{"bit_exact": false, "pack_vs_d2d": null, "unpack_vs_d2d": null}'
+  echo '{"bit_exact": false, "pack_vs_d2d": null, "unpack_vs_d2d": null, "push_vs_raw_vram": null}'
   exit 1
 }
 
@@ -81,6 +89,17 @@ if ! "$PY" -c 'import fabric.kv.cuda' >/dev/null 2>&1 && ! "$PY" -m pip install 
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" -c 'import fabric.kv.cuda' || fail "fabric does not import (missing dependencies?)"
+wheels=${FABRIC_WHEELS:-.whl}
+if ! "$PY" -c 'import nixl' >/dev/null 2>&1 && compgen -G "$wheels/*.whl" >/dev/null; then
+  site=${FABRIC_GPU_SITE:-/tmp/fabric-gpu-site}
+  echo "gpu_check: installing $(ls "$wheels"/*.whl | wc -l) wheel(s) from $wheels into $site" >&2
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl >&2
+  then
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+"$PY" -c 'import nixl' >/dev/null 2>&1 \
+  || echo "gpu_check: nixl does not import: the VRAM push step will be skipped" >&2
 # NOTE: torch's JIT runs the `ninja` binary, so it must be on PATH (pip may put
 # it in the user base's bin).
 export PATH="$PATH:$("$PY" -m site --user-base 2>/dev/null || echo /nonexistent)/bin"

@@ -103,7 +103,7 @@ class ChunkPacker:
         ids = side.chunk_block_ids(end.chunk_blocks, index)
         slot = end.store.allocate(key)
         dst = end.store.pool.slot_view(slot)
-        if self.options.fused_checksum:
+        if self.options.fused_checksum and end.store.pool.is_host:  # NOTE: xxh3, host pools
             nbytes, digest = self.pack_hashed(ids, dst)
             end.store.commit(slot, key, nbytes, digest)
         else:

@@ -58,7 +58,7 @@ from fabric.kv.direct import (
     direct_plan,
     map_spans,
 )
-from fabric.store import ChunkStore, StoreConfig, checksum
+from fabric.store import ChunkPool, ChunkStore, StoreConfig, checksum
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer.dataplane import XferState
 
@@ -102,8 +102,12 @@ class FabricEnd:
         self.slot_bytes = side.layout.chunk_nbytes(self.chunk_blocks)
         # NOTE: one slot per chunk and two spare; chunks of an earlier rep are
         # committed/filled and so evictable (LRU) when the next rep allocates.
+        # NOTE: NIXL moves VRAM: a cache on the GPU gets its pool there (the
+        # connector's pool_device auto), hashed with fold64 on the device
+        pool_device = side.device if transport == "nixl" else "cpu"
         self.store = ChunkStore(
-            StoreConfig(slot_bytes=self.slot_bytes, num_slots=self.num_chunks + 2)
+            StoreConfig(slot_bytes=self.slot_bytes, num_slots=self.num_chunks + 2),
+            ChunkPool(self.num_chunks + 2, self.slot_bytes, device=pool_device),
         )
         config = TransferConfig(
             transport=transport,  # type: ignore[arg-type]
