@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fabric.kv import cuda as kv_cuda
 
 ROOT = Path(__file__).parents[1]
 
@@ -44,3 +52,40 @@ def test_the_wheel_holds_the_package_the_command_and_the_copy_kernel(tmp_path: P
     assert {f"fabric/kv/csrc/{name}" for name in csrc} <= set(names), names
     assert any(n.startswith("fabric/kv/_copy.") and n.endswith(".so") for n in names), names
     assert not any(n.startswith(("tests/", "benchmarks/", "scripts/")) for n in names)
+
+
+def _setup_module() -> ModuleType:
+    """setup.py as a module (its ``setup()`` runs only as ``__main__``)."""
+    spec = importlib.util.spec_from_file_location("fabric_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cuda_kernels_are_built_ahead_only_with_cuda_torch_and_a_toolkit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    setup_py = _setup_module()
+    assert setup_py.CUDA_SOURCES == kv_cuda.SOURCES, "the AOT and JIT builds compile the same"
+    if torch.version.cuda is None:
+        assert setup_py.cuda_extensions() == ([], {})  # this CPU torch: JIT (never, here)
+    made: list[dict[str, Any]] = []
+    fake = ModuleType("torch.utils.cpp_extension")
+    fake.CUDA_HOME = "/usr/local/cuda"  # type: ignore[attr-defined]
+    fake.BuildExtension = "build-ext"  # type: ignore[attr-defined]
+    fake.CUDAExtension = lambda name, **kw: made.append({"name": name, **kw}) or name  # type: ignore[attr-defined]
+    fake_torch = ModuleType("torch")
+    fake_torch.version = SimpleNamespace(cuda="12.8")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", fake)
+    assert setup_py.cuda_extensions() == (["fabric.kv._cuda_pack"], {"build_ext": "build-ext"})
+    (ext,) = made
+    assert ext["sources"] == [f"fabric/kv/csrc/{name}" for name in kv_cuda.SOURCES]
+    assert ext["optional"] and ext["extra_compile_args"]["nvcc"] == list(kv_cuda.CUDA_FLAGS)
+    assert Path(ext["include_dirs"][0], "fold64.h").is_file()
+    fake.CUDA_HOME = None  # type: ignore[attr-defined]
+    assert setup_py.cuda_extensions() == ([], {}), "no toolkit: JIT on first use"
+    fake.CUDA_HOME = "/usr/local/cuda"  # type: ignore[attr-defined]
+    monkeypatch.setenv("FABRIC_CUDA_AOT", "0")
+    assert setup_py.cuda_extensions() == ([], {})

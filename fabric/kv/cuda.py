@@ -8,7 +8,8 @@ Which implementation copies a request's blocks (:func:`choose_implementation`)::
     cuda           missing           TorchIndexKernels (one launch per row)
     other          (not asked)       TorchIndexKernels
 
-The extension is ``fabric.kv._cuda_pack`` when built ahead of time, else it is
+The extension is ``fabric.kv._cuda_pack`` when built ahead of time (setup.py,
+where the build imports a CUDA torch and finds the toolkit), else it is
 compiled on first use with ``torch.utils.cpp_extension.load`` into
 ``~/.cache/fabric/torch_extensions/`` (only when CUDA is available; a failed
 build logs a warning once and falls back to torch indexing).
@@ -101,7 +102,14 @@ def load_extension() -> ModuleType | None:
     try:
         return _build_extension()
     except Exception as exc:  # NOTE: any build failure means "use torch indexing"
-        log.warning("fabric CUDA pack kernels unavailable (%s); using torch indexing", exc)
+        log.warning(
+            "fabric CUDA pack kernels unavailable: no prebuilt %s (pip install "
+            "--no-build-isolation with CUDA torch and the toolkit builds one) and the JIT "
+            "build failed (%s; it needs nvcc, found through CUDA_HOME, and ninja); "
+            "using torch indexing, one copy per layer",
+            AOT_MODULE,
+            exc,
+        )
         return None
 
 

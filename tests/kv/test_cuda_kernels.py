@@ -192,6 +192,27 @@ def test_load_extension_without_cuda_is_none(monkeypatch: pytest.MonkeyPatch) ->
         kv_cuda.load_extension.cache_clear()
 
 
+def test_a_failed_jit_build_says_what_it_needs_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fail() -> ModuleType:
+        raise RuntimeError("nvcc: not found")
+
+    kv_cuda.load_extension.cache_clear()
+    monkeypatch.setitem(sys.modules, kv_cuda.AOT_MODULE, None)  # no prebuilt one
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kv_cuda, "_build_extension", fail)
+    try:
+        with caplog.at_level("WARNING", logger="fabric.kv.cuda"):
+            assert kv_cuda.load_extension() is None
+    finally:
+        kv_cuda.load_extension.cache_clear()
+    (record,) = caplog.records
+    assert "no prebuilt fabric.kv._cuda_pack" in record.getMessage()
+    assert "JIT build failed (nvcc: not found; it needs nvcc" in record.getMessage()
+    assert "using torch indexing" in record.getMessage()
+
+
 # --- the kernel's address math, emulated on the CPU ------------------------------
 
 
