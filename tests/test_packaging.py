@@ -9,10 +9,12 @@ import sys
 import zipfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
+from setuptools import Distribution, Extension
+from setuptools.command.build_ext import build_ext
 
 from fabric.kv import cuda as kv_cuda
 
@@ -73,13 +75,14 @@ def test_the_cuda_kernels_are_built_ahead_only_with_cuda_torch_and_a_toolkit(
     made: list[dict[str, Any]] = []
     fake = ModuleType("torch.utils.cpp_extension")
     fake.CUDA_HOME = "/usr/local/cuda"  # type: ignore[attr-defined]
-    fake.BuildExtension = "build-ext"  # type: ignore[attr-defined]
+    fake.BuildExtension = CudaBuild  # type: ignore[attr-defined]
     fake.CUDAExtension = lambda name, **kw: made.append({"name": name, **kw}) or name  # type: ignore[attr-defined]
     fake_torch = ModuleType("torch")
     fake_torch.version = SimpleNamespace(cuda="12.8")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", fake)
-    assert setup_py.cuda_extensions() == (["fabric.kv._cuda_pack"], {"build_ext": "build-ext"})
+    extensions, cmdclass = setup_py.cuda_extensions()
+    assert extensions == ["fabric.kv._cuda_pack"] and issubclass(cmdclass["build_ext"], CudaBuild)
     (ext,) = made
     assert ext["sources"] == [f"fabric/kv/csrc/{name}" for name in kv_cuda.SOURCES]
     assert ext["optional"] and ext["extra_compile_args"]["nvcc"] == list(kv_cuda.CUDA_FLAGS)
@@ -89,3 +92,41 @@ def test_the_cuda_kernels_are_built_ahead_only_with_cuda_torch_and_a_toolkit(
     fake.CUDA_HOME = "/usr/local/cuda"  # type: ignore[attr-defined]
     monkeypatch.setenv("FABRIC_CUDA_AOT", "0")
     assert setup_py.cuda_extensions() == ([], {})
+
+
+class CudaBuild(build_ext):
+    """Stands in for torch's BuildExtension: records what it was asked to
+    build, and fails like an nvcc error when ``fail``."""
+
+    seen: ClassVar[list[list[str]]] = []
+    fail = False
+
+    def build_extensions(self) -> None:
+        CudaBuild.seen.append([e.name for e in self.extensions])
+        if CudaBuild.fail:
+            raise RuntimeError("Error compiling objects for extension")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_only_the_cuda_extension_goes_through_torchs_builder_and_may_fail(
+    tmp_path: Path, fail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's BuildExtension compiles every extension it is given as C++ (the
+    C copy kernel would not build), and raises RuntimeError, which setuptools'
+    optional extensions do not forgive: so the split."""
+    setup_py = _setup_module()
+    monkeypatch.setattr(CudaBuild, "seen", [])
+    monkeypatch.setattr(CudaBuild, "fail", fail)
+    monkeypatch.chdir(ROOT)
+    copy = Extension("fabric.kv._copy", sources=["fabric/kv/_copy.c"], extra_link_args=["-pthread"])
+    cuda = Extension("fabric.kv._cuda_pack", sources=["fabric/kv/csrc/pack_kernels.cu"])
+    dist = Distribution({"ext_modules": [copy, cuda]})
+    dist.cmdclass["build_ext"] = setup_py.split_build_ext(CudaBuild)
+    command = dist.get_command_obj("build_ext")
+    command.build_lib, command.build_temp = str(tmp_path / "lib"), str(tmp_path / "tmp")
+    dist.run_command("build_ext")
+    assert CudaBuild.seen == [["fabric.kv._cuda_pack"]]
+    assert list((tmp_path / "lib" / "fabric" / "kv").glob("_copy*.so"))
+    assert [e.name for e in command.extensions] == (
+        ["fabric.kv._copy"] if fail else ["fabric.kv._copy", "fabric.kv._cuda_pack"]
+    )
