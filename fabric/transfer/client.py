@@ -281,6 +281,15 @@ class PeerLink:
             raise TransferError(f"{self.endpoint} refused the handshake: {reply.reason}")
         if not isinstance(reply, proto.HelloAck):
             raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
+        own = self.client.store.pool.checksum_name
+        if reply.checksum != own:
+            # NOTE: a receiver from before Hello.checksum accepts any sender
+            # (it ignores the field) and says xxh3: refused on this side too
+            raise LayoutMismatch(
+                f"{self.endpoint}: chunk checksum: the receiver's pool hashes with "
+                f"{reply.checksum}, this sender's ({self.client.store.pool.device}) with {own}; "
+                "give both the same kind of pool_device (host: cpu or pinned, or cuda)"
+            )
         return reply
 
     def _call_known(

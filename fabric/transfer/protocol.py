@@ -109,6 +109,7 @@ class HelloAck(msgspec.Struct, tag="hello_ack", array_like=True, frozen=True):
     data_descriptor: bytes
     slot_bytes: Count
     num_slots: Count
+    checksum: Name = "xxh3"  # the receiver's pool's (see Hello.checksum)
 
 
 class Reserve(msgspec.Struct, tag="reserve", array_like=True, frozen=True):

@@ -720,6 +720,7 @@ class TransferServer:
             self.plane.descriptor(),
             pool.slot_bytes,
             pool.num_slots,
+            pool.checksum_name,
         )
 
     def _on_reserve(self, msg: proto.Reserve) -> proto.Message:

@@ -1,7 +1,7 @@
 """Links between pools in host memory and in VRAM: each side hashes chunks
-where its pool lives (xxh3 on the host, fold64 in VRAM), so a Hello says which,
-and a receiver refuses a sender that hashes the other way (every chunk would
-fail). "VRAM" is host memory posing as a GPU's (fabric.testing.host_vram)."""
+where its pool lives (xxh3 on the host, fold64 in VRAM), so a Hello and its
+HelloAck say which, and each side refuses a peer that hashes the other way
+(every chunk would fail). "VRAM" is host memory posing as a GPU's (fabric.testing.host_vram)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from fabric.store import ChunkPool, ChunkStore, StoreConfig
 from fabric.testing.host_vram import host_backed_vram
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
+from fabric.transfer.server import TransferServer
 
 from .patterns import FINGERPRINT, chunk_bytes, fill_store
 
@@ -67,3 +68,27 @@ def test_a_hello_without_a_checksum_is_an_xxh3_senders() -> None:
     old = msgspec.msgpack.encode(["hello", 1, "agent", "loopback", FINGERPRINT, b"desc"])
     decoded = msgspec.msgpack.decode(old, type=proto.Hello)
     assert decoded.checksum == "xxh3" and hello.checksum == "fold64"
+
+
+def test_a_receiver_that_does_not_check_is_refused_by_the_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver from before the field ignores the Hello's checksum (so it
+    would take a VRAM sender's fold64 as xxh3 and fail every chunk); its
+    HelloAck says xxh3 (the field's default), and the sender refuses."""
+    host_backed_vram(monkeypatch)
+    real = TransferServer._on_hello
+
+    def unaware(self: TransferServer, identity: bytes, msg: proto.Hello) -> proto.Message:
+        return real(self, identity, msgspec.structs.replace(msg, checksum="xxh3"))
+
+    monkeypatch.setattr(TransferServer, "_on_hello", unaware)
+    with make_node("cuda", serve=False) as p, make_node("cpu", serve=True) as d:
+        with pytest.raises(LayoutMismatch, match="the receiver's pool hashes with xxh3, this"):
+            p.client.connect(d.endpoint)
+        assert d.server is not None and d.server.stats.refused == 0  # it did not see it
+
+
+def test_a_hello_ack_without_a_checksum_is_an_xxh3_receivers() -> None:
+    old = msgspec.msgpack.encode(["hello_ack", 1, "agent", "loopback", FINGERPRINT, b"d", 64, 8])
+    assert msgspec.msgpack.decode(old, type=proto.HelloAck).checksum == "xxh3"
