@@ -180,6 +180,8 @@ def fold64_cases() -> list[dict[str, Any]]:
     pool.slot_view(1).copy_(torch.arange(4096, device="cuda").to(torch.uint8))
     want = fold64_reference(bytes(i % 256 for i in range(4000)))
     cases.append({"fold64_pool_slot": True, "exact": pool.checksum(1, 4000) == want})
+    pinned = ChunkPool(2, 1 << 20, device="pinned")  # cudaHostRegister of its own pages
+    cases.append({"pinned_pool_page_locked": True, "exact": bool(pinned.buffer.is_pinned())})
     return cases
 
 

@@ -284,9 +284,11 @@ class TopologyConnectorConfig(Settings):
     Passed to vLLM as ``kv_connector_extra_config`` (see :meth:`extra_config`).
     ``store_slots`` or ``store_mib`` sizes the chunk store (neither: the
     connector's default), ``pool_device`` where the pool lives (None: the
-    connector's ``auto``). ``load_timeout_s``: how long a decoder waits for
-    pushed chunks before recomputing (None: the connector's default). ``extra``
-    is passed through verbatim (the connector refuses keys it does not know).
+    connector's ``auto``; with a shared store, every engine gets ``host``,
+    not only those that keep a reuse tier, so that all agree on host memory).
+    ``load_timeout_s``: how long a decoder waits for pushed chunks before
+    recomputing (None: the connector's default). ``extra`` is passed through
+    verbatim (the connector refuses keys it does not know).
 
     Reuse tier: ``reuse`` says which engines look their store up before
     computing a prompt and keep the chunks they compute (``all``,
@@ -312,7 +314,7 @@ class TopologyConnectorConfig(Settings):
     chunk_tokens: PositiveInt = 256
     store_slots: PositiveInt | None = None
     store_mib: PositiveInt | None = None
-    pool_device: Literal["auto", "cuda", "pinned", "cpu"] | None = None
+    pool_device: Literal["auto", "host", "cuda", "pinned", "cpu"] | None = None
     transport: Literal["auto", "nixl", "tcp"] = "auto"
     load_timeout_s: Seconds | None = None
     reuse: Literal["all", "prefill", "decode", "none"] = "all"
@@ -328,7 +330,22 @@ class TopologyConnectorConfig(Settings):
     def _one_store_size(self) -> TopologyConnectorConfig:
         if self.store_slots is not None and self.store_mib is not None:
             raise ValueError("give store_slots or store_mib, not both")
+        if self.pool_device == "cuda" and (
+            self.shared_store is not None or self.transport == "tcp"
+        ):
+            raise ValueError(
+                "pool_device: 'cuda' with a shared store or the tcp transport, which keep "
+                "chunks in host memory; use auto, host or pinned"
+            )
         return self
+
+    def resolved_pool_device(self) -> str | None:
+        """The ``pool_device`` every engine gets: ``host`` for all of them where
+        a shared store makes some engines' ``auto`` host memory (engines without
+        a reuse tier would otherwise choose VRAM, and refuse each other)."""
+        if self.shared_store is not None and self.pool_device in (None, "auto"):
+            return "host"
+        return self.pool_device
 
     def secret(self) -> str | None:
         """The shared secret from ``secret_env`` (None without one); ConfigError if unset."""
@@ -357,7 +374,7 @@ class TopologyConnectorConfig(Settings):
         optional = {
             "store_slots": self.store_slots,
             "store_mib": self.store_mib,
-            "pool_device": self.pool_device,
+            "pool_device": self.resolved_pool_device(),
             "load_timeout_s": self.load_timeout_s,
             "disk_gib": self.disk_gib,
             "secret_env": self.secret_env,
@@ -759,6 +776,11 @@ def _check_store(topology: TopologyConfig) -> None:
         )
     if topology.connector.reuse == "none":
         raise ValueError("store: a shared store needs engines with a reuse tier (connector.reuse)")
+    if topology.connector.pool_device == "cuda":
+        raise ValueError(
+            "store: a shared store keeps chunks in host memory, and connector.pool_device "
+            "'cuda' puts the engines' pools in VRAM; use auto, host or pinned"
+        )
 
 
 def _host_key(host: str) -> str:

@@ -38,6 +38,7 @@ import xxhash
 from pydantic import model_validator
 
 from fabric.kv import KVLayout, pack
+from fabric.kv.pack import settle
 from fabric.settings import Settings
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class ChunkPacker:
             end.store.commit(slot, key, nbytes, digest)
         else:
             nbytes = pack(side.views, side.layout, ids, dst, num_threads=self.options.pack_threads)
+            settle(dst.device)  # NOTE: a VRAM slot: the copies end before commit hashes it
             end.store.commit(slot, key, nbytes)
         return slot
 

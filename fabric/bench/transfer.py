@@ -52,6 +52,7 @@ from fabric.bench.transfer_side import BenchSide, SideArgs, side_args_json
 from fabric.errors import TransferError
 from fabric.kv import pack
 from fabric.kv.direct import cache_map
+from fabric.kv.pack import settle
 from fabric.transfer.client import PendingPush
 
 _suite_ids = itertools.count(1)
@@ -296,6 +297,7 @@ class Suite:
                 s.chunk_block_ids(end.chunk_blocks, i),
                 end.store.pool.slot_view(slot),
             )
+            settle(end.store.pool.slot_view(slot).device)  # NOTE: VRAM: copies before hashing
             end.store.commit(slot, key, n)
             slots.append(slot)
         self.receiver.send("fabric-wait", rid)

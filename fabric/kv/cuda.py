@@ -33,6 +33,7 @@ import functools
 import importlib
 import logging
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -74,7 +75,7 @@ def kernels_for(
 
     ``load`` returns the fused extension or None (default :func:`load_extension`);
     it is only called for CUDA caches. CUDA kernels are one shared instance per
-    extension, so ``last_event`` is the event of the latest launch.
+    extension, so ``last_event`` is the event of the calling thread's latest launch.
     """
     extension = (load or load_extension)() if device_type == "cuda" else None
     if choose_implementation(device_type, extension is not None) == "cuda-kernels":
@@ -176,8 +177,8 @@ def launch_table(views: list[torch.Tensor], ids: np.ndarray) -> tuple[torch.Tens
 class CudaKernels:
     """Pack/unpack with the fused ``fabric/kv/csrc/`` kernels on a side stream.
 
-    ``last_event`` is recorded after each launch; wait on it before anything
-    outside CUDA stream order (NIXL) reads a packed chunk. With
+    ``last_event`` is recorded after each launch (per calling thread); wait on
+    it before anything outside CUDA stream order (NIXL) reads a packed chunk. With
     ``join_current`` (the default) the caller's current stream waits on it
     too; without, only ``unpack`` makes the current stream wait.
     """
@@ -185,8 +186,17 @@ class CudaKernels:
     def __init__(self, extension: ModuleType, *, join_current: bool = True) -> None:
         self._extension = extension
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams_lock = threading.Lock()
         self.join_current = join_current
-        self.last_event: torch.cuda.Event | None = None
+        # NOTE: per thread: the instance is shared (the pack thread packs
+        # while the loader unpacks), and a thread must wait on its own
+        # launch, not on another thread's that it may precede on the stream
+        self._local = threading.local()
+
+    @property
+    def last_event(self) -> torch.cuda.Event | None:
+        """The event recorded after this thread's latest launch (None before one)."""
+        return getattr(self._local, "event", None)
 
     def pack(self, views: list[torch.Tensor], ids: np.ndarray, dst: torch.Tensor) -> None:
         """Gather blocks ``ids`` of every row into ``dst`` in one launch."""
@@ -206,12 +216,13 @@ class CudaKernels:
         import torch
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._streams:
-            self._streams[index] = torch.cuda.Stream(device=index)
-        return self._streams[index]
+        with self._streams_lock:
+            if index not in self._streams:
+                self._streams[index] = torch.cuda.Stream(device=index)
+            return self._streams[index]
 
     def synchronize(self) -> None:
-        """Block the host until the latest launch has finished."""
+        """Block the host until this thread's latest launch has finished."""
         if self.last_event is not None:
             self.last_event.synchronize()
 
@@ -248,4 +259,4 @@ class CudaKernels:
         chunk.record_stream(side)  # chunk memory is not reused before the copy ends
         if after_unpack or self.join_current:
             current.wait_event(event)  # on the device: the host does not block
-        self.last_event = event
+        self._local.event = event

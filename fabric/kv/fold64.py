@@ -21,6 +21,7 @@ for a CUDA tensor when it loads, else these torch ops on the tensor's device
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,9 +70,11 @@ def fold64_tensor(data: torch.Tensor) -> torch.Tensor:
     if flat.dtype != torch.uint8:
         raise ValueError(f"fold64 hashes uint8 bytes, got {flat.dtype}")
     nbytes = flat.numel()
-    tail = -nbytes % 8
-    if tail:
-        flat = torch.cat([flat, flat.new_zeros(tail)])
+    if nbytes % 8 or flat.data_ptr() % 8:
+        # NOTE: a whole number of aligned words (view(int64) needs both)
+        padded = flat.new_zeros(nbytes + -nbytes % 8)
+        padded[:nbytes] = flat
+        flat = padded
     # NOTE: view(int64) reads native byte order; every machine fabric runs on
     # (x86-64, aarch64, NVIDIA GPUs) is little-endian, as the definition wants.
     words = flat.view(torch.int64)
@@ -84,21 +87,40 @@ def fold64_tensor(data: torch.Tensor) -> torch.Tensor:
 def fold64(data: torch.Tensor) -> int:
     """fold64 of ``data``'s bytes (a contiguous uint8 tensor) as an unsigned int.
 
-    On a CUDA tensor the fused kernel runs on the current stream when the
-    extension loads (else torch ops); ``.item()`` then waits for it.
+    On a CUDA tensor it runs (the fused kernel when the extension loads, else
+    torch ops) on a stream of this thread's own, ordered after nothing: the
+    bytes must be complete when it is called (landed by NIXL, or a copy into
+    them synchronized: :func:`fabric.kv.pack.settle`). So a verifier thread
+    never queues behind the engine's forward on a shared stream, nor the
+    forward behind it; ``.item()`` waits for the hash alone.
     """
-    if data.device.type == "cuda":
-        from fabric.kv.cuda import load_extension
+    if data.device.type != "cuda":
+        return int(fold64_tensor(data).item()) & _MASK
+    import torch
 
-        extension = load_extension()
+    from fabric.kv.cuda import load_extension
+
+    extension = load_extension()
+    with torch.cuda.stream(_own_stream(data.device)) as stream:
         if extension is not None and hasattr(extension, "fold64"):
-            import torch
-
             out = torch.empty(1, dtype=torch.int64, device=data.device)
-            stream = torch.cuda.current_stream(data.device).cuda_stream
-            extension.fold64(data.reshape(-1), out, stream)
+            extension.fold64(data.reshape(-1), out, stream.cuda_stream)
             return int(out.item()) & _MASK
-    return int(fold64_tensor(data).item()) & _MASK
+        return int(fold64_tensor(data).item()) & _MASK
+
+
+_streams = threading.local()
+
+
+def _own_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's stream on ``device`` (created once)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mine: dict[int, torch.cuda.Stream] = _streams.__dict__.setdefault("by_device", {})
+    if index not in mine:
+        mine[index] = torch.cuda.Stream(device=index)
+    return mine[index]
 
 
 def fold64_reference(data: bytes) -> int:

@@ -557,6 +557,15 @@ def _chunk_view(buffer: torch.Tensor, layout: KVLayout, num_blocks: int) -> torc
     return buffer[:nbytes].view(rows, num_blocks, layout.segment_bytes)
 
 
+def settle(device: torch.device) -> None:
+    """Block until this thread's pack/unpack copies on ``device`` have ended
+    (nothing to wait for on the CPU, whose copies are synchronous). What a
+    pack into a VRAM slot needs before anything reads the slot outside
+    stream order: a checksum on a stream of its own, a NIXL WRITE."""
+    if device.type != "cpu":
+        _wait_for(device_kernels(device.type), device)
+
+
 def _wait_for(kernels: DeviceKernels, device: torch.device) -> None:
     """Block until ``kernels``' latest copy on ``device`` has ended: its own
     event when it keeps one (the fused kernels' side stream), else the

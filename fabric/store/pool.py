@@ -32,6 +32,7 @@ must see a VRAM chunk's bytes on the host (the disk tier) stages them through
 from __future__ import annotations
 
 import builtins
+import weakref
 from typing import TYPE_CHECKING, Any, Literal
 
 from fabric.errors import ConfigError
@@ -69,14 +70,19 @@ def resolve_pool_device(
     ``{"cpu"}``). ``host_only``: why this engine's pool must be host memory
     (the TCP transport, a shared store), or None. ``auto`` is VRAM on the
     cache's GPU unless ``host_only`` (then pinned host memory), and the host
-    for a CPU cache; ``cuda`` asks for VRAM and is a ConfigError where it
-    cannot be had.
+    for a CPU cache; ``host`` is host memory either way (pinned for a cache
+    on a GPU); ``cuda`` asks for VRAM and is a ConfigError where it cannot
+    be had.
     """
     if requested in HOST_DEVICES:
         return requested
     gpus = sorted(d for d in cache_devices if d.startswith("cuda"))
-    if requested not in ("auto", "cuda"):
-        raise ConfigError(f"pool_device: {requested!r} is not one of auto, cuda, pinned or cpu")
+    if requested not in ("auto", "host", "cuda"):
+        raise ConfigError(
+            f"pool_device: {requested!r} is not one of auto, host, cuda, pinned or cpu"
+        )
+    if requested == "host":
+        return "pinned" if gpus else "cpu"
     if len(gpus) != len(cache_devices) or len(gpus) > 1:
         if requested == "cuda":
             where = ", ".join(sorted(cache_devices)) or "nowhere"
@@ -109,6 +115,12 @@ class ChunkPool:
             # ~10x a warm one here (1.3 vs 12 GiB/s), and when it happens inside
             # a remote WRITE it stalls the sender's copy; pay it once at start.
             self._buffer.zero_()
+            if self._buffer.device.type == "cuda":
+                import torch
+
+                # NOTE: the memset is queued on a stream; NIXL (outside stream
+                # order) may write the region as soon as it is registered
+                torch.cuda.synchronize(self._buffer.device)
         # NOTE: one numpy view of the whole buffer, shared by every memoryview
         # handed out, so building a memoryview costs a slice and no copy.
         self._array: Any = self._buffer.numpy() if self.is_host else None
@@ -253,14 +265,32 @@ def _allocate_aligned(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, t
         )
     try:
         # NOTE: torch.empty; ChunkPool decides whether to touch the pages up front.
-        if device == "pinned":
-            raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
-        else:
-            raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device)
+        where = "cpu" if device == "pinned" else device
+        raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=where)
     except (RuntimeError, AssertionError) as exc:  # OOM, bad ordinal, no driver
         raise ConfigError(f"device: cannot allocate {nbytes} bytes on {device!r}: {exc}") from exc
     shift = -raw.data_ptr() % ALIGNMENT
-    return raw, raw.narrow(0, shift, nbytes)
+    aligned = raw.narrow(0, shift, nbytes)
+    if device == "pinned":
+        _page_lock(raw, aligned)
+    return raw, aligned
+
+
+def _page_lock(raw: torch.Tensor, region: torch.Tensor) -> None:
+    """Page-lock ``region`` (host memory of ``raw``) for CUDA, for ``raw``'s life.
+
+    NOTE: cudaHostRegister of the pool's own pages, not
+    ``torch.empty(pin_memory=True)``: torch's caching host allocator rounds
+    each block up to a power of two, so a 1.1 GiB pool would lock 2 GiB.
+    """
+    import torch
+
+    cudart = torch.cuda.cudart()
+    address, nbytes = region.data_ptr(), region.numel()
+    err = cudart.cudaHostRegister(address, nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise ConfigError(f"device: cannot page-lock {nbytes} bytes of host memory ({err})")
+    weakref.finalize(raw, cudart.cudaHostUnregister, address)
 
 
 def _allocate_staging(nbytes: int, *, pinned: bool) -> torch.Tensor:

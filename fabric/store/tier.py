@@ -461,8 +461,14 @@ class TieredStore:
                 self.disk.put(key, pool.memoryview(slot, nbytes), checksum)
             else:
                 # NOTE: the disk's files carry xxh3 of their bytes, not the
-                # VRAM pool's fold64: hash the staged copy (the slot itself
-                # was verified when it was filled).
+                # VRAM pool's fold64: the slot is checked against the
+                # checksum it was committed under first (a host pool's file
+                # carries that one, and a slot changed since fails at read),
+                # then the staged copy is hashed
+                if pool.checksum(slot, nbytes) != checksum:
+                    logger.warning("fabric: chunk %s changed in its slot; not saved", key.hex())
+                    self._count_up(disk_skipped=1)
+                    return
                 staging = pool.staging_buffer().narrow(0, 0, nbytes)
                 staging.copy_(pool.slot_view(slot).narrow(0, 0, nbytes))
                 self.disk.put(key, staging, compute_checksum(staging))

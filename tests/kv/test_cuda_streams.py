@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -151,3 +152,18 @@ def test_synchronize_waits_on_the_latest_launch(log: Log) -> None:
     log.clear()
     kernels.synchronize()
     assert log == [("synchronize", "event1")]
+
+
+def test_each_thread_waits_on_its_own_launch(log: Log) -> None:
+    """The pack thread and the loader share one instance: a thread whose
+    launch came first on the side stream must not wait on (or take) an
+    event recorded before its own kernel."""
+    kernels = CudaKernels(extension(log))
+    chunk = torch.zeros(3 * 2 * 32, dtype=torch.uint8)
+    kernels.unpack(chunk, views(), np.array([2, 0]))  # this thread: event0
+    other = threading.Thread(target=kernels.pack, args=(views(), np.array([2, 0]), chunk))
+    other.start()
+    other.join()  # another thread: event1
+    log.clear()
+    kernels.synchronize()
+    assert log == [("synchronize", "event0")]

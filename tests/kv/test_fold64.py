@@ -99,3 +99,12 @@ def test_stays_on_the_device_and_refuses_other_dtypes() -> None:
     assert out.dtype == torch.int64 and out.dim() == 0 and out.device == data.device
     with pytest.raises(ValueError, match="uint8"):
         fold64_tensor(torch.zeros(4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("offset", [1, 3, 4])
+def test_a_view_that_starts_off_a_word_boundary(offset: int) -> None:
+    """A slot of a pool whose slot size is not a multiple of 8 starts off a
+    word boundary; its bytes are hashed as bytes, wherever they start."""
+    data = _bytes(4000 + offset, seed=4)
+    view = _tensor(data)[offset : offset + 4000]  # 4000 bytes: whole words, misaligned
+    assert fold64(view) == fold64_reference(data[offset : offset + 4000])

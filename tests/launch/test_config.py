@@ -233,6 +233,26 @@ def test_store_section_validates_and_reaches_every_reuse_engine(tmp_path: Path) 
     assert "shared_store" not in no_reuse.connector.extra_config(8101, role="prefill")
 
 
+@pytest.mark.parametrize("reuse", ["prefill", "decode", "all"])
+def test_with_a_shared_store_every_engine_keeps_its_pool_in_host_memory(
+    tmp_path: Path, reuse: str
+) -> None:
+    """auto would put a pool in VRAM on an engine without a reuse tier (no
+    shared store there) and in host memory on one with: they would refuse
+    each other's Hello. So the topology gives every engine host."""
+    from fabric.launch.up import with_shared_store
+
+    text = (
+        "model: tiny\nprefill: [{}]\ndecode: [{}]\nstore: {}\n" + f"connector: {{reuse: {reuse}}}\n"
+    )
+    topology = with_shared_store(load_topology(write(tmp_path, text)), "/tmp/store.endpoint")
+    for role in ("prefill", "decode"):
+        extra = topology.connector.extra_config(9000, role=role)  # type: ignore[arg-type]
+        assert extra["pool_device"] == "host", role
+    plain = load_topology(write(tmp_path, "model: tiny\nprefill: [{}]\ndecode: [{}]\n"))
+    assert "pool_device" not in plain.connector.extra_config(9000, role="prefill")
+
+
 def test_connector_insecure_reaches_the_engines_and_the_store(tmp_path: Path) -> None:
     from fabric.launch.up import store_command
 
@@ -259,6 +279,14 @@ def test_connector_insecure_reaches_the_engines_and_the_store(tmp_path: Path) ->
         (
             "store: {}\nconnector: {reuse: none}",
             "store: a shared store needs engines with a reuse tier",
+        ),
+        (
+            "store: {}\nconnector: {pool_device: cuda}",
+            "store: a shared store keeps chunks in host memory, and connector.pool_device",
+        ),
+        (
+            "connector: {pool_device: cuda, shared_store: '127.0.0.1:5'}",
+            "connector: pool_device: 'cuda' with a shared store or the tcp transport",
         ),
     ],
 )

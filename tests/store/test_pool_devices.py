@@ -142,6 +142,8 @@ def test_disk_tier_stages_vram_chunks_through_pinned_memory(
         ("pinned", {"cuda:0"}, None, "pinned"),
         ("cpu", {"cuda:0"}, None, "cpu"),
         ("auto", {"cuda:0", "cuda:1"}, None, "cpu"),  # no one GPU to put it on
+        ("host", {"cuda:0"}, None, "pinned"),
+        ("host", {"cpu"}, None, "cpu"),
     ],
 )
 def test_pool_device_resolution(
@@ -155,7 +157,12 @@ def test_pool_device_resolution(
     [
         ("cuda", {"cpu"}, None, "pool_device: 'cuda' needs the KV cache on one GPU; it is on cpu"),
         ("cuda", {"cuda:0"}, "the shared store", "pool_device: 'cuda' is not possible here: the"),
-        ("vram", {"cuda:0"}, None, "pool_device: 'vram' is not one of auto, cuda, pinned or cpu"),
+        (
+            "vram",
+            {"cuda:0"},
+            None,
+            "pool_device: 'vram' is not one of auto, host, cuda, pinned or cpu",
+        ),
     ],
 )
 def test_pool_device_that_cannot_be_had_names_the_field(
@@ -163,3 +170,22 @@ def test_pool_device_that_cannot_be_had_names_the_field(
 ) -> None:
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
         resolve_pool_device(requested, caches, host_only)
+
+
+def test_a_vram_chunk_changed_in_its_slot_is_not_saved_to_disk(vram_tier: TieredStore) -> None:
+    """A host pool's file carries the checksum the chunk was committed under,
+    so a slot changed since fails when read back; a VRAM chunk's file gets
+    xxh3 of the staged bytes, so the slot is checked against its fold64 first."""
+    tokens = list(range(200, 200 + 8))
+    (key,) = vram_tier.keys(tokens)
+    slot = vram_tier.store.allocate(key)
+    _write(vram_tier.store.pool, slot, payload(5, 200))
+    write_behind, vram_tier.store.on_present = vram_tier.store.on_present, None
+    vram_tier.store.commit(slot, key, 200)
+    vram_tier.store.pool.slot_view(slot)[7] ^= 0x40  # after the commit, before the write-behind
+    assert write_behind is not None
+    write_behind(key)
+    assert vram_tier.flush(10)
+    disk = vram_tier.disk
+    assert disk is not None and disk.stats().files == 0
+    assert vram_tier.counters.disk_skipped == 1

@@ -34,9 +34,11 @@ class ConnectorConfig(Settings):
     cache's GPU, where chunks are packed by the fused kernels and hashed with
     fold64 on the device; pinned host memory instead where the pool must be
     host memory: the tcp transport, a shared store; the host for a CPU
-    cache), ``cuda`` (VRAM, or an error), ``pinned`` or ``cpu``. Engines that
-    exchange chunks must agree on host memory or VRAM (a Hello across the two
-    is refused: their chunk checksums differ).
+    cache), ``host`` (host memory, pinned for a cache on a GPU), ``cuda``
+    (VRAM, or an error), ``pinned`` or ``cpu``. Engines that exchange chunks
+    must agree on host memory or VRAM (a Hello across the two is refused:
+    their chunk checksums differ). A VRAM pool takes ``store_mib`` of GPU
+    memory beyond vLLM's ``gpu_memory_utilization``.
     ``load_timeout_s``: how long a decoder waits for pushed KV before it
     recomputes. ``unknown_transfer_grace_s``: how long it waits for a transfer
     it has not heard of at all. ``waiting_hold_s``: how long it keeps a
@@ -112,7 +114,7 @@ class ConnectorConfig(Settings):
     chunk_tokens: PositiveInt = 256
     store_mib: PositiveInt = 1024
     store_slots: NonNegativeInt = 0
-    pool_device: Literal["auto", "cuda", "pinned", "cpu"] = "auto"
+    pool_device: Literal["auto", "host", "cuda", "pinned", "cpu"] = "auto"
     lease_ms: PositiveInt = 30_000
     load_timeout_s: PositiveFloat = 20.0
     unknown_transfer_grace_s: PositiveFloat = 2.0

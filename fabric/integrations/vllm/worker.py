@@ -89,6 +89,7 @@ threads', its server's, store's and tier's; gauged every step through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -98,7 +99,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fabric.errors import CapacityError, ChecksumMismatch, ConfigError
+from fabric.errors import CapacityError, ChecksumMismatch, ConfigError, SlotStateError
 from fabric.integrations.vllm.config import endpoint_file
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.layered import LayeredPacks
@@ -106,7 +107,9 @@ from fabric.integrations.vllm.loader import Loader, unpack_slot
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
 from fabric.kv import KVLayout, chunk_keys, layerwise, pack, pack_checksummed
+from fabric.kv.cuda import load_extension
 from fabric.kv.direct import CacheMap, cache_map, cache_regions, cache_spans, checksum_spans
+from fabric.kv.pack import settle
 from fabric.kv.spans import chunk_spans
 from fabric.store import ChunkPool, ChunkStore, StoreConfig
 from fabric.store.disk import DiskTier
@@ -242,6 +245,11 @@ class FabricWorker:
             if str(exc).startswith("pool_device:"):
                 raise
             raise ConfigError(f"pool_device: {exc}") from exc
+        if any(t.device.type == "cuda" for t in self.kv_caches):
+            # NOTE: now, not on the first chunk: without a prebuilt extension
+            # this compiles it (minutes), which must not eat a load's timeout
+            implementation = "fused kernels" if load_extension() else "torch indexing"
+            logger.info("fabric: CUDA KV cache; packing with %s", implementation)
         store = ChunkStore(
             StoreConfig(slot_bytes=slot_bytes, num_slots=num_slots, quarantine_ms=quarantine_ms),
             pool,
@@ -916,16 +924,18 @@ class FabricWorker:
                     ),
                     None,
                 )
+            if not self.store.pool.is_host:
+                # NOTE: a VRAM pool's chunks are hashed with its fold64, by
+                # commit, on a stream of the hash's own: wait for the pack
+                # first (its copies run on a side stream); then the slot is
+                # complete before commit hashes it and the sender WRITEs it
+                settle(view.device)
+                checksum = None
+            self.store.commit(slot, key, nbytes, checksum)
         except BaseException:
-            self.store.abort(slot)
+            with contextlib.suppress(SlotStateError):
+                self.store.abort(slot)  # NOTE: refused when commit got that far
             raise
-        if not self.store.pool.is_host:
-            # NOTE: a VRAM pool's chunks are hashed with its fold64, by commit,
-            # on this thread's stream after the pack (the fused kernels make it
-            # wait on the pack's event) and read back: the slot is complete
-            # before the sender can post a WRITE of it
-            checksum = None
-        self.store.commit(slot, key, nbytes, checksum)
         return nbytes
 
     def _share(self, req_id: str, index: int, key: bytes) -> None:
