@@ -171,6 +171,7 @@ def fold64_cases() -> list[dict[str, Any]]:
                 0, 256, (nbytes + offset,), dtype=torch.uint8, device="cuda", generator=gen
             )
             data = buf[offset:]
+            torch.cuda.synchronize()  # NOTE: fold64 runs on a stream of its own, after nothing
             kernel, ops = fold64(data), int(fold64_tensor(data).item()) & ((1 << 64) - 1)
             exact = kernel == ops
             if nbytes <= 4097:
@@ -178,6 +179,7 @@ def fold64_cases() -> list[dict[str, Any]]:
             cases.append({"fold64_bytes": nbytes, "offset": offset, "exact": exact})
     pool = ChunkPool(2, 4096, device="cuda")
     pool.slot_view(1).copy_(torch.arange(4096, device="cuda").to(torch.uint8))
+    torch.cuda.synchronize()
     want = fold64_reference(bytes(i % 256 for i in range(4000)))
     cases.append({"fold64_pool_slot": True, "exact": pool.checksum(1, 4000) == want})
     pinned = ChunkPool(2, 1 << 20, device="pinned")  # cudaHostRegister of its own pages

@@ -88,11 +88,13 @@ def fold64(data: torch.Tensor) -> int:
     """fold64 of ``data``'s bytes (a contiguous uint8 tensor) as an unsigned int.
 
     On a CUDA tensor it runs (the fused kernel when the extension loads, else
-    torch ops) on a stream of this thread's own, ordered after nothing: the
-    bytes must be complete when it is called (landed by NIXL, or a copy into
-    them synchronized: :func:`fabric.kv.pack.settle`). So a verifier thread
-    never queues behind the engine's forward on a shared stream, nor the
-    forward behind it; ``.item()`` waits for the hash alone.
+    torch ops) on a stream this thread keeps for it, ordered after nothing:
+    the bytes must be complete when it is called (landed by NIXL, or a copy
+    into them synchronized: :func:`fabric.kv.pack.settle`). So a verifier
+    thread does not wait for work queued on the engine's stream (torch hands
+    streams out from a shared pool, so it may share one with other fabric
+    work, never with the legacy default stream); ``.item()`` waits for the
+    hash and whatever shares its stream.
     """
     if data.device.type != "cuda":
         return int(fold64_tensor(data).item()) & _MASK
@@ -101,9 +103,10 @@ def fold64(data: torch.Tensor) -> int:
     from fabric.kv.cuda import load_extension
 
     extension = load_extension()
-    with torch.cuda.stream(_own_stream(data.device)) as stream:
+    stream = _own_stream(data.device)
+    with torch.cuda.stream(stream):  # NOTE: its __enter__ returns None, not the stream
         if extension is not None and hasattr(extension, "fold64"):
-            out = torch.empty(1, dtype=torch.int64, device=data.device)
+            out = data.new_empty(1, dtype=torch.int64)
             extension.fold64(data.reshape(-1), out, stream.cuda_stream)
             return int(out.item()) & _MASK
         return int(fold64_tensor(data).item()) & _MASK

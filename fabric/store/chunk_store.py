@@ -59,6 +59,7 @@ generation afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -199,14 +200,23 @@ class ChunkStore:
         """Index the locally written ``slot`` as ``key``; returns the chunk checksum.
 
         The checksum over the slot's first ``nbytes`` is computed when not
-        given. If ``key`` is already present, ``slot`` is freed and the
-        existing chunk's checksum is returned (dedup).
+        given (the slot is freed if that fails). If ``key`` is already
+        present, ``slot`` is freed and the existing chunk's checksum is
+        returned (dedup).
         """
         self._check_nbytes("nbytes", nbytes)
         with self._lock:
             generation = self._local_slot(slot).generation
         if checksum is None:
-            checksum = self.pool.checksum(slot, nbytes)
+            try:
+                checksum = self.pool.checksum(slot, nbytes)
+            except BaseException:
+                # NOTE: a hash that fails (a VRAM pool's kernel) gives the slot
+                # back, if it is still this allocation (not aborted and retaken)
+                with self._lock, contextlib.suppress(SlotStateError):
+                    if self._local_slot(slot).generation == generation:
+                        self._slots.free(slot)
+                raise
         with self._lock:
             if self._local_slot(slot).generation != generation:
                 raise SlotStateError(f"slot {slot} was aborted while being committed")

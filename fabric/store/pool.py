@@ -83,7 +83,7 @@ def resolve_pool_device(
         )
     if requested == "host":
         return "pinned" if gpus else "cpu"
-    if len(gpus) != len(cache_devices) or len(gpus) > 1:
+    if not gpus or len(gpus) != len(cache_devices) or len(gpus) > 1:
         if requested == "cuda":
             where = ", ".join(sorted(cache_devices)) or "nowhere"
             raise ConfigError(
@@ -185,8 +185,9 @@ class ChunkPool:
     def checksum(self, slot: int, nbytes: int) -> int:
         """The pool's checksum of ``slot``'s first ``nbytes`` bytes, where they live.
 
-        A VRAM pool hashes on the device (fabric.kv.fold64, on the current
-        stream) and reads back only the 8-byte result.
+        A VRAM pool hashes on the device (fabric.kv.fold64, on a stream of
+        the calling thread's, after nothing: the bytes must be complete) and
+        reads back only the 8-byte result.
         """
         if self.is_host:
             return compute_checksum(self.memoryview(slot, nbytes))
@@ -263,16 +264,18 @@ def _allocate_aligned(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, t
             f"device: {device!r} needs a CUDA device, and this torch "
             f"({torch.__version__}) sees none; use device 'cpu'"
         )
+    # NOTE: page-locking covers whole pages: a pinned region gets pages of its own
+    room = -(-nbytes // ALIGNMENT) * ALIGNMENT if device == "pinned" else nbytes
     try:
         # NOTE: torch.empty; ChunkPool decides whether to touch the pages up front.
         where = "cpu" if device == "pinned" else device
-        raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=where)
+        raw = torch.empty(room + ALIGNMENT, dtype=torch.uint8, device=where)
     except (RuntimeError, AssertionError) as exc:  # OOM, bad ordinal, no driver
         raise ConfigError(f"device: cannot allocate {nbytes} bytes on {device!r}: {exc}") from exc
     shift = -raw.data_ptr() % ALIGNMENT
     aligned = raw.narrow(0, shift, nbytes)
     if device == "pinned":
-        _page_lock(raw, aligned)
+        _page_lock(raw, raw.narrow(0, shift, room))
     return raw, aligned
 
 
@@ -288,8 +291,9 @@ def _page_lock(raw: torch.Tensor, region: torch.Tensor) -> None:
     cudart = torch.cuda.cudart()
     address, nbytes = region.data_ptr(), region.numel()
     err = cudart.cudaHostRegister(address, nbytes, 0)
-    if int(getattr(err, "value", err)) != 0:
-        raise ConfigError(f"device: cannot page-lock {nbytes} bytes of host memory ({err})")
+    if int(getattr(err, "value", err)) != 0:  # NOTE: torch's binding marks it handled
+        reason = cudart.cudaGetErrorString(err)
+        raise ConfigError(f"device: cannot page-lock {nbytes} bytes of host memory ({reason})")
     weakref.finalize(raw, cudart.cudaHostUnregister, address)
 
 

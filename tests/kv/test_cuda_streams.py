@@ -15,13 +15,15 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from fabric.kv import cuda as kv_cuda
+from fabric.kv import fold64 as fold64_module
 from fabric.kv.cuda import CudaKernels
 
 Log = list[tuple[str, ...]]
@@ -167,3 +169,39 @@ def test_each_thread_waits_on_its_own_launch(log: Log) -> None:
     log.clear()
     kernels.synchronize()
     assert log == [("synchronize", "event0")]
+
+
+class FakeCudaBytes:
+    """A chunk "on cuda:0" as far as fold64 asks: its device, its flat view,
+    and a result buffer (host memory here)."""
+
+    device = SimpleNamespace(type="cuda", index=0)
+
+    def reshape(self, *shape: int) -> FakeCudaBytes:
+        return self
+
+    def new_empty(self, size: int, *, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype)
+
+
+def test_fold64_runs_on_a_stream_of_its_own_and_reads_the_result(
+    log: Log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the hash must not queue on (or behind) the caller's stream:
+    it enters a stream of its thread's and launches with that stream's
+    handle (torch's stream context yields None, so the handle must come
+    from the stream object itself)."""
+    module = ModuleType("fake_cuda_pack")
+
+    def fold64_kernel(data: Any, out: torch.Tensor, stream: int) -> None:
+        log.append(("fold64", str(stream)))
+        out[0] = -2  # the kernel writes the 64 bits as an int64
+
+    module.fold64 = fold64_kernel  # type: ignore[attr-defined]
+    monkeypatch.setattr(kv_cuda, "load_extension", lambda: module)
+    monkeypatch.setattr(fold64_module, "_streams", threading.local())
+    assert fold64_module.fold64(FakeCudaBytes()) == (1 << 64) - 2  # type: ignore[arg-type]
+    assert log == [("enter", "side0"), ("fold64", str(hash("side0"))), ("exit", "side0")]
+    log.clear()
+    fold64_module.fold64(FakeCudaBytes())  # type: ignore[arg-type]
+    assert log[0] == ("enter", "side0"), "one stream per thread, made once"

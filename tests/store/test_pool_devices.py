@@ -189,3 +189,20 @@ def test_a_vram_chunk_changed_in_its_slot_is_not_saved_to_disk(vram_tier: Tiered
     disk = vram_tier.disk
     assert disk is not None and disk.stats().files == 0
     assert vram_tier.counters.disk_skipped == 1
+
+
+def test_a_hash_that_fails_gives_the_slot_back(
+    fake_vram: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A VRAM pool's hash is a kernel launch, which can fail: commit frees the
+    allocation it was committing (the slot would stay reserved for good)."""
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=2), ChunkPool(2, SLOT, device="cuda"))
+
+    def broken(slot: int, nbytes: int) -> int:
+        raise RuntimeError("fabric fold64 launch failed: out of memory")
+
+    slot = store.allocate(key(1))
+    monkeypatch.setattr(store.pool, "checksum", broken)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        store.commit(slot, key(1), SLOT)
+    assert store.stats().free == 2 and store.reserved_count() == 0

@@ -172,7 +172,7 @@ class ConnectorConfig(Settings):
         if self.pool_device == "cuda" and self.shared_store is not None:
             raise ValueError(
                 "pool_device: 'cuda' with a shared_store, which keeps chunks in host memory; "
-                "use auto or pinned"
+                "use auto, host or pinned"
             )
         if self.shared_store is not None:
             if not self.shared_store.strip():

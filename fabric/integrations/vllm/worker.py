@@ -99,7 +99,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fabric.errors import CapacityError, ChecksumMismatch, ConfigError, SlotStateError
+from fabric.errors import CapacityError, ChecksumMismatch, ConfigError
 from fabric.integrations.vllm.config import endpoint_file
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.layered import LayeredPacks
@@ -931,11 +931,12 @@ class FabricWorker:
                 # complete before commit hashes it and the sender WRITEs it
                 settle(view.device)
                 checksum = None
-            self.store.commit(slot, key, nbytes, checksum)
         except BaseException:
-            with contextlib.suppress(SlotStateError):
-                self.store.abort(slot)  # NOTE: refused when commit got that far
+            with contextlib.suppress(Exception):
+                settle(view.device)  # NOTE: a copy already launched must end before reuse
+            self.store.abort(slot)
             raise
+        self.store.commit(slot, key, nbytes, checksum)  # NOTE: gives the slot back if it fails
         return nbytes
 
     def _share(self, req_id: str, index: int, key: bytes) -> None:
