@@ -336,10 +336,6 @@ class BenchSide:
                 src = end.store.pool.slot_view(res.slots[i])
                 unpack(src, self.views, self.layout, ids, num_threads=threads)
                 done.add(i)
-        if self.device != "cpu":
-            import torch
-
-            torch.cuda.synchronize()  # NOTE: the unpack kernels run on a side stream
         final = server.wait(rid, max(0.0, deadline - time.monotonic()))
         server.release(rid)
         return {"complete": len(done) == count and bool(final and final.complete)}

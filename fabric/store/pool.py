@@ -83,7 +83,7 @@ def resolve_pool_device(
         )
     if requested == "host":
         return "pinned" if gpus else "cpu"
-    if not gpus or len(gpus) != len(cache_devices) or len(gpus) > 1:
+    if not gpus or len(cache_devices) != 1:  # NOTE: not on exactly one GPU
         if requested == "cuda":
             where = ", ".join(sorted(cache_devices)) or "nowhere"
             raise ConfigError(

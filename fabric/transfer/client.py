@@ -288,7 +288,7 @@ class PeerLink:
             raise LayoutMismatch(
                 f"{self.endpoint}: chunk checksum: the receiver's pool hashes with "
                 f"{reply.checksum}, this sender's ({self.client.store.pool.device}) with {own}; "
-                "give both the same kind of pool_device (host: cpu or pinned, or cuda)"
+                + proto.CHECKSUM_HINT
             )
         return reply
 

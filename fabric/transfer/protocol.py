@@ -86,6 +86,10 @@ Name = Annotated[str, msgspec.Meta(max_length=1024)]
 IdentityBytes = Annotated[bytes, msgspec.Meta(max_length=64 * 1024)]
 
 
+CHECKSUM_HINT = "give both the same kind of pool_device (host: cpu or pinned, or cuda)"
+"""How to mend a link whose two pools hash chunks differently (Hello.checksum)."""
+
+
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
     """Sender -> receiver: who I am and how my data plane is reached."""
 

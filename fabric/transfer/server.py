@@ -690,7 +690,7 @@ class TransferServer:
             reason = (
                 f"chunk checksum: the sender's pool hashes with {msg.checksum}, this "
                 f"receiver's ({self.store.pool.device}) with {self.store.pool.checksum_name}; "
-                "give both the same kind of pool_device (host: cpu or pinned, or cuda)"
+                + proto.CHECKSUM_HINT
             )
             return proto.Refused(msg.seq, "", proto.Refusal.LAYOUT_MISMATCH, reason)
         try:

@@ -139,14 +139,7 @@ def unpack_slot(
         checksum=digest.checksum,
         nbytes=digest.nbytes,
         checksum_kind=store.pool.checksum_name,
-    )
-    first_layer = kv_caches[0] if kv_caches else None
-    if first_layer is not None and first_layer.device.type == "cuda":
-        import torch
-
-        # NOTE: the copies ran on this thread's stream, not vLLM's: they are
-        # complete before the load is reported (and the blocks read).
-        torch.cuda.current_stream(first_layer.device).synchronize()
+    )  # NOTE: on a GPU it returns once its copies ended: before the load is reported
 
 
 @dataclass

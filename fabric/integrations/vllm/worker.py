@@ -239,11 +239,10 @@ class FabricWorker:
         # NOTE: a slot whose write may still be in flight (its reservation
         # expired or was cancelled) waits out the longest write's life first.
         quarantine_ms = int(self.config.push_timeout_s * 1000) + QUARANTINE_MARGIN_MS
+        device = self._pool_device()
         try:
-            pool = ChunkPool(num_slots, slot_bytes, device=self._pool_device())
+            pool = ChunkPool(num_slots, slot_bytes, device=device)
         except ConfigError as exc:
-            if str(exc).startswith("pool_device:"):
-                raise
             raise ConfigError(f"pool_device: {exc}") from exc
         if any(t.device.type == "cuda" for t in self.kv_caches):
             # NOTE: now, not on the first chunk: without a prebuilt extension
