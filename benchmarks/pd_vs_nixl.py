@@ -1224,8 +1224,13 @@ def tune_threads(
     a share of the window, not of a core, so pollers that share a core are
     all found, and one that ran, so threads that only waited (the machine
     gave the engines' cores to something else meanwhile: an engine still
-    busy, or a stall) are not taken for pollers. Threads already set are
-    skipped; a second pass catches threads that appeared meanwhile.
+    busy, or a stall) are not taken for pollers. A process's main thread is
+    never one: a vLLM worker's runs the forward pass, an engine core's its
+    scheduler loop, and a transient spell of work there (a first request's
+    set-up as the stacks come up) once took a decoder's forward thread for a
+    poller, which then shared its core evenly with the idle stacks' pollers.
+    Threads already set are skipped; a second pass catches threads that
+    appeared meanwhile.
     """
     runs = list(runs)
     idled: list[dict[str, Any]] = []
@@ -1236,7 +1241,9 @@ def tune_threads(
         moved += pinned
         known = {tid for run in runs for _, tid in run.idle_threads}
         before = {
-            tid: runnable_ns(pid, tid) for tid, (_, pid) in owners.items() if tid not in known
+            tid: runnable_ns(pid, tid)
+            for tid, (_, pid) in owners.items()
+            if tid not in known and tid != pid
         }
         time.sleep(window_s)
         found = 0

@@ -124,6 +124,47 @@ def test_proc_readers_see_this_process(bench: ModuleType) -> None:
     assert bench.rss_gib([os.getpid()]) > 0
 
 
+SPINNERS = """
+import sys, threading
+def spin():
+    while True:
+        pass
+threading.Thread(target=spin, daemon=True).start()
+sys.stdout.write("up\\n"); sys.stdout.flush()
+spin()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_tuning_idles_a_spinning_thread_but_never_a_main_thread(bench: ModuleType) -> None:
+    """A process whose main thread and a second thread both spin: only the
+    second is set SCHED_IDLE (a vLLM worker's main thread runs the forward:
+    a transient spell of work there once took a decoder's for a poller)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    proc = subprocess.Popen([sys.executable, "-c", SPINNERS], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        core = sorted(os.sched_getaffinity(0))[0]
+        spec = SimpleNamespace(core=core, tag="test-engine")
+        run = SimpleNamespace(
+            spec=spec, process=SimpleNamespace(group_pids=lambda: [proc.pid]), idle_threads=[]
+        )
+        record = bench.tune_threads([run], threshold=0.25, window_s=0.5)
+
+        assert [tid for _, tid in run.idle_threads] != [] and all(
+            tid != proc.pid for _, tid in run.idle_threads
+        ), record
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+        assert {os.sched_getscheduler(tid) for _, tid in run.idle_threads} == {os.SCHED_IDLE}
+        assert [entry["engine"] for entry in record["sched_idle"]] == ["test-engine"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 METRICS_TEXT = """\
 # HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration
 # TYPE vllm:nixl_xfer_time_seconds histogram
