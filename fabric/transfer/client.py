@@ -237,6 +237,7 @@ class PeerLink:
             raise
         self.remote_slot_bytes = ack.slot_bytes
         self.remote_num_slots = ack.num_slots
+        self.peer_reads = ack.reads  # NOTE: it READs offered chunks (direct reads)
 
     def _open_socket(self) -> zmq.Socket[bytes]:
         # NOTE: a new socket is a new identity the receiver has not heard Hello from.
@@ -324,6 +325,7 @@ class PeerLink:
         """
         with contextlib.suppress(TransportFailed):
             agent = self.client.plane.add_peer(ack.data_descriptor)
+            self.peer_reads = ack.reads
             old, self.peer_agent = self.peer_agent, agent
             if old != agent:
                 # NOTE: the leases were the old process's: no write from them

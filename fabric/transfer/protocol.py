@@ -114,6 +114,7 @@ class HelloAck(msgspec.Struct, tag="hello_ack", array_like=True, frozen=True):
     slot_bytes: Count
     num_slots: Count
     checksum: Name = "xxh3"  # the receiver's pool's (see Hello.checksum)
+    reads: bool = False  # it READs offered chunks (``Offer``); False from a peer before the field
 
 
 class Reserve(msgspec.Struct, tag="reserve", array_like=True, frozen=True):

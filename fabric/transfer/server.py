@@ -721,6 +721,7 @@ class TransferServer:
             pool.slot_bytes,
             pool.num_slots,
             pool.checksum_name,
+            self._read_layout is not None,
         )
 
     def _on_reserve(self, msg: proto.Reserve) -> proto.Message:

@@ -11,7 +11,9 @@ tells it), the client gone during the prefill (P and D drop it, D's
 blocks are free again), or D out of early budget (the sequential flow).
 The same through a prefiller with ``direct_reads`` (D READs each chunk out
 of its KV cache; vLLM keeps its blocks until D read them): done, client
-gone (P's held blocks are free again), P killed mid-read.
+gone (P's held blocks are free again), P killed mid-read. And through one
+with ``direct_reads: auto``, which measures both paths on its link to D
+and then keeps the one cheaper on its threads: every answer equal.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ class Cluster:
             "direct": {
                 "cpu_cores": "0",
                 "kv_transfer_config": kv_config("kv_producer", direct_reads=True),
+                "extra_args": STEP_TOKENS,
+            },
+            # NOTE: direct_reads auto: staged or direct per push, by measured cost
+            "auto": {
+                "cpu_cores": "0",
+                "kv_transfer_config": kv_config("kv_producer", direct_reads="auto"),
                 "extra_args": STEP_TOKENS,
             },
             "decode": {
@@ -235,6 +243,45 @@ def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cl
     # NOTE: vLLM kept each request's blocks until D read them, then freed them
     wait_idle(p_url)
     assert metric(p_url, "vllm:fabric_holds_released_total") - before_held == len(lengths)
+    assert proxy_counter(proxy, "fallbacks") == 0
+
+
+def test_direct_reads_auto_measures_both_paths_and_every_answer_is_right(
+    cluster: Cluster,
+) -> None:
+    """The first push to a decoder is staged (its HelloAck says it reads),
+    then direct and staged are each measured twice, then the cheaper one
+    on P's threads goes: every answer equals colocated's whichever path,
+    all the KV came over the fabric, and vLLM freed every held block."""
+    d_url, p_url = cluster.engines["decode"].base_url, cluster.engines["auto"].base_url
+    proxy = cluster.proxy("auto")
+    before = {
+        name: metric(url, f"vllm:fabric_{name}_total")
+        for name, url in [
+            ("pushes_direct", p_url),
+            ("pushes_staged", p_url),
+            ("holds_released", p_url),
+            ("chunks_offered", p_url),
+            ("loads_ok", d_url),
+            ("load_failures", d_url),
+        ]
+    }
+    lengths = [300, 700, 520, 1100, 300, 800]
+    for i, n in enumerate(lengths):
+        prompt = prompt_ids(n, seed=5700 + i)
+        got = complete(proxy.url("/v1/completions"), body(prompt, stream=i % 2 == 0))
+        assert_same(got, cluster.want(prompt))
+    wait_idle(p_url)  # NOTE: vLLM freed every request's blocks, held or not
+
+    def delta(name: str, url: str) -> float:
+        return metric(url, f"vllm:fabric_{name}_total") - before[name]
+
+    direct, staged = delta("pushes_direct", p_url), delta("pushes_staged", p_url)
+    assert direct + staged == len(lengths)
+    assert direct >= 2 and staged >= 2, (direct, staged)  # NOTE: both measured on this link
+    assert delta("holds_released", p_url) == len(lengths)
+    assert delta("chunks_offered", p_url) > 0
+    assert delta("loads_ok", d_url) == len(lengths) and delta("load_failures", d_url) == 0
     assert proxy_counter(proxy, "fallbacks") == 0
 
 

@@ -68,7 +68,14 @@ class ConnectorConfig(Settings):
     only where just the proxy reaches this engine's API. Chunks of pushed
     prompts are then not packed into this engine's own store (no reuse
     here, nothing saved to the shared store from them); with layer groups
-    each group is hashed and offered as the forward writes it.
+    each group is hashed and offered as the forward writes it. ``auto``:
+    per decoder link, the path each push takes is chosen by what the two
+    cost on that link (:mod:`fabric.integrations.vllm.paths`: the
+    prefiller's fabric CPU per byte, and the time from the last chunk to
+    the push's end), measured on the pushes themselves; a decoder that
+    does not read offers, another transport or a GPU cache gets staged
+    pushes only. vLLM keeps the blocks of every pushed prompt then, given
+    back once a staged push's last chunk is packed.
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
@@ -123,7 +130,7 @@ class ConnectorConfig(Settings):
     pack_threads: PositiveInt = 1
     layer_groups: PositiveInt = 8
     layer_writes: bool = True
-    direct_reads: bool = False
+    direct_reads: bool | Literal["auto"] = False
     async_save: bool = True
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
@@ -157,7 +164,7 @@ class ConnectorConfig(Settings):
                 "waits; raise it with lookup_timeout_ms)"
             )
         self._check_secret()
-        if self.direct_reads and self.transport == "tcp":
+        if self.direct_reads is True and self.transport == "tcp":
             raise ValueError(
                 "direct_reads: the tcp transport cannot read a peer's memory; use nixl "
                 "(or auto where nixl is installed)"

@@ -31,6 +31,10 @@ COUNTERS = {
     "of chunks_sent)",
     "parts_offered": "layer groups of chunks the decoder READ out of this engine's KV cache "
     "while the forward pass still computed the later layers (direct_reads)",
+    "pushes_direct": "pushes direct_reads auto sent the direct way (the decoder READs the "
+    "chunks out of this engine's KV cache), by the link's measured costs",
+    "pushes_staged": "pushes direct_reads auto sent the staged way (packed, then written), by "
+    "the link's measured costs or because the decoder does not read",
     "holds_released": "requests whose KV blocks vLLM kept after they finished, for decoders "
     "to read (direct_reads), handed back once their push was over",
     "tokens_loaded": "prompt tokens whose KV arrived over the fabric",

@@ -76,6 +76,7 @@ is idle (``before_step``, after the join).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -107,12 +108,14 @@ class LayeredPacks:
         on_drop: Callable[[str, int], None] | None = None,
         offered: Callable[[str], bool] | None = None,
         on_offer: Callable[[str, int, list[int], int], None] | None = None,
+        on_cost: Callable[[str, float], None] | None = None,
     ) -> None:
         self.store = store
         self.on_part = on_part  # (req_id, index, slot, layers, bytes) packed so far
         self.on_drop = on_drop  # (req_id, index): that slot went back (after on_part)
         self.offered = offered  # whether a request's chunks are offered, not packed
         self.on_offer = on_offer  # (req_id, index, block_ids, layers) hashed so far
+        self.on_cost = on_cost  # (req_id, CPU seconds) spent packing or hashing its layers
         self.kv_caches = list(kv_caches.values())
         self.layout = layout
         self.counters = counters
@@ -184,6 +187,7 @@ class LayeredPacks:
         for key, hashing in list(self._hashes.items()):
             if upto <= hashing.layers_done:
                 continue
+            cpu = time.thread_time()
             try:
                 hashing.hash_layers(upto)
             except Exception:
@@ -191,9 +195,13 @@ class LayeredPacks:
                 logger.exception("fabric: hashing layers of %s chunk %d failed", *key)
                 del self._hashes[key]  # NOTE: hashed whole and offered at wait_for_save
                 continue
+            finally:
+                if self.on_cost is not None:
+                    self.on_cost(key[0], time.thread_time() - cpu)
             if self.on_offer is not None:
                 self.on_offer(key[0], key[1], hashing.block_ids, hashing.layers_done)
         for key, (slot, part) in list(self._parts.items()):
+            cpu = time.thread_time()
             try:
                 part.pack_layers(upto)
             except Exception:
@@ -202,6 +210,9 @@ class LayeredPacks:
                 del self._parts[key]
                 self._give_back(key, slot)
                 continue
+            finally:
+                if self.on_cost is not None:
+                    self.on_cost(key[0], time.thread_time() - cpu)
             if self.on_part is not None:
                 self.on_part(key[0], key[1], slot, part.layers_done, part.bytes_done)
 

@@ -661,7 +661,7 @@ class FabricScheduler:
                     send.token_ids,
                     send.chunk_blocks,
                     send.identity,
-                    hold=self.config.direct_reads and send.transfer_id is not None,
+                    hold=self.config.direct_reads is not False and send.transfer_id is not None,
                 )
             )
             send.announced = True
@@ -714,7 +714,7 @@ class FabricScheduler:
         params = self._finished(request, send)
         if send is None or send.transfer_id is None:
             return False, params
-        return self.config.direct_reads and send.announced, params
+        return self.config.direct_reads is not False and send.announced, params
 
     def _finished(self, request: RequestLike, send: _Sending | None) -> dict[str, Any] | None:
         rid = request.request_id

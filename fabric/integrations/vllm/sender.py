@@ -116,6 +116,7 @@ from fabric.threads import thread as named_thread
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.counters import FabricCounters
+    from fabric.integrations.vllm.paths import PathChooser
     from fabric.kv.direct import CacheMap
     from fabric.store import ChunkStore
     from fabric.transfer import PeerLink, PendingPush, RemoteReservation, TransferClient
@@ -196,6 +197,10 @@ class PushJob:
     early: list[_SlotRef] = field(default_factory=list)
     starved: bool = False
     parts: dict[int, _Part] = field(default_factory=dict)  # chunk -> its parts (endpoint thread)
+    # direct_reads auto: the path it takes ("staged", "direct"; "": not measured)
+    # and when its endpoint's thread took its last chunk (the push's tail)
+    path: str = ""
+    tail_from: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -340,13 +345,14 @@ class PushSender:
         name: str = "fabric-push",
         cache: CacheMap | None = None,
         on_over: Callable[[str], None] | None = None,
+        paths: PathChooser | None = None,
     ) -> None:
         self.client, self.store, self.counters = client, store, counters
         self.lease_ms, self.push_timeout_s = lease_ms, push_timeout_s
         self.names, self.prepare, self.backoff_s = names, prepare, backoff_s
         self.max_waiting, self.peer_idle_s, self.name = max_waiting, peer_idle_s, name
         self.stall_s, self.max_unsettled_s = stall_s, max_unsettled_s
-        self.cache, self.on_over = cache, on_over
+        self.cache, self.on_over, self.paths = cache, on_over, paths
         self._stalled: set[str] = set()  # endpoints stalled at the last tend (dispatcher's)
         self._events: queue.Queue[Event] = queue.Queue()
         self._jobs: dict[str, PushJob] = {}  # req_id -> its live job (for routing)
@@ -705,14 +711,20 @@ class PushSender:
         peer.stopped = True
 
     def _handle_guarded(self, peer: _Peer, kind: str, payload: object) -> None:
+        job = payload if isinstance(payload, PushJob) else None
+        if job is None and isinstance(payload, tuple) and isinstance(payload[0], PushJob):
+            job = payload[0]
+        cpu = time.thread_time() if job is not None and job.path else 0.0
         try:
             self._handle(peer, kind, payload)
         except Exception as exc:
             self.counters.add(thread_errors=1)
             logger.exception("%s: handling %s failed", peer.thread.name, kind)
-            job = payload[0] if isinstance(payload, tuple) else payload
-            if isinstance(job, PushJob) and not job.dropped:
+            if job is not None and not job.dropped:
                 self._abandon(peer, job, f"{type(exc).__name__}: {exc}")
+        finally:
+            if cpu and job is not None and self.paths is not None:
+                self.paths.add_cpu(job.req_id, time.thread_time() - cpu)
 
     def _handle(self, peer: _Peer, kind: str, payload: object) -> None:
         if kind == "begin":
@@ -731,8 +743,11 @@ class PushSender:
             if (part := job.parts.get(payload[1])) is not None:
                 part.void = True
         elif kind == "offer":
+            if not payload[5]:  # NOTE: the chunk's final offer (layers 0), not a part
+                job.tail_from = time.monotonic()
             self._offer(peer, job, *payload[1:])
         elif kind == "chunk":
+            job.tail_from = time.monotonic()
             assert isinstance(payload[2], _SlotRef)
             slot = payload[2].take()
             if slot is None:  # NOTE: released by the dispatcher: the receiver stalled
@@ -780,6 +795,8 @@ class PushSender:
                     job.asked = True
                     job.res = job.link.reserve(job.transfer_id, job.keys, job.nbytes, self.lease_ms)
                 job.last_heartbeat = time.monotonic()
+                if self.paths is not None:
+                    self.paths.set_reads(job.endpoint, job.link.peer_reads)
             except FabricError as exc:
                 job.asked = job.asked and not isinstance(exc, ReservationRefused)
                 self._peer_failed(peer, exc, started=started, link=job.link)
@@ -986,8 +1003,11 @@ class PushSender:
     def _progress(self, peer: _Peer) -> None:
         now = time.monotonic()
         for job in list(peer.jobs.values()):
+            cpu = time.thread_time() if job.path and self.paths is not None else 0.0
             try:
                 self._progress_job(peer, job, now)
+                if cpu and self.paths is not None:
+                    self.paths.add_cpu(job.req_id, time.thread_time() - cpu)
             except Exception as exc:
                 self.counters.add(thread_errors=1)
                 logger.exception("%s: progressing %s failed", self.name, job.req_id)
@@ -1064,6 +1084,8 @@ class PushSender:
         if job.dropped:
             return
         job.dropped = True
+        if job.path and self.paths is not None:
+            self._record_path(job)
         peer.jobs.pop(id(job), None)
         with self._jobs_lock:
             if self._jobs.get(job.req_id) is job:
@@ -1074,6 +1096,21 @@ class PushSender:
         peer.dropped += 1
         if not replaced:
             self._over(job.req_id)
+
+    def _record_path(self, job: PushJob) -> None:
+        """What ``job``'s push cost its path (direct_reads auto): the bytes it
+        moved (not those the receiver had), its tail; nothing counts from a
+        failed push."""
+        assert self.paths is not None
+        res = job.res
+        moved = 0
+        if res is not None:
+            moved = sum(
+                n for n, had in zip(job.nbytes, res.already_present, strict=False) if not had
+            )
+        ok = job.complete and not job.failed and res is not None
+        tail = time.monotonic() - job.tail_from if job.tail_from else 0.0
+        self.paths.record(job.endpoint, job.req_id, job.path, moved, tail, ok)
 
     def _over(self, req_id: str) -> None:
         """The push of ``req_id`` is over (or there is none): no read of its

@@ -104,6 +104,7 @@ from fabric.integrations.vllm.config import endpoint_file
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.layered import LayeredPacks
 from fabric.integrations.vllm.loader import Loader, unpack_slot
+from fabric.integrations.vllm.paths import DIRECT, PathChooser
 from fabric.integrations.vllm.sender import PushJob, PushSender
 from fabric.integrations.vllm.shared import SharedSaver
 from fabric.kv import KVLayout, chunk_keys, layerwise, pack, pack_checksummed
@@ -194,6 +195,8 @@ class FabricWorker:
         self._keys: dict[str, list[bytes]] = {}
         self._keep_only: set[str] = set()
         self._direct: set[str] = set()  # pushes whose chunks are offered, not packed
+        # direct_reads auto: each push's path, chosen per decoder link by its measured cost
+        self.paths: PathChooser | None = PathChooser() if config.direct_reads == "auto" else None
         self._load_errors: set[int] = set()
         self._tier_seen: dict[str, int] = {}
         self._shared_chunks: dict[str, int] = {}  # request -> full chunks it shares
@@ -284,8 +287,12 @@ class FabricWorker:
             f", serving on {self.node.endpoint}" if serve else "",
             self._tier_description(),
         )
-        if self.produce and self.config.direct_reads:
+        if self.produce and self.config.direct_reads is True:
             self._cache_map = self._register_cache(layout)
+        elif self.produce and self.config.direct_reads == "auto":
+            self._cache_map = self._register_cache_if_readable(layout)
+        if self._cache_map is None:
+            self.paths = None  # NOTE: every push is staged: nothing to choose
         if self.consume and self.node.server is not None and self.node.plane.reads:
             self.node.server.enable_reads(layout)
         self._setup_layered(layout)  # NOTE: after the cache map: offered chunks are hashed too
@@ -298,6 +305,7 @@ class FabricWorker:
                 push_timeout_s=self.config.push_timeout_s,
                 cache=self._cache_map,
                 on_over=self._push_over,
+                paths=self.paths,
             )
         if self.config.shared_store is not None:
             self.shared = SharedSaver(
@@ -366,6 +374,23 @@ class FabricWorker:
         )
         return cache_map(self.kv_caches, layout)
 
+    def _register_cache_if_readable(self, layout: KVLayout) -> CacheMap | None:
+        """direct_reads auto: register the cache where a decoder can read it
+        (host memory, a data plane that reads); else every push is staged."""
+        assert self.node is not None
+        devices = {str(t.device) for t in self.kv_caches}
+        why = (
+            f"the KV cache is on {', '.join(sorted(devices))}"
+            if devices != {"cpu"}
+            else f"the {self.node.plane.kind} transport cannot read a peer"
+            if not self.node.plane.reads
+            else ""
+        )
+        if why:
+            logger.info("fabric: direct_reads auto: %s; every push is staged", why)
+            return None
+        return self._register_cache(layout)
+
     def threads_down(self) -> list[str]:
         """Names of the fabric threads of this worker that are no longer running."""
         owners = [self.loader, self.sender, self.shared.sender if self.shared else None]
@@ -409,6 +434,7 @@ class FabricWorker:
             self._part_dropped,
             self._direct.__contains__ if offering else None,
             self._part_hashed if offering else None,
+            self.paths.add_cpu if self.paths is not None and offering else None,
         )
 
     def _part_packed(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
@@ -437,6 +463,7 @@ class FabricWorker:
             "worker_keys": len(self._keys),
             "worker_keep_only": len(self._keep_only),
             "worker_direct": len(self._direct),
+            **(self.paths.table_sizes() if self.paths is not None else {}),
             "worker_shared_chunks": len(self._shared_chunks),
             "worker_load_errors": len(self._load_errors),
             "worker_packing": sum(not f.done() for f in list(self._packing)),
@@ -808,7 +835,8 @@ class FabricWorker:
             identity=plan.identity,
         )
         self._keys[plan.req_id] = keys
-        direct = plan.hold and self._cache_map is not None and plan.endpoint is not None
+        path = self._path(plan)
+        direct = path == DIRECT
         if self.shared is not None and not direct:  # NOTE: a direct push packs nothing to share
             full = len(plan.token_ids) // self.config.chunk_tokens
             self._shared_chunks[plan.req_id] = full
@@ -828,19 +856,45 @@ class FabricWorker:
             return
         if direct:
             self._direct.add(plan.req_id)
-        self.sender.begin(PushJob(plan.req_id, plan.transfer_id, endpoint, keys, nbytes))
+        job = PushJob(plan.req_id, plan.transfer_id, endpoint, keys, nbytes)
+        if self.paths is not None and path:
+            job.path = path
+            self.paths.begin(plan.req_id)
+            self.counters.add(**{f"pushes_{path}": 1})
+        self.sender.begin(job)
+
+    def _path(self, plan: SendPlan) -> str:
+        """The path of ``plan``'s push: direct (offered), staged (packed and
+        written), or "" (packed, not measured: no hold, no cache map, no
+        decoder); with ``direct_reads: auto`` chosen per decoder link."""
+        if not plan.hold or self._cache_map is None or plan.endpoint is None:
+            return ""
+        if self.paths is None:
+            return DIRECT
+        try:
+            endpoint = rank_endpoint(plan.endpoint, self.tp_rank)
+        except ConfigError:
+            return ""  # NOTE: _begin says why and keeps the chunks here only
+        return self.paths.choose(endpoint)
 
     def _pack_chunk(self, chunk: PackChunk) -> None:
         keys = self._keys.get(chunk.req_id)
         if keys is None:
             return
+        cpu = time.thread_time() if self.paths is not None else 0.0
         try:
             if chunk.req_id in self._keep_only:
                 self._keep_local(chunk, keys)
             else:
                 self._push_chunk(chunk, keys)
         finally:
+            if self.paths is not None:
+                self.paths.add_cpu(chunk.req_id, time.thread_time() - cpu)
             if chunk.index == len(keys) - 1:  # NOTE: its last chunk: nothing more to save
+                if chunk.req_id not in self._direct:
+                    # NOTE: a held push that is not read from the blocks (staged,
+                    # kept only) needs them no more: vLLM may free them
+                    self._push_over(chunk.req_id)
                 self._drop_packing(chunk.req_id)
 
     def _push_chunk(self, chunk: PackChunk, keys: list[bytes]) -> None:
