@@ -566,6 +566,8 @@ class Sample:
     matches_colocated: bool | None = None
     decode_metrics: dict[str, float] = field(default_factory=dict)
     proxy_metrics: dict[str, float] = field(default_factory=dict)
+    prefill_metrics: dict[str, float] = field(default_factory=dict)  # fabric's P
+    path: str | None = None  # fabric's P with direct_reads auto: the path its push took
     ttft_cpu_s: float | None = None  # the stack's own processes, sent -> first token
     cpu: dict[str, Any] = field(default_factory=dict)  # cores_between over the request
     mem_used_gib: float | None = None
@@ -635,6 +637,17 @@ TIMINGS = ("ttft_s", "prefill_s", "handoff_s", "handoff_raw_s", "local_ttft_s", 
 CORES = ("others_cores", "others_core0_cores", "others_core1_cores", "outside_cores", "own_cores")
 
 
+def push_path(prefill_deltas: dict[str, float]) -> str | None:
+    """The path fabric's P chose for the request (``direct_reads: auto``),
+    from its counters' deltas; None when it chose none (a fixed setting)."""
+    took = [
+        path
+        for path in ("direct", "staged")
+        if prefill_deltas.get(f"vllm:fabric_pushes_{path}_total", 0) > 0
+    ]
+    return "+".join(took) or None
+
+
 def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (stack, length) of measured samples: medians, p90s, counts, cores."""
     keys = sorted(
@@ -651,6 +664,9 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["errors"] = len(mine) - len(ok)
         row["fallbacks"] = sum(1 for s in mine if s["fallback"])
         row["sequential"] = sum(1 for s in mine if s["sequential"])
+        paths = [s.get("path") for s in mine if s.get("path")]
+        if paths:
+            row["paths"] = {path: paths.count(path) for path in sorted(set(paths))}
         compared = [s for s in mine if s["matches_colocated"] is not None]
         row["matches_colocated"] = (
             f"{sum(1 for s in compared if s['matches_colocated'])}/{len(compared)}"
@@ -1017,6 +1033,7 @@ class Stack:
     proxy: ManagedProcess | None = None
     tap: TimingTap | None = None
     proxy_pids: list[int] = field(default_factory=list)
+    prefill_url: str | None = None  # P: its metrics (fabric's)
 
     def refresh_pids(self) -> None:
         """Every process of the stack's engines' process groups and of its proxy's."""
@@ -1152,7 +1169,9 @@ def build_stacks(
         prefill, decode = runs[f"{name}-prefill"], runs[f"{name}-decode"]
         tap_url, tap = taps.tap(prefill.url)
         proxy, url = start_proxy(name, tap_url, decode, prefill, kv_port, workdir, settings, owned)
-        stacks[name] = Stack(name, url, [prefill, decode], decode.url, proxy, tap)
+        stacks[name] = Stack(
+            name, url, [prefill, decode], decode.url, proxy, tap, prefill_url=prefill.url
+        )
     for stack in stacks.values():
         if stack.proxy is not None:
             wait_http_ok(stack.url + "/health", 300.0, stack.proxy)
@@ -1296,6 +1315,8 @@ def measure(
     try:
         d_before = scrape(client, stack.decode_url) if stack.decode_url else {}
         p_before = scrape(client, stack.url, PROXY_PREFIXES) if name == "fabric" else {}
+        prefill_url = stack.prefill_url if name == "fabric" else None
+        pf_before = scrape(client, prefill_url, ("vllm:fabric_",)) if prefill_url else {}
         first: list[tuple[float, float]] = []
 
         def on_first_token() -> None:
@@ -1326,6 +1347,10 @@ def measure(
                 p_before, scrape(client, stack.url, PROXY_PREFIXES)
             )
             sample.sequential = sample.proxy_metrics.get("fabric_proxy_early_refused_total", 0) > 0
+        if prefill_url:
+            deltas = metric_deltas(pf_before, scrape(client, prefill_url, ("vllm:fabric_",)))
+            sample.prefill_metrics = deltas
+            sample.path = push_path(deltas)
         sample.fallback = is_fallback(sample.decode_metrics) or is_fallback(sample.proxy_metrics)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
@@ -1611,6 +1636,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(ratio_table(record["ratios"]))
     print(f"idle stacks' cores during measured requests: {json.dumps(record['idle_stacks'])}")
+    paths = {row["length"]: row["paths"] for row in record["summary"] if row.get("paths")}
+    if paths:
+        print(f"fabric's paths (direct_reads auto), per prompt length: {json.dumps(paths)}")
     print(f"elapsed {record['phases_s']['total']:.0f} s; peak memory in use "
           f"{record['peak_mem_used_gib']} GiB")  # fmt: skip
     results_dir.mkdir(parents=True, exist_ok=True)

@@ -292,6 +292,21 @@ def test_summary_rows_take_medians_and_p90s_of_good_samples(bench: ModuleType) -
     assert "1,100 / 1,200" in text and "nixl-push" in text
 
 
+def test_the_path_fabrics_prefiller_chose_is_read_from_its_counters(bench: ModuleType) -> None:
+    assert bench.push_path({"vllm:fabric_pushes_direct_total": 1.0}) == "direct"
+    assert bench.push_path({"vllm:fabric_pushes_staged_total": 1.0}) == "staged"
+    assert bench.push_path({"vllm:fabric_chunks_sent_total": 4.0}) is None  # NOTE: not auto
+    samples = _samples(bench)
+    fabric_1k = [
+        s for s in samples if (s["stack"], s["length"], s["phase"]) == ("fabric", 1024, "round")
+    ]
+    for sample, path in zip(fabric_1k, ["direct", "direct", "staged"], strict=False):
+        sample["path"] = path
+    rows = bench.summarize(samples)
+    assert bench.find_row(rows, "fabric", 1024)["paths"] == {"direct": 2, "staged": 1}
+    assert "paths" not in bench.find_row(rows, "nixl-pull", 1024)
+
+
 def test_ratios_take_the_better_nixl_per_length_and_metric(bench: ModuleType) -> None:
     samples = [s for s in _samples(bench) if not s["fallback"]]
 
