@@ -819,9 +819,7 @@ class PeerLink:
         the receiver verifies what it read, so the blocks may be reused, but
         not trusted to have moved)."""
         self._post_check(res.request_id)
-        config = self.client.config
-        host = self.endpoint.removeprefix("tcp://").rpartition(":")[0]
-        if config.secret is None and not config.insecure and not is_loopback(host):
+        if not self.client.may_offer(self.endpoint):
             # NOTE: unsigned, whoever answers on that address would be handed the
             # cache (its Hello and Reserve are not checked): refused, as binding is
             raise ReservationRefused(
@@ -920,6 +918,13 @@ class TransferClient:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
+
+    def may_offer(self, endpoint: str) -> bool:
+        """Whether an ``Offer`` (naming this process's KV cache) may go to
+        ``endpoint``: signed (a secret), ``insecure`` set, or on loopback."""
+        config = self.config
+        host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+        return config.secret is not None or config.insecure or is_loopback(host)
 
     def connect(self, endpoint: str) -> PeerLink:
         """The link to ``endpoint``, doing the handshake on first use.

@@ -11,18 +11,21 @@ being chosen.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from fabric.errors import ReservationRefused
 from fabric.integrations.vllm import worker as worker_module
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
-from fabric.integrations.vllm.paths import DIRECT, MAX_COSTS, STAGED, PathChooser
+from fabric.integrations.vllm.paths import DIRECT, MAX_LINKS, STAGED, PathChooser
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.transfer.client import PeerLink
 
 from .test_vllm_worker import BS, CT, wait_results, worker
 
@@ -34,10 +37,7 @@ MIB = 2**20
 
 def measured(chooser: PathChooser, endpoint: str, path: str, cpu_s: float, tail_s: float) -> None:
     """One push of 1 MiB over ``path``: it cost ``cpu_s``, its tail was ``tail_s``."""
-    rid = f"r{time.perf_counter_ns()}"
-    chooser.begin(rid)
-    chooser.add_cpu(rid, cpu_s)
-    chooser.record(endpoint, rid, path, MIB, tail_s, ok=True)
+    chooser.record(endpoint, path, cpu_s, MIB, tail_s, ok=True)
 
 
 def test_a_decoder_not_known_to_read_gets_staged_pushes() -> None:
@@ -89,25 +89,33 @@ def test_a_much_longer_tail_loses_even_when_cheaper_on_the_core() -> None:
     assert chooser2.choose("e") == DIRECT
 
 
-def test_failed_or_empty_pushes_count_nothing_and_tables_stay_bounded() -> None:
+def test_failed_or_empty_pushes_add_no_cost_and_links_stay_bounded() -> None:
     chooser = PathChooser(min_pushes=1)
     chooser.set_reads("e", True)
-    chooser.begin("a")
-    chooser.add_cpu("a", 5.0)
-    chooser.record("e", "a", DIRECT, MIB, 0.0, ok=False)
-    chooser.begin("b")
-    chooser.record("e", "b", DIRECT, 0, 0.0, ok=True)  # NOTE: the decoder had every chunk
-    assert chooser.snapshot()["e"][DIRECT]["pushes"] == 0  # type: ignore[index]
-    chooser.add_cpu("never-begun", 1.0)  # NOTE: ignored, not kept
-    chooser.begin("c")
-    chooser.forget("c")
-    assert chooser.table_sizes() == {"paths_links": 1, "paths_costs": 0}
-    for i in range(MAX_COSTS + 10):
-        chooser.begin(f"x{i}")
-    assert chooser.table_sizes()["paths_costs"] == MAX_COSTS
-    for i in range(300):
+    chooser.record("e", DIRECT, 5.0, MIB, 0.0, ok=False)
+    chooser.record("e", DIRECT, 0.0, 0, 0.0, ok=True)  # NOTE: the decoder had every chunk
+    snap = chooser.snapshot()["e"][DIRECT]
+    assert snap["pushes"] == 0 and snap["failures"] == 1  # type: ignore[index]
+    for i in range(MAX_LINKS + 44):
         chooser.choose(f"endpoint-{i}")
-    assert chooser.table_sizes()["paths_links"] == 256
+    assert chooser.table_sizes() == {"paths_links": MAX_LINKS}
+
+
+def test_a_path_that_keeps_failing_is_left_but_to_explore_it() -> None:
+    """Offers that always fail (a decoder that refuses them, READs that break
+    on the link) would leave direct the less measured path forever: after
+    ``max_failures`` in a row it is chosen only to explore it again."""
+    chooser = PathChooser(min_pushes=2, explore_every=5, max_failures=2)
+    chooser.set_reads("e", True)
+    chosen = []
+    for _ in range(12):
+        path = chooser.choose("e")
+        chosen.append(path)
+        chooser.record("e", path, 0.001, MIB, 0.01, ok=path == STAGED)
+    assert chosen[:3] == [DIRECT, DIRECT, STAGED]
+    assert chosen[3:] == [STAGED, DIRECT, STAGED, STAGED, STAGED, STAGED, DIRECT, STAGED, STAGED]
+    measured(chooser, "e", DIRECT, 0.0001, 0.01)  # NOTE: one that landed ends the run
+    assert chooser.snapshot()["e"][DIRECT]["failures"] == 0  # type: ignore[index]
 
 
 def test_auto_is_accepted_with_any_transport_and_true_still_refuses_tcp() -> None:
@@ -125,9 +133,9 @@ DST = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
 TOKENS = 150  # chunks of 4, 4, 2 blocks
 
 
-def prompt(n: int) -> list[int]:
+def prompt(n: int, num_tokens: int = TOKENS) -> list[int]:
     """Request ``n``'s prompt: new to the decoder's store (its chunks move)."""
-    return [1000 * n + i for i in range(TOKENS)]
+    return [1000 * n + i for i in range(num_tokens)]
 
 
 @pytest.fixture
@@ -139,26 +147,36 @@ def pair() -> Iterator[tuple[FabricWorker, FabricWorker]]:
     d.shutdown()
 
 
-def push_one(p: FabricWorker, d: FabricWorker, n: int) -> None:
+def push_one(
+    p: FabricWorker,
+    d: FabricWorker,
+    n: int,
+    num_tokens: int = TOKENS,
+    before_finish: Callable[[], None] | None = None,
+) -> None:
     """Request ``n``: D admitted at dispatch, P computes it in one step and
-    vLLM finishes it; its KV lands on D and P reports it sent once."""
+    vLLM finishes it; its KV lands on D and P reports it sent once, after
+    vLLM finished it (``before_finish``: run between P's step and that)."""
     assert d.node is not None
     rid, tid = f"p{n}", f"t{n}"
-    counts = chunk_block_counts(TOKENS, CT, BS)
+    counts = chunk_block_counts(num_tokens, CT, BS)
     packs, start = [], 0
     for index, count in enumerate(counts):
         packs.append(PackChunk(rid, index, SRC[start : start + count]))
         start += count
-    sends = [SendPlan(rid, tid, d.node.endpoint, prompt(n), counts, hold=True)]
-    d.start_load(FabricMetadata(loads=[LoadPlan(f"d{n}", tid, 0, DST, TOKENS, prompt(n))]))
+    sends = [SendPlan(rid, tid, d.node.endpoint, prompt(n, num_tokens), counts, hold=True)]
+    load = LoadPlan(f"d{n}", tid, 0, DST, num_tokens, prompt(n, num_tokens))
+    d.start_load(FabricMetadata(loads=[load]))
     meta = FabricMetadata(sends=sends, packs=packs)
     p.start_load(meta)
     p.pack_step(meta)
     p.before_step()
     p.get_results(set())
     sent = p.take_sent()
+    if before_finish is not None:
+        before_finish()
     assert wait_results(d) == ({f"d{n}"}, set()), n
-    blocks = -(-TOKENS // BS)
+    blocks = -(-num_tokens // BS)
     for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
         for b in range(blocks):
             assert torch.equal(d_layer[DST[b]], p_layer[SRC[b]]), (n, b)
@@ -183,12 +201,14 @@ def wait_jobs_over(p: FabricWorker) -> None:
         time.sleep(0.005)
 
 
-def run_pushes(p: FabricWorker, d: FabricWorker, count: int) -> tuple[list[str], dict[str, int]]:
+def run_pushes(
+    p: FabricWorker, d: FabricWorker, count: int, num_tokens: int = TOKENS
+) -> tuple[list[str], dict[str, int]]:
     """``count`` requests: the path each took, and P's counters over all."""
     paths: list[str] = []
     totals: dict[str, int] = {}
     for n in range(count):
-        push_one(p, d, n)
+        push_one(p, d, n, num_tokens)
         wait_jobs_over(p)
         counts = p.counters.take()
         took = [path for path in (DIRECT, STAGED) if counts.get(f"pushes_{path}")]
@@ -227,7 +247,7 @@ def test_auto_measures_both_paths_and_keeps_the_cheaper_one(
     assert counters["holds_released"] == 8
     assert counters.get("chunks_offered", 0) == 3 * paths.count(DIRECT)
     assert p.own_table_sizes()["worker_holding"] == 0
-    assert p.own_table_sizes()["paths_costs"] == 0
+    assert p.own_table_sizes()["worker_measured"] == 0
 
 
 @pytest.mark.parametrize("dearer", [DIRECT, STAGED])
@@ -266,10 +286,94 @@ def test_auto_pushes_staged_to_a_decoder_that_does_not_read(
     pair: tuple[FabricWorker, FabricWorker],
 ) -> None:
     """A decoder whose HelloAck says it reads no offers (an older fabric, a
-    tcp transport, a GPU cache) is never offered a chunk."""
+    data plane that cannot read) is never offered a chunk."""
     p, d = pair
     assert d.node is not None and d.node.server is not None
     d.node.server._read_layout = None  # NOTE: as a receiver that does not read
     paths, counters = run_pushes(p, d, 4)
     assert paths == [STAGED] * 4
     assert counters.get("chunks_offered", 0) == 0 and counters["holds_released"] == 4
+
+
+def test_auto_counts_the_link_threads_cpu_of_a_pushs_last_step(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READs a decoder emulates with messages cost the prefiller's link
+    thread inside its offer: made 20 ms per offer here, on one-chunk
+    prompts (the offer that ends the push is its only one: a cost counted
+    after the push was recorded would be lost, and direct would look free)."""
+    p, d = pair
+    real_offer = PeerLink.offer
+
+    def dear_offer(self: PeerLink, *args: object, **kw: object) -> None:
+        burn(0.02)
+        real_offer(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PeerLink, "offer", dear_offer)
+    assert p.paths is not None
+    p.paths.tail_factor = 1000.0  # NOTE: the choice by CPU alone (the offer lengthens the tail)
+    paths, _ = run_pushes(p, d, 8, num_tokens=CT)
+    assert paths[:4] == [STAGED, DIRECT, DIRECT, STAGED], paths
+    assert paths[4:] == [STAGED] * 4, paths
+
+
+def test_auto_leaves_a_path_whose_offers_are_refused(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every Offer refused on this link: two direct pushes fail (D recomputes
+    those), then the pushes are staged and land, but to explore direct again."""
+    p, d = pair
+    assert d.node is not None
+
+    def refused(self: PeerLink, *args: object, **kw: object) -> None:
+        raise ReservationRefused("bad_request: this receiver does not read offered chunks")
+
+    monkeypatch.setattr(PeerLink, "offer", refused)
+    outcomes = []
+    for n in range(7):
+        try:
+            push_one(p, d, n)
+            outcomes.append("landed")
+        except AssertionError:
+            outcomes.append("failed")
+        wait_jobs_over(p)
+    assert outcomes[:3] == ["landed", "failed", "failed"], outcomes  # NOTE: staged, then direct
+    assert outcomes[3:] == ["landed"] * 4, outcomes
+    assert p.paths is not None
+    link = p.paths.snapshot()[d.node.endpoint]
+    assert link[DIRECT]["failures"] == 2 and link[STAGED]["pushes"] == 5  # type: ignore[index]
+
+
+def test_a_direct_push_keeps_its_blocks_held_until_its_offers_ended(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM frees a held request's blocks at the report: a direct push (here
+    the second, auto's first direct one) is not reported sent while an offer
+    of its blocks is still waiting for the decoder's READ."""
+    p, d = pair
+    push_one(p, d, 0)  # NOTE: staged (D's reads are not known yet)
+    wait_jobs_over(p)
+    gate = threading.Event()
+    waiting = threading.Event()
+    real_offer = PeerLink.offer
+
+    def gated_offer(self: PeerLink, *args: object, **kw: object) -> None:
+        waiting.set()
+        assert gate.wait(10)
+        real_offer(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PeerLink, "offer", gated_offer)
+
+    def finished_while_offer_waits() -> None:
+        assert waiting.wait(10)
+        p.start_load(FabricMetadata())
+        p.before_step()
+        p.get_results({"p1"})  # NOTE: vLLM finished it; its blocks are held
+        time.sleep(0.2)
+        p.get_results(set())
+        assert p.take_sent() == set()  # NOTE: an offer still waits: not freed yet
+        gate.set()
+
+    push_one(p, d, 1, before_finish=finished_while_offer_waits)
+    counters = p.counters.take()
+    assert counters.get("pushes_direct") == 1 and counters.get("chunks_offered") == 3

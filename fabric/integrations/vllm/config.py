@@ -71,11 +71,12 @@ class ConnectorConfig(Settings):
     each group is hashed and offered as the forward writes it. ``auto``:
     per decoder link, the path each push takes is chosen by what the two
     cost on that link (:mod:`fabric.integrations.vllm.paths`: the
-    prefiller's fabric CPU per byte, and the time from the last chunk to
+    prefiller's fabric CPU per MiB, and the time from the last chunk to
     the push's end), measured on the pushes themselves; a decoder that
-    does not read offers, another transport or a GPU cache gets staged
-    pushes only. vLLM keeps the blocks of every pushed prompt then, given
-    back once a staged push's last chunk is packed.
+    does not read offers (or that no Offer may reach), the tcp transport
+    or a KV cache on a GPU here gets staged pushes only. vLLM keeps the
+    blocks of every pushed prompt then, given back once a staged push's
+    last chunk is packed.
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).

@@ -17,27 +17,34 @@ measures, per decoder endpoint, what each push cost:
 
 - ``cpu_s``: CPU seconds the prefiller's fabric threads spent on it -- the
   pack thread's packing or hashing of its chunks (during the forward, too)
-  and the link thread's handling of its writes, offers and their polls
-  (``time.thread_time``, the calling thread's own CPU) -- per byte pushed:
-  the core a prefiller's forward shares;
-- ``tail_s``: from the link thread taking the push's last chunk to the push
-  being over: what the decoder still waits for once the prefill ended.
+  and the link thread's handling of its writes, offers and their polls,
+  not its Reserve (``time.thread_time``, the calling thread's own CPU;
+  kept on the push's :class:`~fabric.integrations.vllm.sender.PushJob`) --
+  per MiB pushed: the core a prefiller's forward shares;
+- ``tail_s``: from the pack thread handing over the push's last chunk to
+  the push being over: what the decoder still waits for once the prefill
+  ended.
 
-It picks the path with the lower CPU per byte, unless that path's tail is
+It picks the path with the lower CPU per MiB, unless that path's tail is
 over ``tail_factor`` times the other's (plus ``tail_slack_s``): a path that
 spares the prefiller's core but makes the decoder wait much longer for the
 last chunk loses. Until each path has ``min_pushes`` measured pushes on a
-link, pushes alternate (direct first once the decoder is known to read);
-after that, every ``explore_every``-th push takes the other path, so an
-estimate that went stale (a link now busier) is measured again. Estimates
-are moving averages (weight ``alpha`` for the newest push).
+link, the less measured one goes (direct first once the decoder is known to
+read); after that, every ``explore_every``-th choice on the link takes the
+other path, so an estimate that went stale (a link now busier) is measured
+again. Estimates are moving averages (weight ``alpha`` for the newest
+push). A path whose last ``max_failures`` pushes on a link all failed (a
+decoder that refuses offers, READs that break on that link) is not chosen
+but to explore it again, so a path that cannot work there never keeps
+every push failing.
 
 What it does not see: the decoder's own CPU (a direct READ copies on the
 decoder's core, which also decodes other requests), and the forward's
 slowdown from memory traffic the decoder's copies cause on a shared
-memory bus. A push that failed records nothing (its cost says nothing of
-the path's); a decoder that refuses offers (``reads`` false: an older
-fabric, a tcp transport, a GPU cache) gets staged pushes only.
+memory bus. A failed push adds no cost (what it spent says nothing of the
+path's), only to the path's failures, whatever failed it (a client that
+left too). A decoder whose HelloAck says it does not read (``reads`` false:
+an older fabric, a data plane that cannot read) gets staged pushes only.
 """
 
 from __future__ import annotations
@@ -51,8 +58,6 @@ PATHS = (STAGED, DIRECT)
 
 MAX_LINKS = 256
 """Links remembered at most (the least recently used one goes first)."""
-MAX_COSTS = 4096
-"""Pushes whose cost is being added up at most (the oldest one goes first)."""
 
 
 @dataclass
@@ -62,6 +67,7 @@ class PathEstimate:
     pushes: int = 0
     cpu_per_mib_s: float = 0.0
     tail_s: float = 0.0
+    failures: int = 0  # pushes that failed in a row (0 after one that landed)
 
     def add(self, cpu_per_mib_s: float, tail_s: float, alpha: float) -> None:
         if self.pushes == 0:
@@ -70,6 +76,7 @@ class PathEstimate:
             self.cpu_per_mib_s += alpha * (cpu_per_mib_s - self.cpu_per_mib_s)
             self.tail_s += alpha * (tail_s - self.tail_s)
         self.pushes += 1
+        self.failures = 0
 
 
 @dataclass
@@ -87,8 +94,8 @@ class LinkPaths:
 class PathChooser:
     """Per decoder endpoint: which path a push takes (see the module docstring).
 
-    Thread-safe: the pack thread chooses and adds its CPU, each link's push
-    thread adds its own and records the push's end.
+    Thread-safe: the pack thread chooses, each link's push thread records
+    the pushes that ended.
     """
 
     def __init__(
@@ -99,6 +106,7 @@ class PathChooser:
         tail_factor: float = 2.0,
         tail_slack_s: float = 0.005,
         alpha: float = 0.25,
+        max_failures: int = 2,
     ) -> None:
         if min_pushes < 1 or explore_every < 2 or tail_factor < 1 or not 0 < alpha <= 1:
             raise ValueError(
@@ -109,9 +117,9 @@ class PathChooser:
         self.tail_factor = tail_factor
         self.tail_slack_s = tail_slack_s
         self.alpha = alpha
+        self.max_failures = max_failures
         self._lock = threading.Lock()
         self._links: dict[str, LinkPaths] = {}
-        self._costs: dict[str, float] = {}  # req_id -> CPU seconds added so far
 
     # ------------------------------------------------------------ choosing
     def choose(self, endpoint: str) -> str:
@@ -121,11 +129,16 @@ class PathChooser:
             link.chosen += 1
             if not link.reads:
                 return STAGED  # NOTE: not known to read yet (its first Hello is to come)
+            explore = link.chosen % self.explore_every == 0
             staged, direct = link.estimates[STAGED], link.estimates[DIRECT]
+            failing = [p for p in PATHS if link.estimates[p].failures >= self.max_failures]
+            if len(failing) == 1:
+                other = DIRECT if failing[0] == STAGED else STAGED
+                return failing[0] if explore else other
             if min(staged.pushes, direct.pushes) < self.min_pushes:
                 return DIRECT if direct.pushes <= staged.pushes else STAGED
             best = self._preferred(link)
-            if link.chosen % self.explore_every == 0:
+            if explore:
                 return STAGED if best == DIRECT else DIRECT
             return best
 
@@ -145,41 +158,25 @@ class PathChooser:
             self._link(endpoint).reads = reads
 
     # ------------------------------------------------------------ measuring
-    def begin(self, req_id: str) -> None:
-        """``req_id``'s push is measured from now (its CPU is added up until
-        :meth:`record` or :meth:`forget`)."""
-        with self._lock:
-            self._costs[req_id] = 0.0
-            while len(self._costs) > MAX_COSTS:
-                del self._costs[next(iter(self._costs))]
-
-    def add_cpu(self, req_id: str, seconds: float) -> None:
-        """CPU a fabric thread spent on ``req_id``'s push (nothing for a push
-        not measured, or over)."""
-        if seconds <= 0:
+    def record(
+        self, endpoint: str, path: str, cpu_s: float, nbytes: int, tail_s: float, ok: bool
+    ) -> None:
+        """A push to ``endpoint`` over ``path`` is over: when ``ok`` (every
+        chunk landed) and it moved bytes, what it cost counts for ``path``;
+        when it failed, it counts as one of the path's failures."""
+        if path not in PATHS:
             return
         with self._lock:
-            if req_id in self._costs:
-                self._costs[req_id] += seconds
-
-    def record(
-        self, endpoint: str, req_id: str, path: str, nbytes: int, tail_s: float, ok: bool
-    ) -> None:
-        """``req_id``'s push to ``endpoint`` is over: its cost counts for
-        ``path`` when it ``ok`` (every chunk landed) and moved bytes."""
-        with self._lock:
-            cpu_s = self._costs.pop(req_id, 0.0)
-            if not ok or nbytes <= 0 or path not in PATHS:
-                return
             link = self._link(endpoint)
-            link.estimates[path].add(cpu_s / (nbytes / 2**20), max(0.0, tail_s), self.alpha)
+            estimate = link.estimates[path]
+            if not ok:
+                estimate.failures += 1
+                return
+            if nbytes <= 0:
+                return
+            estimate.add(cpu_s / (nbytes / 2**20), max(0.0, tail_s), self.alpha)
             if min(e.pushes for e in link.estimates.values()) >= self.min_pushes:
                 self._preferred(link)
-
-    def forget(self, req_id: str) -> None:
-        """Drop what was added for ``req_id`` (its push never began)."""
-        with self._lock:
-            self._costs.pop(req_id, None)
 
     # ------------------------------------------------------------ reporting
     def snapshot(self) -> dict[str, dict[str, object]]:
@@ -194,6 +191,7 @@ class PathChooser:
                             "pushes": est.pushes,
                             "cpu_ms_per_mib": round(est.cpu_per_mib_s * 1000, 4),
                             "tail_ms": round(est.tail_s * 1000, 3),
+                            "failures": est.failures,
                         }
                         for path, est in link.estimates.items()
                     },
@@ -203,7 +201,7 @@ class PathChooser:
 
     def table_sizes(self) -> dict[str, int]:
         with self._lock:
-            return {"paths_links": len(self._links), "paths_costs": len(self._costs)}
+            return {"paths_links": len(self._links)}
 
     def _link(self, endpoint: str) -> LinkPaths:
         link = self._links.pop(endpoint, None) or LinkPaths()

@@ -197,9 +197,13 @@ class PushJob:
     early: list[_SlotRef] = field(default_factory=list)
     starved: bool = False
     parts: dict[int, _Part] = field(default_factory=dict)  # chunk -> its parts (endpoint thread)
-    # direct_reads auto: the path it takes ("staged", "direct"; "": not measured)
-    # and when its endpoint's thread took its last chunk (the push's tail)
+    # direct_reads auto: the path it takes ("staged", "direct"; "": not measured),
+    # the CPU the pack thread (pack_cpu_s, before handing each chunk over) and
+    # its endpoint's thread (link_cpu_s) spent on it, and when its last chunk
+    # was handed over (the dispatcher's; the push's tail runs from there)
     path: str = ""
+    pack_cpu_s: float = 0.0
+    link_cpu_s: float = 0.0
     tail_from: float = 0.0
 
     @property
@@ -280,6 +284,7 @@ class _Peer:
         self.stopped = self.saturated = False
         self.calling_since = 0.0  # when its current control call began (0: in none)
         self.cancelling: set[PeerLink] = set()  # links with Cancels still to send
+        self.ended: list[PushJob] = []  # measured pushes over, to record (its thread's)
         self.thread = named_thread(target, args=(self,), name=name, os_name=os_name)
 
     @property
@@ -478,8 +483,11 @@ class PushSender:
         peer = self._peer(job.endpoint)
         if kind == "chunk":
             assert isinstance(payload, tuple)
+            job.tail_from = time.monotonic()  # NOTE: the last one's counts (its tail)
             self._route_chunk(peer, job, payload[1], payload[2])
             return
+        if kind == "offer" and isinstance(payload, tuple) and not payload[5]:
+            job.tail_from = payload[4]  # NOTE: a chunk's final offer: when it was computed
         rest = payload[1:] if isinstance(payload, tuple) else ()
         peer.events.put((kind, (job, *rest)))
 
@@ -656,6 +664,8 @@ class PushSender:
             time.sleep(5e-5)
         if peer.jobs:
             peer.last_active = time.monotonic()
+        if peer.ended:
+            self._record_paths(peer)
 
     def _probe(self, peer: _Peer) -> None:
         """While ``peer`` is backed off, ask it every ``PROBE_EVERY_S`` whether it
@@ -714,7 +724,8 @@ class PushSender:
         job = payload if isinstance(payload, PushJob) else None
         if job is None and isinstance(payload, tuple) and isinstance(payload[0], PushJob):
             job = payload[0]
-        cpu = time.thread_time() if job is not None and job.path else 0.0
+        # NOTE: not its Reserve (a link's first also connects): the same for either path
+        cpu = time.thread_time() if job is not None and job.path and kind != "begin" else 0.0
         try:
             self._handle(peer, kind, payload)
         except Exception as exc:
@@ -723,8 +734,8 @@ class PushSender:
             if job is not None and not job.dropped:
                 self._abandon(peer, job, f"{type(exc).__name__}: {exc}")
         finally:
-            if cpu and job is not None and self.paths is not None:
-                self.paths.add_cpu(job.req_id, time.thread_time() - cpu)
+            if cpu and job is not None:
+                job.link_cpu_s += time.thread_time() - cpu
 
     def _handle(self, peer: _Peer, kind: str, payload: object) -> None:
         if kind == "begin":
@@ -743,11 +754,8 @@ class PushSender:
             if (part := job.parts.get(payload[1])) is not None:
                 part.void = True
         elif kind == "offer":
-            if not payload[5]:  # NOTE: the chunk's final offer (layers 0), not a part
-                job.tail_from = time.monotonic()
             self._offer(peer, job, *payload[1:])
         elif kind == "chunk":
-            job.tail_from = time.monotonic()
             assert isinstance(payload[2], _SlotRef)
             slot = payload[2].take()
             if slot is None:  # NOTE: released by the dispatcher: the receiver stalled
@@ -1003,15 +1011,16 @@ class PushSender:
     def _progress(self, peer: _Peer) -> None:
         now = time.monotonic()
         for job in list(peer.jobs.values()):
-            cpu = time.thread_time() if job.path and self.paths is not None else 0.0
+            cpu = time.thread_time() if job.path else 0.0
             try:
                 self._progress_job(peer, job, now)
-                if cpu and self.paths is not None:
-                    self.paths.add_cpu(job.req_id, time.thread_time() - cpu)
             except Exception as exc:
                 self.counters.add(thread_errors=1)
                 logger.exception("%s: progressing %s failed", self.name, job.req_id)
                 self._abandon(peer, job, f"{type(exc).__name__}: {exc}")
+            finally:
+                if cpu:
+                    job.link_cpu_s += time.thread_time() - cpu
 
     def _progress_job(self, peer: _Peer, job: PushJob, now: float) -> None:
         if job.parts:
@@ -1085,7 +1094,7 @@ class PushSender:
             return
         job.dropped = True
         if job.path and self.paths is not None:
-            self._record_path(job)
+            peer.ended.append(job)  # NOTE: recorded at the round's end, its CPU all added
         peer.jobs.pop(id(job), None)
         with self._jobs_lock:
             if self._jobs.get(job.req_id) is job:
@@ -1097,20 +1106,28 @@ class PushSender:
         if not replaced:
             self._over(job.req_id)
 
-    def _record_path(self, job: PushJob) -> None:
-        """What ``job``'s push cost its path (direct_reads auto): the bytes it
-        moved (not those the receiver had), its tail; nothing counts from a
-        failed push."""
-        assert self.paths is not None
-        res = job.res
-        moved = 0
-        if res is not None:
-            moved = sum(
-                n for n, had in zip(job.nbytes, res.already_present, strict=False) if not had
-            )
-        ok = job.complete and not job.failed and res is not None
-        tail = time.monotonic() - job.tail_from if job.tail_from else 0.0
-        self.paths.record(job.endpoint, job.req_id, job.path, moved, tail, ok)
+    def _record_paths(self, peer: _Peer) -> None:
+        """What the pushes that ended on ``peer`` cost their paths (direct_reads
+        auto): their CPU, the bytes they moved (not those the receiver had),
+        their tails; a failed one counts as its path's failure. After their
+        holds were given back (``_over``): an error here keeps nothing."""
+        ended, peer.ended = peer.ended, []
+        now = time.monotonic()
+        for job in ended:
+            try:
+                assert self.paths is not None
+                res = job.res
+                moved = 0
+                if res is not None:
+                    had = res.already_present
+                    moved = sum(n for n, h in zip(job.nbytes, had, strict=False) if not h)
+                ok = job.complete and not job.failed and res is not None
+                tail = now - job.tail_from if job.tail_from else 0.0
+                cpu = job.pack_cpu_s + job.link_cpu_s
+                self.paths.record(job.endpoint, job.path, cpu, moved, tail, ok)
+            except Exception:
+                self.counters.add(thread_errors=1)
+                logger.exception("%s: recording the path of %s failed", self.name, job.req_id)
 
     def _over(self, req_id: str) -> None:
         """The push of ``req_id`` is over (or there is none): no read of its

@@ -99,7 +99,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fabric.errors import CapacityError, ChecksumMismatch, ConfigError
+from fabric.errors import CapacityError, ChecksumMismatch, ConfigError, FabricError
 from fabric.integrations.vllm.config import endpoint_file
 from fabric.integrations.vllm.counters import FabricCounters
 from fabric.integrations.vllm.layered import LayeredPacks
@@ -197,6 +197,7 @@ class FabricWorker:
         self._direct: set[str] = set()  # pushes whose chunks are offered, not packed
         # direct_reads auto: each push's path, chosen per decoder link by its measured cost
         self.paths: PathChooser | None = PathChooser() if config.direct_reads == "auto" else None
+        self._measured: dict[str, PushJob] = {}  # of those: pushes whose CPU is added up
         self._load_errors: set[int] = set()
         self._tier_seen: dict[str, int] = {}
         self._shared_chunks: dict[str, int] = {}  # request -> full chunks it shares
@@ -386,10 +387,13 @@ class FabricWorker:
             if not self.node.plane.reads
             else ""
         )
-        if why:
-            logger.info("fabric: direct_reads auto: %s; every push is staged", why)
-            return None
-        return self._register_cache(layout)
+        if not why:
+            try:
+                return self._register_cache(layout)
+            except FabricError as exc:
+                why = f"the KV cache could not be registered ({exc})"
+        logger.warning("fabric: direct_reads auto: %s; every push is staged", why)
+        return None
 
     def threads_down(self) -> list[str]:
         """Names of the fabric threads of this worker that are no longer running."""
@@ -434,7 +438,7 @@ class FabricWorker:
             self._part_dropped,
             self._direct.__contains__ if offering else None,
             self._part_hashed if offering else None,
-            self.paths.add_cpu if self.paths is not None and offering else None,
+            self._pack_cpu if self.paths is not None and offering else None,
         )
 
     def _part_packed(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
@@ -463,6 +467,7 @@ class FabricWorker:
             "worker_keys": len(self._keys),
             "worker_keep_only": len(self._keep_only),
             "worker_direct": len(self._direct),
+            "worker_measured": len(self._measured),
             **(self.paths.table_sizes() if self.paths is not None else {}),
             "worker_shared_chunks": len(self._shared_chunks),
             "worker_load_errors": len(self._load_errors),
@@ -788,6 +793,7 @@ class FabricWorker:
         self._keys.pop(req_id, None)
         self._keep_only.discard(req_id)
         self._direct.discard(req_id)
+        self._measured.pop(req_id, None)
         self._shared_chunks.pop(req_id, None)
 
     def _key_to_pack(self, chunk: PackChunk) -> bytes | None:
@@ -859,7 +865,7 @@ class FabricWorker:
         job = PushJob(plan.req_id, plan.transfer_id, endpoint, keys, nbytes)
         if self.paths is not None and path:
             job.path = path
-            self.paths.begin(plan.req_id)
+            self._measured[plan.req_id] = job
             self.counters.add(**{f"pushes_{path}": 1})
         self.sender.begin(job)
 
@@ -875,21 +881,20 @@ class FabricWorker:
             endpoint = rank_endpoint(plan.endpoint, self.tp_rank)
         except ConfigError:
             return ""  # NOTE: _begin says why and keeps the chunks here only
+        if self.node is not None and not self.node.client.may_offer(endpoint):
+            return ""  # NOTE: an Offer there would be refused: packed, not measured
         return self.paths.choose(endpoint)
 
     def _pack_chunk(self, chunk: PackChunk) -> None:
         keys = self._keys.get(chunk.req_id)
         if keys is None:
             return
-        cpu = time.thread_time() if self.paths is not None else 0.0
         try:
             if chunk.req_id in self._keep_only:
                 self._keep_local(chunk, keys)
             else:
                 self._push_chunk(chunk, keys)
         finally:
-            if self.paths is not None:
-                self.paths.add_cpu(chunk.req_id, time.thread_time() - cpu)
             if chunk.index == len(keys) - 1:  # NOTE: its last chunk: nothing more to save
                 if chunk.req_id not in self._direct:
                     # NOTE: a held push that is not read from the blocks (staged,
@@ -901,8 +906,9 @@ class FabricWorker:
         """Pack a computed chunk (unless the store has it) and hand it to the
         push thread; with direct_reads, hash it in place and offer it."""
         assert self.sender is not None
+        cpu = time.thread_time()
         if chunk.req_id in self._direct:
-            self._offer_chunk(chunk)
+            self._offer_chunk(chunk, cpu)
             return
         key = keys[chunk.index]
         slots = self.store.acquire([key])  # packed before (same prefix): reuse it
@@ -917,10 +923,19 @@ class FabricWorker:
                 return
             slots = self.store.acquire([key])
         if slots:
+            self._pack_cpu(chunk.req_id, time.thread_time() - cpu)  # NOTE: before it goes
             self.sender.chunk(chunk.req_id, chunk.index, slots[0])  # NOTE: it owns the ref now
             self._share(chunk.req_id, chunk.index, key)
 
-    def _offer_chunk(self, chunk: PackChunk) -> None:
+    def _pack_cpu(self, req_id: str, seconds: float) -> None:
+        """CPU this (pack) thread spent on a measured push (direct_reads
+        auto): added before the chunk it is for is handed over, so its push
+        cannot have ended without it."""
+        job = self._measured.get(req_id)
+        if job is not None:
+            job.pack_cpu_s += seconds
+
+    def _offer_chunk(self, chunk: PackChunk, cpu: float = 0.0) -> None:
         """direct_reads: the chunk's checksum, taken in its blocks once they
         are final, is offered with the block ids; the decoder reads them and
         checks that checksum, so blocks reused before it read them (a
@@ -938,6 +953,8 @@ class FabricWorker:
         else:
             spans = cache_spans(self.kv_caches, self.layout, chunk.block_ids)
             checksum = checksum_spans(spans.addrs, spans.lengths)
+        if cpu:
+            self._pack_cpu(chunk.req_id, time.thread_time() - cpu)
         self.sender.offer(chunk.req_id, chunk.index, list(chunk.block_ids), checksum)
 
     def _pack_new(self, chunk: PackChunk, key: bytes) -> int:
