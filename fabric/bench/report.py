@@ -62,7 +62,15 @@ def sweep_table(result: dict[str, Any]) -> Table:
         table.add_column(name)
     for path in TABLE_PATHS:
         table.add_column(path, justify="right")
-    for name in ("full/raw", "faster", "full lat", "raw lat", "cpu full/direct/raw", "ok"):
+    for name in (
+        "full/raw",
+        "faster",
+        "picked",
+        "full lat",
+        "raw lat",
+        "cpu full/direct/raw",
+        "ok",
+    ):
         table.add_column(name, justify="right")
     for row in result["points"]:
         paths = row["paths"]
@@ -79,6 +87,7 @@ def sweep_table(result: dict[str, Any]) -> Table:
             *gbps,
             f"{ratio:.2f}" if ratio is not None else "-",
             row.get("faster") or "-",
+            row.get("picked") or "-",
             *lat,
             "/".join(_cpu_ms(paths.get(p)) for p in ("full", "direct", "raw")),
             "yes" if all(row["bytes_match"].values()) else "NO",
@@ -86,7 +95,8 @@ def sweep_table(result: dict[str, Any]) -> Table:
     table.caption = (
         "* raw/page/memcpy shared with the NIXL point of the same settings; "
         "cpu: sender + receiver CPU ms per transfer; faster: fabric's staged (full) "
-        "or direct path, by median GB/s"
+        "or direct path, by median GB/s; picked: the one direct_reads auto keeps "
+        "(the lower sender CPU, unless its batch latency is over 2x the other's + 5 ms)"
     )
     return table
 

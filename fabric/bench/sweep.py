@@ -17,9 +17,11 @@ processes each way of :mod:`fabric.bench.transfer` and reports, per path:
 blocks into its own and verifies them, :mod:`fabric.kv.direct`), measured
 over NIXL from host memory; each row says which of fabric's two paths,
 staged (``full``) or direct, was ``faster`` there (or a ``tie``, within
-:data:`TIE`), and the headline does the same at its point. NOTE: the
-vLLM connector runs the staged path; the direct path is measured here,
-not yet used by the connector.
+:data:`TIE`), and which fabric ``picked``: the rule the vLLM connector's
+``direct_reads: auto`` applies to what it measures on a link
+(:func:`fabric.integrations.vllm.paths.preferred`: the lower sender CPU
+per transfer, unless its one-batch latency is over twice the other's plus
+5 ms); the headline does the same at its point.
 ``push`` here runs until the receiver verified every chunk. raw, page and
 memcpy do not involve fabric's transport: a TCP point shares them with the
 NIXL point of the same settings (``shared_baselines``). Each suite also
@@ -48,6 +50,7 @@ from fabric.bench.fullpath import FullPathOptions
 from fabric.bench.sweep_plan import Plan, SweepConfig, SweepPoint, headline_point
 from fabric.bench.transfer import Suite, machine_info, median, repeat
 from fabric.bench.transfer_side import SideArgs
+from fabric.integrations.vllm.paths import preferred
 
 FORMAT_VERSION = 1
 BASELINES = ("raw", "page", "memcpy")
@@ -214,6 +217,7 @@ def measure_point(suite: Suite, point: SweepPoint, run: SweepRun) -> dict[str, A
     if "full" in paths and "raw" in paths:
         row["full_vs_raw"] = round(paths["full"]["gbps"] / paths["raw"]["gbps"], 3)
     row["faster"] = faster_path(paths)
+    row["picked"] = picked_path(paths)
     return row
 
 
@@ -229,6 +233,21 @@ def faster_path(paths: dict[str, Any]) -> str | None:
     if len(have) == 2 and abs(have["staged"] - have["direct"]) <= TIE * max(have.values()):
         return "tie"
     return max(have, key=lambda name: have[name]) if have else None
+
+
+def picked_path(paths: dict[str, Any]) -> str | None:
+    """The path ``direct_reads: auto`` would keep here: "staged" (full) or
+    "direct" by :func:`~fabric.integrations.vllm.paths.preferred` over the
+    sender's CPU per transfer and the one-batch latency (the push's tail);
+    None unless both were measured with their CPU."""
+    costs = {}
+    for key, name in FABRIC_PATHS.items():
+        entry = paths.get(key) or {}
+        cpu, latency = (entry.get("cpu_ms") or {}).get("sender"), entry.get("latency_ms")
+        if cpu is None or latency is None:
+            return None
+        costs[name] = (float(cpu), float(latency) / 1000)
+    return preferred(costs)
 
 
 def _timers(suite: Suite) -> dict[str, Callable[[int, int], float]]:
@@ -348,6 +367,11 @@ def headline(result: dict[str, Any], point: SweepPoint | None) -> dict[str, Any]
         # NOTE: a tie keeps the staged path, the one the connector runs
         key = next((k for k, v in FABRIC_PATHS.items() if v == chosen), "full")
         out["faster_vs_page_256"] = ratio(key, g.get("page"))
+    picked = picked_path(row["paths"])
+    out["picked_256"] = picked
+    if picked is not None:
+        key = next(k for k, v in FABRIC_PATHS.items() if v == picked)
+        out["picked_vs_page_256"] = ratio(key, g.get("page"))
     out["push_vs_raw_256"] = ratio("push", g.get("raw"))
     for name in ("full", "direct", "raw", "page", "push", "memcpy"):
         if name in g:

@@ -229,6 +229,28 @@ def test_headline_picks_the_faster_of_fabrics_two_paths() -> None:
     assert out["faster_256"] == "tie" and out["faster_vs_page_256"] == 1.28
 
 
+def test_the_pick_is_auto_s_rule_on_the_senders_cpu_and_the_batch_latency() -> None:
+    """What ``direct_reads: auto`` would keep: the lower sender CPU, unless
+    its one-batch latency is over twice the other's + 5 ms; None without
+    both paths' CPU."""
+    result = fake_result()
+    for row in result["points"]:
+        paths = row["paths"]
+        paths["full"]["cpu_ms"] = {"sender": 133.0, "receiver": 89.0}
+        paths["direct"] = {**paths["full"], "cpu_ms": {"sender": 44.0, "receiver": 134.0}}
+    points = [
+        SweepPoint(**{k: r[k] for k in SweepPoint.__dataclass_fields__}) for r in result["points"]
+    ]
+    out = headline(result, headline_point(points))
+    assert out["picked_256"] == "direct" and out["picked_vs_page_256"] == 1.28
+    for row in result["points"]:  # NOTE: 30 ms for a batch against 0.1 ms: the tail loses
+        row["paths"]["direct"]["latency_ms"] = 30.0
+    assert headline(result, headline_point(points))["picked_256"] == "staged"
+    for row in result["points"]:
+        del row["paths"]["direct"]["cpu_ms"]
+    assert headline(result, headline_point(points))["picked_256"] is None
+
+
 def test_table_has_a_row_per_point() -> None:
     from rich.console import Console
 

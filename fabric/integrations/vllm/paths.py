@@ -60,6 +60,22 @@ MAX_LINKS = 256
 """Links remembered at most (the least recently used one goes first)."""
 
 
+def preferred(
+    costs: dict[str, tuple[float, float]], tail_factor: float = 2.0, tail_slack_s: float = 0.005
+) -> str:
+    """The path ``auto`` prefers, from each path's ``(cpu, tail_s)``: the
+    lower CPU (per MiB, or per transfer of equal bytes), unless its tail is
+    over ``tail_factor`` times the other's plus ``tail_slack_s``; a tie on
+    CPU goes to direct. Also what ``fabric bench transfer`` reports as
+    fabric's pick."""
+    (cpu_d, tail_d), (cpu_s, tail_s) = costs[DIRECT], costs[STAGED]
+    cheaper, other = (DIRECT, STAGED) if cpu_d <= cpu_s else (STAGED, DIRECT)
+    tail = {DIRECT: tail_d, STAGED: tail_s}
+    if tail[cheaper] > tail_factor * tail[other] + tail_slack_s:
+        return other
+    return cheaper
+
+
 @dataclass
 class PathEstimate:
     """One path's measured cost on one link: moving averages over its pushes."""
@@ -143,13 +159,8 @@ class PathChooser:
             return best
 
     def _preferred(self, link: LinkPaths) -> str:
-        staged, direct = link.estimates[STAGED], link.estimates[DIRECT]
-        cheaper, other = (
-            (direct, staged) if direct.cpu_per_mib_s <= staged.cpu_per_mib_s else (staged, direct)
-        )
-        if cheaper.tail_s > self.tail_factor * other.tail_s + self.tail_slack_s:
-            cheaper, other = other, cheaper
-        link.choice = DIRECT if cheaper is direct else STAGED
+        costs = {p: (e.cpu_per_mib_s, e.tail_s) for p, e in link.estimates.items()}
+        link.choice = preferred(costs, self.tail_factor, self.tail_slack_s)
         return link.choice
 
     def set_reads(self, endpoint: str, reads: bool) -> None:
