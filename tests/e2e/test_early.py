@@ -250,11 +250,11 @@ def test_direct_reads_auto_measures_both_paths_and_every_answer_is_right(
     cluster: Cluster,
 ) -> None:
     """The first push to a decoder is staged (its HelloAck says it reads),
-    then direct and staged are each measured twice, then the cheaper one
-    on P's threads goes: every answer equals colocated's whichever path,
-    all the KV came over the fabric, and vLLM freed every held block. (The
-    proxy's canary through the pair may be the first push: counts are at
-    least the requests'.)"""
+    then the less measured path goes until each has two measured pushes,
+    then the cheaper one on P's threads: every answer equals colocated's
+    whichever path, all the KV came over the fabric, and vLLM freed every
+    held block. (Counts are at least the requests': a readiness canary
+    through the pair, should the proxy run one, is a push too.)"""
     d_url, p_url = cluster.engines["decode"].base_url, cluster.engines["auto"].base_url
     proxy = cluster.proxy("auto")
     before = {

@@ -21,7 +21,8 @@ measures, per decoder endpoint, what each push cost:
   not its Reserve (``time.thread_time``, the calling thread's own CPU;
   kept on the push's :class:`~fabric.integrations.vllm.sender.PushJob`) --
   per MiB pushed: the core a prefiller's forward shares;
-- ``tail_s``: from the pack thread handing over the push's last chunk to
+- ``tail_s``: from the pack thread handing over the push's last chunk (or
+  the Reserve's answer, if later: a link's first push also connects) to
   the push being over: what the decoder still waits for once the prefill
   ended.
 
@@ -42,15 +43,21 @@ What it does not see: the decoder's own CPU (a direct READ copies on the
 decoder's core, which also decodes other requests), and the forward's
 slowdown from memory traffic the decoder's copies cause on a shared
 memory bus. A failed push adds no cost (what it spent says nothing of the
-path's), only to the path's failures, whatever failed it (a client that
-left too). A decoder whose HelloAck says it does not read (``reads`` false:
+path's); one whose write, offer or READ failed counts as a failure of its
+path (one whose request ended early, a client that left, does not), and
+one that landed ends the path's run of failures. With NIXL's progress
+thread on, the UCX work of an emulated READ runs on that thread, which no
+fabric thread's CPU includes. A decoder whose HelloAck says it does not read (``reads`` false:
 an older fabric, a data plane that cannot read) gets staged pushes only.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 STAGED = "staged"
 DIRECT = "direct"
@@ -101,6 +108,7 @@ class LinkPaths:
 
     reads: bool | None = None  # whether the decoder serves offers (None: not known yet)
     chosen: int = 0  # pushes a path was chosen for
+    recorded: int = 0  # pushes recorded (landed or not)
     estimates: dict[str, PathEstimate] = field(
         default_factory=lambda: {path: PathEstimate() for path in PATHS}
     )
@@ -160,7 +168,14 @@ class PathChooser:
 
     def _preferred(self, link: LinkPaths) -> str:
         costs = {p: (e.cpu_per_mib_s, e.tail_s) for p, e in link.estimates.items()}
-        link.choice = preferred(costs, self.tail_factor, self.tail_slack_s)
+        choice = preferred(costs, self.tail_factor, self.tail_slack_s)
+        if choice != link.choice:
+            logger.info(
+                "fabric: direct_reads auto: a link now prefers %s (CPU ms per MiB, tail ms: %s)",
+                choice,
+                {p: (round(c * 1000, 3), round(t * 1000, 1)) for p, (c, t) in costs.items()},
+            )
+        link.choice = choice
         return link.choice
 
     def set_reads(self, endpoint: str, reads: bool) -> None:
@@ -170,19 +185,30 @@ class PathChooser:
 
     # ------------------------------------------------------------ measuring
     def record(
-        self, endpoint: str, path: str, cpu_s: float, nbytes: int, tail_s: float, ok: bool
+        self,
+        endpoint: str,
+        path: str,
+        cpu_s: float,
+        nbytes: int,
+        tail_s: float,
+        ok: bool,
+        *,
+        failed: bool = False,
     ) -> None:
         """A push to ``endpoint`` over ``path`` is over: when ``ok`` (every
         chunk landed) and it moved bytes, what it cost counts for ``path``;
-        when it failed, it counts as one of the path's failures."""
+        when the path itself ``failed`` (a write, offer or READ; not a push
+        its request ended early), it counts as one of the path's failures."""
         if path not in PATHS:
             return
         with self._lock:
             link = self._link(endpoint)
+            link.recorded += 1
             estimate = link.estimates[path]
             if not ok:
-                estimate.failures += 1
+                estimate.failures += 1 if failed else 0
                 return
+            estimate.failures = 0
             if nbytes <= 0:
                 return
             estimate.add(cpu_s / (nbytes / 2**20), max(0.0, tail_s), self.alpha)
@@ -197,6 +223,7 @@ class PathChooser:
                 endpoint: {
                     "reads": link.reads,
                     "choice": link.choice,
+                    "recorded": link.recorded,
                     **{
                         path: {
                             "pushes": est.pushes,

@@ -205,6 +205,9 @@ class PushJob:
     pack_cpu_s: float = 0.0
     link_cpu_s: float = 0.0
     tail_from: float = 0.0
+    settled_at: float = 0.0  # its Reserve answered (a link's first also connected)
+    ended_at: float = 0.0  # dropped (its tail ends here)
+    path_failed: bool = False  # a write, offer or READ of it failed (not an abort)
 
     @property
     def complete(self) -> bool:
@@ -378,7 +381,7 @@ class PushSender:
 
     def chunk(self, req_id: str, index: int, slot: int) -> None:
         """Chunk ``index`` is packed in ``slot`` (a ref is held; we release it)."""
-        self._events.put(("chunk", (req_id, index, slot)))
+        self._events.put(("chunk", (req_id, index, slot, time.monotonic())))
 
     def offer(
         self, req_id: str, index: int, block_ids: list[int], checksum: int, layers: int = 0
@@ -483,7 +486,7 @@ class PushSender:
         peer = self._peer(job.endpoint)
         if kind == "chunk":
             assert isinstance(payload, tuple)
-            job.tail_from = time.monotonic()  # NOTE: the last one's counts (its tail)
+            job.tail_from = payload[3]  # NOTE: when it was handed over; the last one's counts
             self._route_chunk(peer, job, payload[1], payload[2])
             return
         if kind == "offer" and isinstance(payload, tuple) and not payload[5]:
@@ -802,7 +805,7 @@ class PushSender:
                     job.link = self.client.connect(job.endpoint)
                     job.asked = True
                     job.res = job.link.reserve(job.transfer_id, job.keys, job.nbytes, self.lease_ms)
-                job.last_heartbeat = time.monotonic()
+                job.last_heartbeat = job.settled_at = time.monotonic()
                 if self.paths is not None:
                     self.paths.set_reads(job.endpoint, job.link.peer_reads)
             except FabricError as exc:
@@ -887,6 +890,7 @@ class PushSender:
                 job.link.offer(res, index, block_ids, checksum, self.cache, layers)
         except FabricError as exc:
             self._peer_failed(peer, exc, started=started, link=job.link)
+            job.path_failed = True
             self._fail(job, f"offer of {what} failed: {exc}", peer)
             return
         if layers:
@@ -946,6 +950,7 @@ class PushSender:
             except FabricError as exc:
                 part.pending = None
                 self._peer_failed(peer, exc, started=started, link=job.link)
+                job.path_failed = True
                 self._fail(job, f"write of a part of chunk {index} failed: {exc}", peer)
                 continue
             if done:
@@ -961,6 +966,7 @@ class PushSender:
                 part.pending = None
                 timeout = TransferTimeout(f"part write not done in {self.push_timeout_s} s")
                 self._peer_failed(peer, timeout, started=started, link=job.link)
+                job.path_failed = True
                 self._fail(job, str(timeout), peer)
         if job.failed:
             self._drop_parts(job)
@@ -1002,6 +1008,7 @@ class PushSender:
 
     def _post_failed(self, job: PushJob, exc: FabricError, started: float, what: str) -> None:
         """A write of ``job`` could not be posted: back its receiver off, fail the push."""
+        job.path_failed = True
         with self._peers_lock:
             peer = self._peers.get(job.endpoint)
         if peer is not None:
@@ -1032,6 +1039,7 @@ class PushSender:
             except FabricError as exc:
                 self._drop_inflight(job, entry)
                 self._peer_failed(peer, exc, started=started, link=job.link)
+                job.path_failed = True
                 self._fail(job, f"write failed: {exc}", peer)
                 continue
             if done:
@@ -1042,6 +1050,7 @@ class PushSender:
                 self._drop_inflight(job, entry)
                 timeout = TransferTimeout(f"write not done in {self.push_timeout_s} s")
                 self._peer_failed(peer, timeout, started=started, link=job.link)
+                job.path_failed = True
                 self._fail(job, str(timeout), peer)
         if job.complete and not job.failed:
             peer.backoff_s = peer.backoff_until = 0.0  # NOTE: a push landed: the peer serves
@@ -1093,6 +1102,7 @@ class PushSender:
         if job.dropped:
             return
         job.dropped = True
+        job.ended_at = time.monotonic()
         if job.path and self.paths is not None:
             peer.ended.append(job)  # NOTE: recorded at the round's end, its CPU all added
         peer.jobs.pop(id(job), None)
@@ -1112,7 +1122,6 @@ class PushSender:
         their tails; a failed one counts as its path's failure. After their
         holds were given back (``_over``): an error here keeps nothing."""
         ended, peer.ended = peer.ended, []
-        now = time.monotonic()
         for job in ended:
             try:
                 assert self.paths is not None
@@ -1122,9 +1131,14 @@ class PushSender:
                     had = res.already_present
                     moved = sum(n for n, h in zip(job.nbytes, had, strict=False) if not h)
                 ok = job.complete and not job.failed and res is not None
-                tail = now - job.tail_from if job.tail_from else 0.0
+                # NOTE: from its last chunk's hand-over, or its Reserve's answer if
+                # later (a link's first push also connected), to its drop
+                start = max(job.tail_from, job.settled_at)
+                tail = job.ended_at - start if job.tail_from and job.ended_at else 0.0
                 cpu = job.pack_cpu_s + job.link_cpu_s
-                self.paths.record(job.endpoint, job.path, cpu, moved, tail, ok)
+                self.paths.record(
+                    job.endpoint, job.path, cpu, moved, tail, ok, failed=job.path_failed
+                )
             except Exception:
                 self.counters.add(thread_errors=1)
                 logger.exception("%s: recording the path of %s failed", self.name, job.req_id)
