@@ -96,7 +96,7 @@ def sweep_table(result: dict[str, Any]) -> Table:
         "* raw/page/memcpy shared with the NIXL point of the same settings; "
         "cpu: sender + receiver CPU ms per transfer; faster: fabric's staged (full) "
         "or direct path, by median GB/s; picked: the one direct_reads auto keeps "
-        "(the lower sender CPU, unless its batch latency is over 2x the other's + 5 ms)"
+        "(the lower sender CPU per transfer + one-batch latency)"
     )
     return table
 

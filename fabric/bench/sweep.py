@@ -20,8 +20,8 @@ staged (``full``) or direct, was ``faster`` there (or a ``tie``, within
 :data:`TIE`), and which fabric ``picked``: the rule the vLLM connector's
 ``direct_reads: auto`` applies to what it measures on a link
 (:func:`fabric.integrations.vllm.paths.preferred`: the lower sender CPU
-per transfer, unless its one-batch latency is over twice the other's plus
-5 ms); the headline does the same at its point.
+per transfer plus one-batch latency); the headline does the same at its
+point.
 ``push`` here runs until the receiver verified every chunk. raw, page and
 memcpy do not involve fabric's transport: a TCP point shares them with the
 NIXL point of the same settings (``shared_baselines``). Each suite also
@@ -237,16 +237,16 @@ def faster_path(paths: dict[str, Any]) -> str | None:
 
 def picked_path(paths: dict[str, Any]) -> str | None:
     """The path ``direct_reads: auto`` would keep here: "staged" (full) or
-    "direct" by :func:`~fabric.integrations.vllm.paths.preferred` over the
-    sender's CPU per transfer and the one-batch latency (the push's tail);
-    None unless both were measured with their CPU."""
+    "direct" by :func:`~fabric.integrations.vllm.paths.preferred`, the lower
+    sender CPU per transfer plus one-batch latency (the push's tail); None
+    unless both were measured with their CPU."""
     costs = {}
     for key, name in FABRIC_PATHS.items():
         entry = paths.get(key) or {}
         cpu, latency = (entry.get("cpu_ms") or {}).get("sender"), entry.get("latency_ms")
         if cpu is None or latency is None:
             return None
-        costs[name] = (float(cpu), float(latency) / 1000)
+        costs[name] = (float(cpu) / 1000, float(latency) / 1000)  # NOTE: seconds
     return preferred(costs)
 
 

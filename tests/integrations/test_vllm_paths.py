@@ -74,19 +74,25 @@ def test_the_choice_follows_the_measurements_when_they_change() -> None:
     assert chooser.choose("e") == STAGED  # NOTE: the 1st choice; the 2nd explores
 
 
-def test_a_much_longer_tail_loses_even_when_cheaper_on_the_core() -> None:
-    chooser = PathChooser(min_pushes=1, explore_every=100, tail_factor=2.0, tail_slack_s=0.005)
+def test_the_cost_is_cpu_for_the_pushs_size_plus_the_tail() -> None:
+    """Direct: 1 ms of CPU per MiB, a 200 ms tail; staged: 10 ms per MiB, a
+    20 ms tail. For a 4 MiB push staged costs 60 ms against direct's 204;
+    for a 64 MiB one, 660 against 264."""
+    chooser = PathChooser(min_pushes=1, explore_every=100)
     chooser.set_reads("e", True)
     measured(chooser, "e", DIRECT, 0.001, 0.200)
     measured(chooser, "e", STAGED, 0.010, 0.020)
-    assert chooser.choose("e") == STAGED
-    measured(chooser, "e", DIRECT, 0.001, 0.030)  # NOTE: moving average: 0.1575 s
-    assert chooser.choose("e") == STAGED
+    assert chooser.choose("e", 4 * MIB) == STAGED
+    assert chooser.choose("e", 64 * MIB) == DIRECT
+    # NOTE: a few ms of tail do not outweigh the CPU (the rule this replaced did)
     chooser2 = PathChooser(min_pushes=1, explore_every=100, alpha=1.0)
     chooser2.set_reads("e", True)
-    measured(chooser2, "e", DIRECT, 0.001, 0.040)  # NOTE: within 2x + 5 ms of 20 ms
-    measured(chooser2, "e", STAGED, 0.010, 0.020)
-    assert chooser2.choose("e") == DIRECT
+    measured(chooser2, "e", DIRECT, 0.001, 0.019)
+    measured(chooser2, "e", STAGED, 0.004, 0.004)
+    assert chooser2.choose("e", 32 * MIB) == DIRECT
+    chooser2.tail_weight = 0.0
+    measured(chooser2, "e", DIRECT, 0.001, 5.0)
+    assert chooser2.choose("e", 1 * MIB) == DIRECT  # NOTE: by CPU alone
 
 
 def test_failed_or_empty_pushes_add_no_cost_and_links_stay_bounded() -> None:
@@ -287,7 +293,7 @@ def test_auto_turns_away_from_the_path_made_dearer_on_the_prefillers_core(
 
         monkeypatch.setattr(FabricWorker, "_pack_into", slow_pack)
     assert p.paths is not None
-    p.paths.tail_factor = 1000.0  # NOTE: by CPU alone (tails on a loaded machine vary)
+    p.paths.tail_weight = 0.0  # NOTE: by CPU alone (tails on a loaded machine vary)
     paths, _ = run_pushes(p, d, 9)
     cheaper = STAGED if dearer == DIRECT else DIRECT
     assert paths[:4] == [STAGED, DIRECT, DIRECT, STAGED], paths
@@ -325,7 +331,7 @@ def test_auto_counts_the_link_threads_cpu_of_a_pushs_last_step(
 
     monkeypatch.setattr(PeerLink, "offer", dear_offer)
     assert p.paths is not None
-    p.paths.tail_factor = 1000.0  # NOTE: the choice by CPU alone (the offer lengthens the tail)
+    p.paths.tail_weight = 0.0  # NOTE: the choice by CPU alone (the offer lengthens the tail)
     paths, _ = run_pushes(p, d, 8, num_tokens=CT)
     assert paths[:4] == [STAGED, DIRECT, DIRECT, STAGED], paths
     assert paths[4:] == [STAGED] * 4, paths

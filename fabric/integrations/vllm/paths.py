@@ -26,10 +26,13 @@ measures, per decoder endpoint, what each push cost:
   the push being over: what the decoder still waits for once the prefill
   ended.
 
-It picks the path with the lower CPU per MiB, unless that path's tail is
-over ``tail_factor`` times the other's (plus ``tail_slack_s``): a path that
-spares the prefiller's core but makes the decoder wait much longer for the
-last chunk loses. Until each path has ``min_pushes`` measured pushes on a
+It picks the path whose expected cost to the request's first token is the
+lower: ``cpu_per_mib * MiB + tail_weight * tail_s``, the push's MiB times
+its CPU per MiB (on an engine whose forward shares its core with fabric's
+threads, as on a CPU, that CPU is time taken from the prefill) plus the
+time the decoder still waits after it. (A rule on the tails' ratio alone
+flipped to staged on a few ms of tail noise, 2026-12-07, and cost the
+prefill 2-4%.) Until each path has ``min_pushes`` measured pushes on a
 link, the less measured one goes (direct first once the decoder is known to
 read); after that, every ``explore_every``-th choice on the link takes the
 other path, so an estimate that went stale (a link now busier) is measured
@@ -68,19 +71,14 @@ MAX_LINKS = 256
 
 
 def preferred(
-    costs: dict[str, tuple[float, float]], tail_factor: float = 2.0, tail_slack_s: float = 0.005
+    costs: dict[str, tuple[float, float]], mib: float = 1.0, tail_weight: float = 1.0
 ) -> str:
-    """The path ``auto`` prefers, from each path's ``(cpu, tail_s)``: the
-    lower CPU (per MiB, or per transfer of equal bytes), unless its tail is
-    over ``tail_factor`` times the other's plus ``tail_slack_s``; a tie on
-    CPU goes to direct. Also what ``fabric bench transfer`` reports as
-    fabric's pick."""
-    (cpu_d, tail_d), (cpu_s, tail_s) = costs[DIRECT], costs[STAGED]
-    cheaper, other = (DIRECT, STAGED) if cpu_d <= cpu_s else (STAGED, DIRECT)
-    tail = {DIRECT: tail_d, STAGED: tail_s}
-    if tail[cheaper] > tail_factor * tail[other] + tail_slack_s:
-        return other
-    return cheaper
+    """The path ``auto`` prefers, from each path's ``(cpu_per_mib_s,
+    tail_s)``, for a push of ``mib`` MiB: the lower ``cpu_per_mib_s * mib +
+    tail_weight * tail_s`` (a tie goes to direct). Also what ``fabric bench
+    transfer`` reports as fabric's pick (its CPU per transfer, ``mib`` 1)."""
+    cost = {path: cpu * mib + tail_weight * tail for path, (cpu, tail) in costs.items()}
+    return DIRECT if cost[DIRECT] <= cost[STAGED] else STAGED
 
 
 @dataclass
@@ -127,27 +125,25 @@ class PathChooser:
         *,
         min_pushes: int = 2,
         explore_every: int = 16,
-        tail_factor: float = 2.0,
-        tail_slack_s: float = 0.005,
+        tail_weight: float = 1.0,
         alpha: float = 0.25,
         max_failures: int = 2,
     ) -> None:
-        if min_pushes < 1 or explore_every < 2 or tail_factor < 1 or not 0 < alpha <= 1:
+        if min_pushes < 1 or explore_every < 2 or tail_weight < 0 or not 0 < alpha <= 1:
             raise ValueError(
-                "min_pushes >= 1, explore_every >= 2, tail_factor >= 1, 0 < alpha <= 1"
+                "min_pushes >= 1, explore_every >= 2, tail_weight >= 0, 0 < alpha <= 1"
             )
         self.min_pushes = min_pushes
         self.explore_every = explore_every
-        self.tail_factor = tail_factor
-        self.tail_slack_s = tail_slack_s
+        self.tail_weight = tail_weight
         self.alpha = alpha
         self.max_failures = max_failures
         self._lock = threading.Lock()
         self._links: dict[str, LinkPaths] = {}
 
     # ------------------------------------------------------------ choosing
-    def choose(self, endpoint: str) -> str:
-        """The path the next push to ``endpoint`` takes."""
+    def choose(self, endpoint: str, nbytes: int = 2**20) -> str:
+        """The path the next push to ``endpoint``, of ``nbytes``, takes."""
         with self._lock:
             link = self._link(endpoint)
             link.chosen += 1
@@ -161,14 +157,14 @@ class PathChooser:
                 return failing[0] if explore else other
             if min(staged.pushes, direct.pushes) < self.min_pushes:
                 return DIRECT if direct.pushes <= staged.pushes else STAGED
-            best = self._preferred(link)
+            best = self._preferred(link, nbytes / 2**20)
             if explore:
                 return STAGED if best == DIRECT else DIRECT
             return best
 
-    def _preferred(self, link: LinkPaths) -> str:
+    def _preferred(self, link: LinkPaths, mib: float = 1.0) -> str:
         costs = {p: (e.cpu_per_mib_s, e.tail_s) for p, e in link.estimates.items()}
-        choice = preferred(costs, self.tail_factor, self.tail_slack_s)
+        choice = preferred(costs, mib, self.tail_weight)
         if choice != link.choice:
             logger.info(
                 "fabric: direct_reads auto: a link now prefers %s (CPU ms per MiB, tail ms: %s)",
@@ -213,7 +209,7 @@ class PathChooser:
                 return
             estimate.add(cpu_s / (nbytes / 2**20), max(0.0, tail_s), self.alpha)
             if min(e.pushes for e in link.estimates.values()) >= self.min_pushes:
-                self._preferred(link)
+                self._preferred(link, nbytes / 2**20)
 
     # ------------------------------------------------------------ reporting
     def snapshot(self) -> dict[str, dict[str, object]]:

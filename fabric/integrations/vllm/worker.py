@@ -883,7 +883,9 @@ class FabricWorker:
             return ""  # NOTE: _begin says why and keeps the chunks here only
         if self.node is not None and not self.node.client.may_offer(endpoint):
             return ""  # NOTE: an Offer there would be refused: packed, not measured
-        return self.paths.choose(endpoint)
+        assert self.layout is not None
+        nbytes = sum(self.layout.chunk_nbytes(n) for n in plan.chunk_blocks)
+        return self.paths.choose(endpoint, nbytes)
 
     def _pack_chunk(self, chunk: PackChunk) -> None:
         keys = self._keys.get(chunk.req_id)
