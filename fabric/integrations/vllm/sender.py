@@ -1122,9 +1122,9 @@ class PushSender:
         their tails; a failed one counts as its path's failure. After their
         holds were given back (``_over``): an error here keeps nothing."""
         ended, peer.ended = peer.ended, []
+        assert self.paths is not None
         for job in ended:
             try:
-                assert self.paths is not None
                 res = job.res
                 moved = 0
                 if res is not None:

@@ -379,21 +379,11 @@ class FabricWorker:
         """direct_reads auto: register the cache where a decoder can read it
         (host memory, a data plane that reads); else every push is staged."""
         assert self.node is not None
-        devices = {str(t.device) for t in self.kv_caches}
-        why = (
-            f"the KV cache is on {', '.join(sorted(devices))}"
-            if devices != {"cpu"}
-            else f"the {self.node.plane.kind} transport cannot read a peer"
-            if not self.node.plane.reads
-            else ""
-        )
-        if not why:
-            try:
-                return self._register_cache(layout)
-            except FabricError as exc:
-                why = f"the KV cache could not be registered ({exc})"
-        logger.warning("fabric: direct_reads auto: %s; every push is staged", why)
-        return None
+        try:
+            return self._register_cache(layout)
+        except FabricError as exc:  # NOTE: a GPU cache, a plane that cannot read, ...
+            logger.warning("fabric: %s (direct_reads auto: every push is staged)", exc)
+            return None
 
     def threads_down(self) -> list[str]:
         """Names of the fabric threads of this worker that are no longer running."""
