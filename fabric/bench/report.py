@@ -66,6 +66,7 @@ def sweep_table(result: dict[str, Any]) -> Table:
         "full/raw",
         "faster",
         "picked",
+        "read",
         "full lat",
         "raw lat",
         "cpu full/direct/raw",
@@ -88,6 +89,7 @@ def sweep_table(result: dict[str, Any]) -> Table:
             f"{ratio:.2f}" if ratio is not None else "-",
             row.get("faster") or "-",
             row.get("picked") or "-",
+            row.get("direct_reader") or "-",
             *lat,
             "/".join(_cpu_ms(paths.get(p)) for p in ("full", "direct", "raw")),
             "yes" if all(row["bytes_match"].values()) else "NO",
@@ -96,7 +98,9 @@ def sweep_table(result: dict[str, Any]) -> Table:
         "* raw/page/memcpy shared with the NIXL point of the same settings; "
         "cpu: sender + receiver CPU ms per transfer; faster: fabric's staged (full) "
         "or direct path, by median GB/s; picked: the one direct_reads auto keeps "
-        "(the lower sender CPU per transfer + one-batch latency)"
+        "(the lower sender CPU per transfer + one-batch latency); read: how the direct "
+        "path's receiver read (mapped: out of the sender's shared memory, in place: "
+        "process_vm_readv, ucx: NIXL READ)"
     )
     return table
 

@@ -216,6 +216,8 @@ def measure_point(suite: Suite, point: SweepPoint, run: SweepRun) -> dict[str, A
     }
     if "full" in paths and "raw" in paths:
         row["full_vs_raw"] = round(paths["full"]["gbps"] / paths["raw"]["gbps"], 3)
+    if "direct" in measured:
+        row["direct_reader"] = suite.direct_reader
     row["faster"] = faster_path(paths)
     row["picked"] = picked_path(paths)
     return row
@@ -361,6 +363,8 @@ def headline(result: dict[str, Any], point: SweepPoint | None) -> dict[str, Any]
         out["full_vs_raw_whole_256"] = ratio("full", suite["raw_whole"]["gbps"])
     out["full_vs_page_256"] = ratio("full", g.get("page"))
     out["direct_vs_page_256"] = ratio("direct", g.get("page"))
+    if "direct_reader" in row:
+        out["direct_reader_256"] = row["direct_reader"]
     chosen = faster_path(row["paths"])
     out["faster_256"] = chosen
     if chosen is not None:

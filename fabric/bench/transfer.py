@@ -129,6 +129,8 @@ class Suite:
         self.rx: Receiver | None = None
         self._scratch: Any = None
         self._direct_plane: Any = None
+        self.direct_reader: str | None = None
+        """How the receiver read on the direct path's last run (``reader_used``)."""
         self._rid = 0
         try:
             self.rx = Receiver(replace(args, seed=2, tag=f"{tag}-rx"))
@@ -282,6 +284,7 @@ class Suite:
         out = self.receiver.read(drive=end.node.plane.take_notifs)
         if not out.get("complete"):
             raise TransferError(f"the direct path did not verify every chunk: {out}")
+        self.direct_reader = str(out.get("reader"))
         return time.perf_counter() - t0
 
     def time_push(self, batch: int, count: int) -> tuple[float, float]:

@@ -63,6 +63,8 @@ from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer.dataplane import XferState
 
 MEMORY_KINDS = ("dram", "vram")
+POLL_S = 2e-4
+"""The receiver's steady polling rate (:meth:`RawNixl.wait_notifs`'s)."""
 DIGEST_BLOCKS = 64
 
 
@@ -132,6 +134,17 @@ class FabricEnd:
         self.node.close()
 
 
+def reader_used(before: dict[str, int], after: dict[str, int]) -> str:
+    """How the plane read between two of its counter snapshots: "mapped"
+    (most bytes out of the peer's shared memory), "in place"
+    (``process_vm_readv``) or "ucx" (:mod:`fabric.transfer.local_read`)."""
+    local = after.get("local_bytes", 0) - before.get("local_bytes", 0)
+    mapped = after.get("mapped_bytes", 0) - before.get("mapped_bytes", 0)
+    if local and mapped >= 0.9 * local:
+        return "mapped"
+    return "in place" if local else "ucx"
+
+
 class Lines:
     """Lines of a pipe, read without blocking when asked (``poll``): the
     direct path takes the sender's checksums while its reads run."""
@@ -160,6 +173,11 @@ class Lines:
                 raise EOFError("the sender closed the pipe")
             line = self._take()
         return line
+
+    def wait(self, timeout: float) -> None:
+        """Return once a line may be there or ``timeout`` passed."""
+        if b"\n" not in self.buf:
+            select.select([self.fd], [], [], timeout)
 
     def get(self) -> str | None:
         """The next line (None at the end of the pipe)."""
@@ -364,6 +382,7 @@ class BenchSide:
         """
         end = self.end
         assert end.direct_peer is not None, "direct-peer first"
+        before = end.node.plane.counters()
         plans = [direct_plan(self.peer_spans(i), self.chunk_spans(i)) for i in range(count)]
         pending = []
         for start in range(0, count, batch):
@@ -399,13 +418,20 @@ class BenchSide:
                 else:
                     bad.append(i)
             if not ready:
-                time.sleep(0)
+                # NOTE: the steady rate the page path's receiver polls at (a
+                # copy in place runs on a thread of this process: no spinning)
+                lines.wait(POLL_S)
         for handle, _ in pending:  # NOTE: nothing may land after the answer
             handle.abort()
         for _ in range(count - len(sums)):  # NOTE: keep the pipe in step
             if lines.get() is None:
                 break
-        return {"complete": verified == count, "bad": bad, "failed": failed}
+        return {
+            "complete": verified == count,
+            "bad": bad,
+            "failed": failed,
+            "reader": reader_used(before, end.node.plane.counters()),
+        }
 
     def handle(self, cmd: str, rest: list[str]) -> dict[str, Any]:
         """Answer one receiver command (see the module docstring)."""

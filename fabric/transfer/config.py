@@ -39,7 +39,11 @@ class TransferConfig(Settings):
     which its link does by itself. ``nixl_progress_thread``: NIXL's
     busy-polling progress thread (off: see ``benchmarks/transfer.py``).
     ``ucx_net_devices``: sets ``UCX_NET_DEVICES`` before NIXL starts (``lo``
-    for single-host tests; None leaves UCX's choice).
+    for single-host tests; None leaves UCX's choice). ``local_reads``: a
+    NIXL plane reads a peer of this host (same boot, PID and network
+    namespace) in place, out of the memory it shares, rather than through
+    UCX, and shares the regions it registers (:mod:`fabric.transfer.local_read`);
+    off where ``UCX_TLS`` leaves out UCX's own same-host copies.
 
     ``write_timeout_ms``: the longest a posted write lives; a sender aborts
     one still running after it (:class:`~fabric.transfer.client.PendingPush`).
@@ -78,6 +82,7 @@ class TransferConfig(Settings):
     peer_idle_s: PositiveFloat = 900.0
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
+    local_reads: bool = True
     secret: Annotated[str, Field(min_length=1)] | None = Field(default=None, repr=False)
     faults: FaultConfig = Field(default_factory=FaultConfig)
 
@@ -121,6 +126,7 @@ def open_data_plane(config: TransferConfig, name: str) -> DataPlane:
             name,
             progress_thread=config.nixl_progress_thread,
             ucx_net_devices=config.ucx_net_devices,
+            local_reads=config.local_reads,
         )
     if transport == "tcp":
         from fabric.transfer.tcp_plane import TcpDataPlane

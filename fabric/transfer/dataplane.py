@@ -256,6 +256,10 @@ class DataPlane(ABC):
         """Peers this plane keeps state for (connections, loaded metadata)."""
         return 0
 
+    def counters(self) -> dict[str, int]:
+        """The plane's own counters (monotonic), for a server's ``Stats``."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release registrations, sockets and threads."""
 

@@ -34,13 +34,25 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fabric.errors import PeerDisconnected, TransportFailed
+from fabric.errors import FabricError, PeerDisconnected, TransportFailed
 from fabric.transfer.dataplane import (
     DataPlane,
     Segment,
     WriteFence,
     WriteHandle,
     XferState,
+    spans_within,
+)
+from fabric.transfer.local_read import (
+    LocalProcess,
+    LocalRead,
+    LocalReader,
+    PeerMap,
+    SharedRegion,
+    reachable,
+    share_region,
+    this_process,
+    ucx_allows_local,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,6 +69,10 @@ class NixlDescriptor(msgspec.Struct, array_like=True, frozen=True):
     regions: list[tuple[int, int]] = []
     """Memory beyond the pool a peer may READ (base, nbytes): empty in a
     plane's descriptor, filled by its :class:`NixlRegions`."""
+    local: LocalProcess | None = None
+    """The plane's process, for a reader on its host (host memory only; None
+    from an older peer or with local reads off): see
+    :mod:`fabric.transfer.local_read`."""
 
 
 class NixlRegions(msgspec.Struct, array_like=True, frozen=True):
@@ -65,6 +81,9 @@ class NixlRegions(msgspec.Struct, array_like=True, frozen=True):
 
     metadata: list[bytes]
     regions: list[tuple[int, int]]
+    shared: list[SharedRegion] = []
+    """The parts of the regions a reader of this host may map (none from an
+    older peer): :func:`~fabric.transfer.local_read.share_region`."""
 
 
 def nixl_available() -> bool:
@@ -115,14 +134,64 @@ class _NixlWrite(WriteHandle):
             self._handle, self._state = None, "ERR"
 
 
+class _LocalNixlRead(WriteHandle):
+    """A read copied in place (:class:`~fabric.transfer.local_read.LocalRead`),
+    then its notification sent as a NIXL one (:meth:`NixlDataPlane.notify`)."""
+
+    def __init__(self, plane: NixlDataPlane, peer: str, read: LocalRead, notif: bytes) -> None:
+        self._plane = plane
+        self._peer = peer
+        self.read = read
+        self._notif = notif
+        self._sent: WriteHandle | None = None
+        self._failed = False
+
+    def poll(self) -> XferState:
+        state = self.read.poll()
+        if state is not XferState.DONE or not self._notif or self._failed:
+            return XferState.ERR if self._failed else state
+        if self._sent is None:
+            try:
+                self._sent = self._plane.notify(self._peer, self._notif)
+            except FabricError as exc:
+                logger.warning("read of %s: its notification failed: %s", self._peer, exc)
+                self._failed = True
+                return XferState.ERR
+        return self._sent.poll()
+
+    def release(self) -> None:
+        if self._sent is not None:
+            self._sent.release()
+
+    def abort(self) -> bool:
+        ended = self.read.abort()
+        if self._sent is not None:
+            self._sent.abort()
+        return ended
+
+    def abandon(self) -> None:
+        self.read.abandon()
+        if self._sent is not None:
+            self._sent.abandon()
+
+
 class NixlDataPlane(DataPlane):
-    """Data plane over a NIXL agent with the UCX backend."""
+    """Data plane over a NIXL agent with the UCX backend.
+
+    ``local_reads``: read a peer of this host in host memory in place
+    (:mod:`fabric.transfer.local_read`) rather than through UCX, where
+    ``UCX_TLS`` lets UCX do the same."""
 
     kind = "nixl"
     reads = True
 
     def __init__(
-        self, name: str, *, progress_thread: bool = False, ucx_net_devices: str | None = None
+        self,
+        name: str,
+        *,
+        progress_thread: bool = False,
+        ucx_net_devices: str | None = None,
+        local_reads: bool = True,
     ) -> None:
         super().__init__(name)
         if ucx_net_devices:
@@ -152,6 +221,12 @@ class NixlDataPlane(DataPlane):
         self._kept: list[tuple[str, bytes]] = []  # notifications progress() took
         # Handles dropped unfinished (appended from any thread, released under the lock).
         self.orphans: deque[Any] = deque()
+        local = local_reads and ucx_allows_local(os.environ.get("UCX_TLS"))
+        self._me = this_process() if local else None
+        self.local_reader = LocalReader(name)
+        self._local_peers: dict[str, LocalProcess] = {}
+        self._peer_maps: dict[str, PeerMap] = {}
+        self._shared: list[SharedRegion] = []
 
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
         if device.startswith("cuda"):
@@ -184,6 +259,11 @@ class NixlDataPlane(DataPlane):
                 f"direct transfers need the cache ({device}) in the pool's memory "
                 f"({self._mem_type} {self._device_id})"
             )
+        if self._me is not None and mem_type == "DRAM":
+            # NOTE: before NIXL registers (pins) the pages, which it replaces
+            shared = share_region(base_address, nbytes)
+            if shared is not None:
+                self._shared.append(shared)
         with self.lock:
             try:
                 reg = self.agent.register_memory([(base_address, nbytes, device_id, "")], mem_type)
@@ -204,8 +284,9 @@ class NixlDataPlane(DataPlane):
                 metadata = self.agent.get_agent_metadata()
             else:
                 metadata = self.agent.get_partial_agent_metadata(self._reg, True, ["UCX"])
+        me = self._me if self._mem_type == "DRAM" else None
         info = NixlDescriptor(
-            metadata, self.pool_base, self.pool_nbytes, self._mem_type, self._device_id
+            metadata, self.pool_base, self.pool_nbytes, self._mem_type, self._device_id, [], me
         )
         return msgspec.msgpack.encode(info)
 
@@ -216,7 +297,9 @@ class NixlDataPlane(DataPlane):
                     self.agent.get_partial_agent_metadata(reg, False, ["UCX"])
                     for reg in self._region_regs
                 ]
-                self._regions_md = msgspec.msgpack.encode(NixlRegions(metadata, list(self.regions)))
+                self._regions_md = msgspec.msgpack.encode(
+                    NixlRegions(metadata, list(self.regions), list(self._shared))
+                )
             return self._regions_md
 
     def add_regions(self, peer: str, descriptor: bytes) -> None:
@@ -237,6 +320,18 @@ class NixlDataPlane(DataPlane):
                 raise TransportFailed(f"regions of {name!r} offered as {peer!r}'s")
         regions = [(int(b), int(n)) for b, n in given.regions]
         self._peers[peer] = msgspec.structs.replace(info, regions=regions)
+        same_host = self._local_peers.get(peer)
+        if same_host is not None:
+            self._unmap(peer)
+            # NOTE: only memory inside the regions just loaded (reads are checked against those)
+            inside = [
+                r
+                for r in given.shared
+                if spans_within(np.array([r.base]), np.array([r.nbytes]), regions)
+            ]
+            pmap = self.local_reader.map(same_host.pid, inside)
+            if pmap is not None:
+                self._peer_maps[peer] = pmap
 
     def add_peer(self, descriptor: bytes) -> str:
         try:
@@ -245,6 +340,15 @@ class NixlDataPlane(DataPlane):
             raise TransportFailed(f"bad NIXL peer descriptor: {exc}") from exc
         name = self._load(info.metadata, "peer descriptor")
         self._peers[name] = info
+        self._local_peers.pop(name, None)
+        self._unmap(name)
+        if self._me is not None and info.local is not None and info.mem_type == "DRAM":
+            why = reachable(info.local, info.pool_base) if info.pool_nbytes else "no pool"
+            if why is None:
+                self._local_peers[name] = info.local
+            logger.debug(
+                "NIXL peer %s: read %s", name, f"through UCX ({why})" if why else "in place"
+            )
         return name
 
     def _load(self, metadata: bytes, what: str) -> str:
@@ -256,13 +360,38 @@ class NixlDataPlane(DataPlane):
             raise TransportFailed(f"bad NIXL {what}: {exc}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
+    def _unmap(self, peer: str) -> None:
+        pmap = self._peer_maps.pop(peer, None)
+        if pmap is not None:
+            self.local_reader.unmap(pmap)
+
     def remove_peer(self, peer: str) -> None:
+        self._local_peers.pop(peer, None)
+        self._unmap(peer)
         if self._peers.pop(peer, None) is not None:
             with self.lock:
                 self.agent.remove_remote_agent(peer)
 
     def peer_count(self) -> int:
         return len(self._peers)
+
+    def counters(self) -> dict[str, int]:
+        """``local_reads`` / ``local_read_failures``: reads of a peer of this
+        host done in place; ``local_bytes``: their bytes, ``mapped_bytes`` of
+        them copied out of the peer's shared memory; ``local_peers`` /
+        ``mapped_peers``: peers read in place now, and with their memory
+        mapped; ``shared_bytes``: this plane's own memory shared with readers
+        of its host (:mod:`fabric.transfer.local_read`)."""
+        r = self.local_reader
+        return {
+            "local_reads": r.reads,
+            "local_read_failures": r.failures,
+            "local_bytes": r.bytes,
+            "mapped_bytes": r.mapped_bytes,
+            "local_peers": len(self._local_peers),
+            "mapped_peers": len(self._peer_maps),
+            "shared_bytes": sum(s.nbytes for s in self._shared),
+        }
 
     def post_write(
         self,
@@ -278,6 +407,11 @@ class NixlDataPlane(DataPlane):
     def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
         info = self._peer(peer)
         rows = self.check_read(peer, spans, [(info.pool_base, info.pool_nbytes), *info.regions])
+        same_host = self._local_peers.get(peer)
+        if same_host is not None and self._mem_type == "DRAM":
+            pmap = self._peer_maps.get(peer)
+            read = self.local_reader.post(same_host.pid, same_host.start, rows, pmap)
+            return _LocalNixlRead(self, peer, read, notif)
         local = np.empty((len(rows), 3), dtype=np.uint64)
         remote = np.empty((len(rows), 3), dtype=np.uint64)
         local[:, 0], remote[:, 0] = rows[:, 0], rows[:, 1]
@@ -371,8 +505,12 @@ class NixlDataPlane(DataPlane):
             del self._kept[:-MAX_KEPT_NOTIFS]
 
     def close(self) -> None:
+        # NOTE: first: no copy may land in memory deregistered (and freed) below
+        self.local_reader.close()
         with self.lock:
             self._release_orphans()
+            self._local_peers.clear()
+            self._peer_maps.clear()
             for peer in list(self._peers):
                 self.agent.remove_remote_agent(peer)
             self._peers.clear()

@@ -1039,6 +1039,7 @@ class TransferServer:
         }
         out |= {k: int(v) for k, v in dataclasses.asdict(self.store.stats()).items()}
         out |= {f"server_{k}": int(v) for k, v in dataclasses.asdict(self.stats).items()}
+        out |= {f"plane_{k}": v for k, v in self.plane.counters().items()}
         for extra in self.extra_stats:
             out |= extra()
         out["server_offload_busy"] = self._offload.busy

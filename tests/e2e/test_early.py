@@ -225,6 +225,7 @@ def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cl
     before_streamed = metric(d_url, "vllm:fabric_chunks_streamed_total")
     read = cluster.d_stats()["server_chunks_read"]
     parts_read = cluster.d_stats()["server_parts_read"]
+    before = cluster.d_stats()
     lengths = [300, 1300, LONG]
     for i, n in enumerate(lengths):
         prompt = prompt_ids(n, seed=5400 + i)
@@ -240,6 +241,12 @@ def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cl
     assert parts >= chunks and cluster.d_stats()["server_parts_read"] - parts_read == parts
     assert metric(d_url, "vllm:fabric_chunks_streamed_total") - before_streamed == chunks
     assert metric(p_url, "vllm:fabric_bytes_saved_total") == 0  # NOTE: nothing packed
+    # NOTE: one host: D read P in place, almost all of it out of P's shared cache
+    after = cluster.d_stats()
+    gone = {k: after[k] - before[k] for k in after if k.startswith(("plane_", "server_bytes"))}
+    assert gone["plane_local_bytes"] == gone["server_bytes_read"] > 0
+    assert gone["plane_mapped_bytes"] >= 0.9 * gone["plane_local_bytes"]
+    assert gone["plane_local_read_failures"] == 0
     # NOTE: vLLM kept each request's blocks until D read them, then freed them
     wait_idle(p_url)
     assert metric(p_url, "vllm:fabric_holds_released_total") - before_held == len(lengths)

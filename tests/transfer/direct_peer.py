@@ -8,6 +8,7 @@ and prints one JSON line: the plane's descriptor
 and region descriptor (hex), and where the chunk of ``BLOCK_IDS`` lies in the cache (offsets,
 addresses, lengths) with its checksum. Then one JSON line per command:
     flip       flip a byte of the chunk; answers the new checksum
+    notifs     the notifications taken so far
     quit
 """
 
@@ -25,7 +26,8 @@ from fabric.kv.direct import cache_regions, cache_spans, checksum_spans
 from fabric.transfer.nixl_plane import NixlDataPlane
 
 BLOCK_IDS = [9, 3, 4, 5, 20, 17, 30, 0]
-LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 32, 16, 2, 64
+# NOTE: 3 MiB: a cache large enough to be shared with readers of this host
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 96, 16, 2, 64
 
 
 def cache(seed: int) -> list[torch.Tensor]:
@@ -57,12 +59,13 @@ def main() -> None:
         "checksum": checksum_spans(spans.addrs, spans.lengths),
     }
     stop = threading.Event()
+    notifs: list[str] = []
 
     def progress() -> None:
         # NOTE: as fabric's server does: the agent is driven at a steady rate
         # (connection wire-up needs the reader's peer to answer)
         while not stop.is_set():
-            plane.take_notifs()
+            notifs.extend(msg.decode() for _, msg in plane.take_notifs())
             time.sleep(1e-3)
 
     driver = threading.Thread(target=progress, daemon=True)
@@ -75,6 +78,8 @@ def main() -> None:
         if cmd[0] == "flip":
             layers[LAYERS - 1][1, BLOCK_IDS[-1], BLOCK_SIZE - 1, HEADS - 1, HEAD_DIM - 1] += 1
             print(json.dumps({"checksum": checksum_spans(spans.addrs, spans.lengths)}), flush=True)
+        if cmd[0] == "notifs":
+            print(json.dumps({"notifs": list(notifs)}), flush=True)
     stop.set()
     driver.join()
     plane.close()

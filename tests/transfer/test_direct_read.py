@@ -1,5 +1,8 @@
 """Direct reads over real NIXL/UCX: a decoder reads a chunk's blocks out of a
-prefiller's cache (another OS process) into its own cache, and verifies them."""
+prefiller's cache (another OS process) into its own cache, and verifies them.
+
+Every test runs twice: reading the prefiller in place (same host,
+:mod:`fabric.transfer.local_read`) and through UCX (``local_reads`` off)."""
 
 from __future__ import annotations
 
@@ -78,15 +81,33 @@ def peer() -> Iterator[Peer]:
         p.stop()
 
 
-@pytest.fixture
-def plane() -> Iterator[NixlDataPlane]:
+@pytest.fixture(params=[True, False], ids=["in-place", "ucx"])
+def plane(request: pytest.FixtureRequest) -> Iterator[NixlDataPlane]:
     pool = torch.zeros(1 << 20, dtype=torch.uint8)
-    p = NixlDataPlane("direct-reader", ucx_net_devices="lo")
+    p = NixlDataPlane("direct-reader", ucx_net_devices="lo", local_reads=request.param)
     p.register_pool(pool.data_ptr(), pool.numel())
     try:
         yield p
     finally:
         p.close()
+    # NOTE: each path is the one under test: in place only when asked for,
+    # then out of the prefiller's shared cache
+    if not request.node.get_closest_marker("no_read"):
+        counters = p.counters()
+        assert bool(counters["local_reads"] + counters["local_read_failures"]) is request.param
+        assert bool(counters["mapped_bytes"]) is request.param
+
+
+def test_a_read_in_place_sends_its_notification_after_the_bytes(
+    peer: Peer, plane: NixlDataPlane
+) -> None:
+    _dst, name, plan = reader(peer, plane)
+    assert finish(plane.post_read(name, plan.read_rows(), b"read-done")) is XferState.DONE
+    assert checksum_spans(plan.dst, plan.lengths) == peer.hello["checksum"]
+    deadline = time.monotonic() + 10
+    while "read-done" not in peer.ask("notifs")["notifs"]:  # type: ignore[operator]
+        assert time.monotonic() < deadline, "the read's notification never came"
+        time.sleep(0.01)
 
 
 def reader(
@@ -142,6 +163,7 @@ def test_a_source_changed_after_hashing_fails_verification(
     assert got == changed != hashed
 
 
+@pytest.mark.no_read
 def test_reads_outside_registered_memory_are_refused(peer: Peer, plane: NixlDataPlane) -> None:
     dst, name, plan = reader(peer, plane, register=False)
     with pytest.raises(TransportFailed, match="this process's registered memory"):

@@ -21,7 +21,7 @@ from fabric.store import ChunkStore, StoreConfig
 from fabric.transfer import TransferConfig, TransferNode
 from fabric.transfer.dataplane import XferState
 
-from .direct_peer import BLOCK_IDS, cache
+from .direct_peer import BLOCK_IDS, BLOCKS, cache
 
 _names = itertools.count()
 
@@ -112,7 +112,7 @@ def test_offers_that_cannot_be_read_are_refused_and_counted(pair: Pair) -> None:
     res = link.reserve("t3", [b"a" * 16, b"b" * 16], [pair.nbytes, pair.nbytes])
     good = pair.checksum()
     with pytest.raises(ReservationRefused, match="outside"):
-        link.offer(res, 0, [*BLOCK_IDS[:-1], 32], good, pair.cmap)  # NOTE: 32 blocks
+        link.offer(res, 0, [*BLOCK_IDS[:-1], BLOCKS], good, pair.cmap)  # NOTE: one past the end
     with pytest.raises(ReservationRefused, match="do not hold"):
         link.offer(res, 0, BLOCK_IDS[:-1], good, pair.cmap)
     other = CacheMap(*[getattr(pair.cmap, f) for f in ("bases", "block_strides")], 1, 32, "x")

@@ -77,6 +77,14 @@ class ConnectorConfig(Settings):
     or a KV cache on a GPU here gets staged pushes only. vLLM keeps the
     blocks of every pushed prompt then, given back once a staged push's
     last chunk is packed.
+    ``local_reads``: on one host (same boot, PID and network namespace), a
+    decoder reads a prefiller's cache in place rather than through UCX, and
+    a prefiller with ``direct_reads`` moves the inside pages of its KV cache
+    onto a sealed memory file (when vLLM registers the cache, before any
+    forward; the cache's addresses stay the same, its memory shows as
+    shared memory), which such a decoder maps read-only and copies from
+    (:mod:`fabric.transfer.local_read`). Off where ``UCX_TLS`` leaves out
+    UCX's same-host copies (e.g. ``tcp``).
     ``async_save``: pack computed chunks on a thread of their own while the
     engine does its between-step work, joined before the next forward (off:
     inside ``wait_for_save``, as the step ends).
@@ -135,6 +143,7 @@ class ConnectorConfig(Settings):
     async_save: bool = True
     nixl_progress_thread: bool = False
     ucx_net_devices: str | None = None
+    local_reads: bool = True
     reuse: bool = True
     model_revision: str | None = None
     disk_path: str | None = None

@@ -355,7 +355,17 @@ class FabricWorker:
     def _register_cache(self, layout: KVLayout) -> CacheMap:
         """direct_reads: register the KV cache with the data plane (its
         registration goes to decoders in Offers, never in the descriptor a
-        Hello carries) and describe it for readers."""
+        Hello carries) and describe it for readers.
+
+        With ``local_reads`` the plane first moves the cache's pages onto a
+        shared memory file (:func:`fabric.transfer.local_read.share_region`),
+        which loses any write made to them meanwhile. None is: vLLM calls
+        ``register_kv_caches`` from the model runner's ``initialize_kv_cache``
+        (``vllm/v1/worker/gpu_model_runner.py:7119``, the CPU runner's
+        inherits it), inside ``initialize_from_config``
+        (``vllm/v1/engine/core.py:377``), before the warm-up's first forward
+        (``compile_or_warm_up_model``, ``core.py:379``) and before the engine
+        serves; no fabric thread touches the cache before this returns."""
         assert self.node is not None
         plane = self.node.plane
         devices = {str(t.device) for t in self.kv_caches}
@@ -537,6 +547,7 @@ class FabricWorker:
             write_timeout_ms=int(c.push_timeout_s * 1000),
             nixl_progress_thread=c.nixl_progress_thread,
             ucx_net_devices=c.ucx_net_devices or os.environ.get("UCX_NET_DEVICES"),
+            local_reads=c.local_reads,
             secret=c.resolved_secret(),
             faults=c.faults,
             idle_poll_interval_ms=ENGINE_IDLE_POLL_MS,
