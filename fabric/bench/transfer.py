@@ -271,7 +271,7 @@ class Suite:
         if self._direct_plane is not end.node.plane:
             ids = ",".join(map(str, s.block_ids.tolist()))
             desc = end.node.plane.descriptor().hex()
-            regions = end.node.plane.region_descriptor().hex()
+            regions = end.node.plane.region_descriptor(self.link.peer_agent).hex()
             cmap = msgspec.msgpack.encode(cache_map(s.views, s.layout)).hex()
             out = self.receiver.ask("direct-peer", desc, cmap, ids, regions)
             if "error" in out:

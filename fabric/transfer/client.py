@@ -835,7 +835,7 @@ class PeerLink:
             list(block_ids),
             cache,
             layers,
-            self.client.plane.region_descriptor(),
+            self.client.plane.region_descriptor(self.peer_agent),
         )
         # NOTE: the receiver's READ may need this side's agent to answer
         # (connection wire-up; UCX transports that emulate RMA): it is

@@ -209,9 +209,10 @@ class DataPlane(ABC):
     def _register_region(self, base_address: int, nbytes: int, device: str) -> None:
         raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
 
-    def region_descriptor(self) -> bytes:
+    def region_descriptor(self, peer: str | None = None) -> bytes:
         """Opaque bytes a peer that loaded :meth:`descriptor` passes to
-        :meth:`add_regions` to READ the regions registered here."""
+        :meth:`add_regions` to READ the regions registered here; ``peer``:
+        the one it goes to (its name here), for what only it may know."""
         raise TransportFailed(f"{self.kind}: this data plane cannot move caches directly")
 
     def add_regions(self, peer: str, descriptor: bytes) -> None:
@@ -378,7 +379,7 @@ class LoopbackDataPlane(DataPlane):
         if device not in HOST_DEVICES:
             raise TransportFailed("loopback plane moves host memory only")
 
-    def region_descriptor(self) -> bytes:
+    def region_descriptor(self, peer: str | None = None) -> bytes:
         return msgspec.msgpack.encode(RegionInfo(self.name, list(self.regions)))
 
     def add_regions(self, peer: str, descriptor: bytes) -> None:

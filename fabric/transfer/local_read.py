@@ -20,29 +20,39 @@ Faster still, a plane shares the regions it registers
 (:func:`share_region`): the page-aligned inside of each is moved, bytes
 and all, onto a sealed memfd mapped at the same addresses, so the owner's
 tensors do not change. A reader of the same host maps that file
-(:class:`PeerMap`, through ``/proc/PID/fd``) and copies out of it with
-plain memory copies (``fabric.kv._copy``), with no page pinned per call:
-measured here ~20 ms per 256 MiB against ~55 ms for ``process_vm_readv``
-of 4 KiB pages. What lies outside the shared pages (a region's first and
-last partial page) is read with ``process_vm_readv``.
+(:class:`PeerMap`) and copies out of it with plain memory copies
+(``fabric.kv._copy``), with no page pinned per call: measured here ~20 ms
+per 256 MiB against ~55 ms for ``process_vm_readv`` of 4 KiB pages. What
+lies outside the shared pages (a region's first and last partial page)
+is read with ``process_vm_readv``.
 
-A peer is read this way only when it is this host's process and the same
-one it says it is (:class:`LocalProcess`): the same boot (``boot_id``),
-the same PID and network namespaces (a pid means the same process only in
-one PID namespace; processes in other network namespaces stand for other
-hosts and are reached over the network), its start time matches the pid's
-now (a pid the kernel gave to a new process is not the peer), and a
-one-byte probe of its memory passes (the kernel lets this process read
-it: same user, or ``CAP_SYS_PTRACE``). Otherwise, and where ``UCX_TLS``
-leaves out UCX's own same-host copies (``cma``, ``sm``, ``shm``, ``all``),
-reads go through NIXL as before. What is read is bounded the same way:
-only the memory the peer named (its pool and the regions it sent), checked
-by the plane before the read is posted; the bytes are then verified
-against the chunk's checksum like any other read.
+Who is read is never what a peer says. A plane listens on an abstract
+unix socket (:class:`LocalServer`; abstract names live in one network
+namespace, and processes in other network namespaces stand for other
+hosts). A peer whose descriptor says it is on this host (same boot, PID
+and network namespace) connects to it (:class:`LocalClient`) when it
+learns the plane's descriptor, passes its shared files with the message
+(``SCM_RIGHTS``) and stays connected while it lives. The kernel names
+the connecting process (``SO_PEERCRED``): only that process is read
+(``process_vm_readv`` of its pid, checked against its start time at every
+read), and only the files it passed are mapped, each checked to be a
+sealed tmpfs file (:func:`check_shared_file`). A random token per link,
+known to its two ends only, rides in the peer's region descriptors (sent
+in its Offers), so a peer's Offers use its own link and no other's. A
+link that closes (the peer exited) lets the peer's memory go at once.
+
+Otherwise (no link, ``local_reads`` off, or ``UCX_TLS`` leaving out UCX's
+own same-host copies: ``cma``, ``sm``, ``shm``, ``all``), and for a pid
+the kernel will not let this process read (``EPERM``: other users without
+``CAP_SYS_PTRACE``), reads go through NIXL as before. What is read is
+bounded the same way: only the memory the peer named (its pool and the
+regions it sent), checked by the plane before the read is posted; the
+bytes are then verified against the chunk's checksum like any other read.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import errno
@@ -50,8 +60,15 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
+import select
+import selectors
+import socket
+import stat
+import struct
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,8 +86,12 @@ MAX_CALL_BYTES = 16 << 20
 """Bytes per call at most: an abort waits for one call (~2 ms here)."""
 
 ABORT_WAIT_S = 5.0
-"""How long an abort waits for the running call; a call is a memory copy
+"""How long closing waits for the running call; a call is a memory copy
 (nothing remote to wait for), so this is a bound, not a time it takes."""
+
+RUNNING_ABORT_WAIT_S = 0.2
+"""How long an abort waits for the running call (~2 ms); past it the abort
+says bytes may still land (the receiver's quarantine covers them)."""
 
 _CMA_TLS = frozenset({"all", "sm", "shm", "cma"})
 
@@ -95,6 +116,8 @@ class LocalProcess(msgspec.Struct, array_like=True, frozen=True):
     pid: int
     start: int
     """Start time after boot (clock ticks, ``/proc/PID/stat``'s 22nd field)."""
+    socket: str = ""
+    """Its :class:`LocalServer`'s abstract socket name (empty: none)."""
 
 
 def _ns(kind: str, pid: int | str = "self") -> int:
@@ -109,13 +132,15 @@ def _start_time(pid: int | str) -> int:
     return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
-def this_process() -> LocalProcess | None:
+def this_process(socket: str = "") -> LocalProcess | None:
     """This process as a peer on this host sees it; None where ``/proc``
     does not say (not Linux, no procfs)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
-        return LocalProcess(boot_id, _ns("pid"), _ns("net"), os.getpid(), _start_time("self"))
+        return LocalProcess(
+            boot_id, _ns("pid"), _ns("net"), os.getpid(), _start_time("self"), socket
+        )
     except (OSError, ValueError, IndexError):
         return None
 
@@ -149,6 +174,8 @@ def _c() -> Any:
             ctypes.c_int,
             ctypes.c_long,
         ]
+        libc.fstatfs.restype = ctypes.c_int
+        libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.process_vm_readv.restype = ctypes.c_ssize_t
@@ -222,24 +249,16 @@ def calls(rows: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def reachable(peer: LocalProcess, probe: int) -> str | None:
-    """Why ``peer`` cannot be read in place (None: it can). ``probe``: an
-    address of its memory, read one byte of as the kernel's permission check."""
+def same_host(peer: LocalProcess) -> bool:
+    """Whether ``peer`` says it is on this host, in this process's PID and
+    network namespaces (a claim: :class:`LocalServer` has the kernel prove
+    who connects)."""
     me = this_process()
-    if me is None:
-        return "this process cannot tell its host (/proc)"
-    if (peer.boot_id, peer.pid_ns, peer.net_ns) != (me.boot_id, me.pid_ns, me.net_ns):
-        return "another host or namespace"
-    if peer.pid == me.pid:
-        return None
-    try:
-        if _start_time(peer.pid) != peer.start:
-            return f"pid {peer.pid} is another process now"
-        byte = np.zeros(1, dtype=np.uint8)
-        got = read_rows(peer.pid, np.array([[byte.ctypes.data, probe, 1]], dtype=np.int64))
-    except (OSError, ValueError, IndexError) as exc:
-        return f"pid {peer.pid}: {exc}"
-    return None if got == 1 else f"pid {peer.pid}: the probe read {got} bytes"
+    return me is not None and (peer.boot_id, peer.pid_ns, peer.net_ns) == (
+        me.boot_id,
+        me.pid_ns,
+        me.net_ns,
+    )
 
 
 class SharedRegion(msgspec.Struct, array_like=True, frozen=True):
@@ -279,24 +298,53 @@ def _anonymous(lo: int, hi: int) -> str | None:
     return None if inside and covered >= hi else "not all mapped"
 
 
+_shared_here: dict[int, SharedRegion] = {}
+"""This process's shared regions by base; their files stay open while
+their memory is mapped (:func:`release_unmapped`)."""
+_shared_lock = threading.Lock()
+MEMFD_NAME = "fabric-kv"
+
+
+def release_unmapped() -> None:
+    """Close the files of shared regions whose memory is no longer mapped
+    here (their tensors were freed), so the kernel frees their pages."""
+    live: set[int] = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if MEMFD_NAME in line:
+                live.add(int(line.split()[4]))
+    with _shared_lock:
+        for base, region in list(_shared_here.items()):
+            if region.inode not in live:
+                del _shared_here[base]
+                with contextlib.suppress(OSError):
+                    os.close(region.fd)
+
+
 def share_region(base: int, nbytes: int) -> SharedRegion | None:
     """Move the page-aligned inside of [base, base + nbytes) onto a sealed
     memfd mapped at the same addresses (see the module docstring); None when
     it is too small, not a private anonymous allocation, or the kernel says
-    no. NOTE: the memory must not be written meanwhile (a write between a
-    slice's copy and its move is lost): fabric shares a KV cache when vLLM
-    registers it, before any forward runs. What was moved before a failure
-    stays moved (it is memory like before)."""
+    no. Memory this process shared before (another plane registered it) is
+    that region again. NOTE: the memory must not be written meanwhile (a
+    write between a slice's copy and its move is lost): fabric shares a KV
+    cache when vLLM registers it, before any forward runs. What was moved
+    before a failure stays moved (it is memory like before)."""
     page = mmap.PAGESIZE
     lo, hi = -(-base // page) * page, (base + nbytes) // page * page
     if hi - lo < MIN_SHARED_BYTES:
         return None
     try:
+        release_unmapped()
+        with _shared_lock:
+            for region in _shared_here.values():
+                if region.base <= lo and hi <= region.base + region.nbytes:
+                    return region
         why = _anonymous(lo, hi)
         if why is not None:
             logger.debug("not sharing %#x..%#x: %s", lo, hi, why)
             return None
-        fd = os.memfd_create("fabric-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
         logger.debug("not sharing %#x..%#x: %s", lo, hi, exc)
         return None
@@ -319,43 +367,63 @@ def share_region(base: int, nbytes: int) -> SharedRegion | None:
                 libc.munmap(tmp, n)
                 raise err
             done += n
-    except OSError as exc:
+    except Exception as exc:
         logger.warning("sharing %d MiB of a region for same-host reads: %s", (hi - lo) >> 20, exc)
         if done < MIN_SHARED_BYTES:
             os.close(fd)
             return None
-    return SharedRegion(lo, done, fd, os.fstat(fd).st_ino)
+    region = SharedRegion(lo, done, fd, os.fstat(fd).st_ino)
+    with _shared_lock:
+        _shared_here[lo] = region
+    return region
+
+
+_TMPFS_MAGIC = 0x01021994
+
+
+def _fs_type(fd: int) -> int:
+    buf = ctypes.create_string_buffer(256)  # NOTE: struct statfs; f_type comes first
+    if _c().fstatfs(fd, buf) != 0:
+        raise _oserror("fstatfs")
+    return ctypes.c_long.from_buffer(buf).value
+
+
+def check_shared_file(fd: int, region: SharedRegion) -> None:
+    """Refuse (OSError) a file passed as ``region`` unless it is what
+    :func:`share_region` makes: a regular file of tmpfs (a memfd; not
+    hugetlbfs, whose holes fault), sealed against shrinking (which would
+    fault this process's copies: SIGBUS), the inode named, large enough."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or _fs_type(fd) != _TMPFS_MAGIC:
+        raise OSError(errno.EINVAL, "not a memory file")
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if st.st_ino != region.inode or st.st_size < region.nbytes or ~seals & _SEALS:
+        raise OSError(errno.EINVAL, "not the region named (inode, size or seals)")
 
 
 class PeerMap:
-    """A peer's shared regions mapped into this process (read-only). Used
-    and unmapped by :class:`LocalReader`'s thread only, after every read
-    posted before: no copy runs out of an unmapped range."""
+    """A peer's shared regions mapped into this process (read-only), from
+    the files it passed (:class:`LocalServer`). Used and unmapped by
+    :class:`LocalReader`'s thread only, after every read posted before: no
+    copy runs out of an unmapped range."""
 
-    def __init__(self, pid: int, regions: list[SharedRegion]) -> None:
+    def __init__(self, pid: int, regions: list[SharedRegion], fds: list[int]) -> None:
         libc = _c()
         self.pid = pid
         self.maps: list[tuple[int, int]] = []  # (address here, nbytes)
         self.closed = False
+        pairs = sorted(zip(regions, fds, strict=True), key=lambda p: p[0].base)
         try:
-            for r in sorted(regions, key=lambda r: r.base):
-                fd = os.open(f"/proc/{pid}/fd/{r.fd}", os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    st = os.fstat(fd)
-                    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-                    # NOTE: a file that could shrink could fault this process's copies (SIGBUS)
-                    if st.st_ino != r.inode or st.st_size != r.nbytes or ~seals & _SEALS:
-                        raise OSError(errno.EINVAL, f"fd {r.fd} of pid {pid} is not its region")
-                    addr = libc.mmap(None, r.nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                    if addr in (None, _MAP_FAILED):
-                        raise _oserror("mmap")
-                    self.maps.append((int(addr), r.nbytes))
-                finally:
-                    os.close(fd)
+            for r, fd in pairs:
+                check_shared_file(fd, r)
+                addr = libc.mmap(None, r.nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, _MAP_FAILED):
+                    raise _oserror("mmap")
+                self.maps.append((int(addr), r.nbytes))
         except OSError:
             self.unmap()
             raise
-        self.bases = np.array([r.base for r in sorted(regions, key=lambda r: r.base)], np.int64)
+        self.bases = np.array([r.base for r, _ in pairs], np.int64)
         self.ends = self.bases + np.array([n for _, n in self.maps], np.int64)
         self.here = np.array([a for a, _ in self.maps], np.int64)
         self.nbytes = int(sum(n for _, n in self.maps))
@@ -379,6 +447,278 @@ class PeerMap:
         for addr, n in self.maps:
             libc.munmap(addr, n)
         self.maps = []
+
+
+class LocalHello(msgspec.Struct, array_like=True, frozen=True):
+    """What a plane tells a same-host peer's :class:`LocalServer`: the token
+    its region descriptors carry, and its shared regions, whose files come
+    with the message (``SCM_RIGHTS``, in this order)."""
+
+    token: bytes
+    regions: list[SharedRegion]
+
+
+@dataclass(eq=False)
+class LocalPeer:
+    """A same-host peer as the kernel says it is: ``pid`` from the socket's
+    credentials (``SO_PEERCRED``), not from anything the peer wrote."""
+
+    pid: int
+    start: int
+    token: bytes
+    regions: list[SharedRegion] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+    alive: bool = True
+
+    def close_fds(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+MAX_LOCAL_PEERS = 256
+"""Connections a :class:`LocalServer` keeps at most (more are refused)."""
+
+MAX_SHARED_FILES = 16
+"""Files one :class:`LocalHello` may pass."""
+
+MAX_HELLO_BYTES = 64 << 10
+
+ACK_WAIT_S = 1.0
+"""How long a plane waits for a same-host peer to take its hello."""
+
+
+class LocalServer:
+    """An abstract unix socket (so: this network namespace only) where a
+    same-host peer's plane connects, passes its shared files and stays
+    connected while it lives. The kernel names the connecting process
+    (``SO_PEERCRED``): a peer is read in place only as the process it is,
+    whatever its descriptors say, so it cannot have this process read
+    another's memory (or its own). The token binds the connection to the
+    peer's region descriptors (sent only in its Offers). A closed
+    connection (the peer exited) calls ``on_gone`` at once: its memory is
+    unmapped here. One thread; each message is taken whole without blocking
+    (``SOCK_SEQPACKET``)."""
+
+    def __init__(self, name: str, on_gone: Callable[[LocalPeer], None]) -> None:
+        self.address = f"fabric-local-{os.getpid()}-{secrets.token_hex(8)}"
+        self._on_gone = on_gone
+        self._lock = threading.Lock()
+        self._by_token: dict[bytes, LocalPeer] = {}
+        self._conns: dict[socket.socket, LocalPeer | None] = {}
+        self.refused = 0
+        flags = socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        self._listener = socket.socket(socket.AF_UNIX, flags)
+        self._listener.bind("\0" + self.address)
+        self._listener.listen(64)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._closed = False
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self.thread = threading.Thread(
+            target=self._run, name=f"fabric-local-server-{name}", daemon=True
+        )
+        self.thread.start()
+
+    def peer(self, token: bytes) -> LocalPeer | None:
+        """The live peer whose connection carried ``token``."""
+        with self._lock:
+            found = self._by_token.get(token)
+        return found if found is not None and found.alive else None
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                events = self._selector.select()
+            except OSError:
+                logger.exception("local server %s", self.address)
+                return
+            for key, _ in events:
+                try:
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is not self._wake_r:
+                        self._receive(key.fileobj)  # type: ignore[arg-type]
+                except Exception:  # NOTE: one connection fails, the server goes on
+                    logger.exception("local server %s", self.address)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(False)
+        if len(self._conns) >= MAX_LOCAL_PEERS:
+            self.refused += 1
+            conn.close()
+            return
+        self._conns[conn] = None
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    def _receive(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            data, ancdata, msg_flags, _ = conn.recvmsg(
+                MAX_HELLO_BYTES, socket.CMSG_SPACE(MAX_SHARED_FILES * 4)
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, ancdata, msg_flags = b"", [], 0
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+        if not data:
+            self._drop(conn, fds)
+            return
+        try:
+            if msg_flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                raise ValueError("a message or its files were cut")
+            hello = msgspec.msgpack.decode(data, type=LocalHello)
+            if len(hello.regions) != len(fds):
+                raise ValueError(f"{len(hello.regions)} regions with {len(fds)} files")
+            for region, fd in zip(hello.regions, fds, strict=True):
+                check_shared_file(fd, region)
+            pid, _, _ = struct.unpack(
+                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            )
+            if pid <= 0:
+                raise ValueError("the peer is not in this PID namespace")
+            start = _start_time(pid)
+        except (ValueError, OSError, msgspec.DecodeError, IndexError) as exc:
+            self.refused += 1
+            logger.warning("local server %s refused a peer: %s", self.address, exc)
+            with contextlib.suppress(OSError):
+                conn.send(b"\x00")
+            self._drop(conn, fds)
+            return
+        peer = LocalPeer(pid, start, hello.token, list(hello.regions), fds)
+        with self._lock:
+            old = self._conns.get(conn)
+            self._conns[conn] = peer
+            if old is not None:  # NOTE: an update (more shared regions): the newer stands
+                self._by_token.pop(old.token, None)
+            self._by_token[hello.token] = peer
+        if old is not None:
+            self._gone(old)
+        with contextlib.suppress(OSError):
+            conn.send(b"\x01")  # NOTE: registered: the peer's Offers may name it now
+
+    def _drop(self, conn: socket.socket, fds: list[int]) -> None:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        with self._lock:
+            peer = self._conns.pop(conn, None)
+            if peer is not None and self._by_token.get(peer.token) is peer:
+                del self._by_token[peer.token]
+        conn.close()
+        if peer is not None:
+            self._gone(peer)
+
+    def _gone(self, peer: LocalPeer) -> None:
+        peer.alive = False
+        try:
+            self._on_gone(peer)
+        finally:
+            peer.close_fds()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self.thread.join(ABORT_WAIT_S)
+        for conn in list(self._conns):
+            self._drop(conn, [])
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        self._selector.close()
+
+
+class LocalClient:
+    """The other end: one connection per same-host peer's :class:`LocalServer`,
+    kept open while both live. Never blocks: a server that cannot take the
+    connection or the message now gets none (reads then go through UCX)."""
+
+    def __init__(self) -> None:
+        self._conns: dict[str, socket.socket] = {}
+        self._tokens: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def token_for(self, peer: str) -> bytes:
+        """The token of the link to ``peer`` (empty: none): random per link,
+        known to the two ends only."""
+        with self._lock:
+            return self._tokens.get(peer, b"")
+
+    def connect(self, peer: str, address: str, regions: list[SharedRegion]) -> bool:
+        self.drop(peer)
+        flags = socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        conn = socket.socket(socket.AF_UNIX, flags)
+        token = secrets.token_bytes(16)
+        try:
+            conn.connect("\0" + address)
+            self._send(conn, token, regions)
+            ok = self._acked(conn)
+        except OSError as exc:
+            ok, why = False, str(exc)
+        else:
+            why = "the peer did not take it"
+        if not ok:
+            logger.info("no same-host link to %s: %s", peer, why)
+            conn.close()
+            return False
+        with self._lock:
+            self._conns[peer] = conn
+            self._tokens[peer] = token
+        return True
+
+    @staticmethod
+    def _send(conn: socket.socket, token: bytes, regions: list[SharedRegion]) -> None:
+        regions = regions[:MAX_SHARED_FILES]
+        data = msgspec.msgpack.encode(LocalHello(token, regions))
+        fds = array.array("i", [r.fd for r in regions])
+        ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())] if regions else []
+        conn.sendmsg([data], ancdata)
+
+    @staticmethod
+    def _acked(conn: socket.socket) -> bool:
+        """Whether the server registered the last message (its answer, waited
+        for :data:`ACK_WAIT_S` at most: a local socket answers in
+        microseconds; the wait orders this plane's later Offers after it)."""
+        if not select.select([conn], [], [], ACK_WAIT_S)[0]:
+            return False
+        return conn.recv(1) == b"\x01"
+
+    def update(self, regions: list[SharedRegion]) -> None:
+        """Tell every connected peer of this plane's shared regions now."""
+        with self._lock:
+            conns = [(peer, conn, self._tokens[peer]) for peer, conn in self._conns.items()]
+        for peer, conn, token in conns:
+            try:
+                self._send(conn, token, regions)
+                if not self._acked(conn):
+                    logger.info("same-host link to %s: the update was not taken", peer)
+            except OSError as exc:
+                logger.info("same-host link to %s: %s", peer, exc)
+
+    def drop(self, peer: str) -> None:
+        with self._lock:
+            conn = self._conns.pop(peer, None)
+            self._tokens.pop(peer, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+            self._tokens.clear()
+        for conn in conns:
+            conn.close()
 
 
 def _copier() -> Any:
@@ -407,7 +747,8 @@ class _Job:
 class LocalRead(WriteHandle):
     """A read :class:`LocalReader` runs; ``poll`` never blocks."""
 
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, reader: LocalReader, job: _Job) -> None:
+        self._reader = reader
         self.job = job
 
     @property
@@ -425,14 +766,19 @@ class LocalRead(WriteHandle):
         return XferState.ERR if self.job.error is not None else XferState.DONE
 
     def abort(self) -> bool:
-        """Stop after the running call: True once no byte can land any more."""
+        """Stop it: one still queued at once; the running one after its
+        call (waited for :data:`RUNNING_ABORT_WAIT_S` at most). True once
+        no byte can land any more."""
         job = self.job
         if not job.done.is_set():
             job.cancelled = True
-        return job.done.wait(ABORT_WAIT_S)
+            if self._reader.dequeue(job):
+                return True
+        return job.done.wait(RUNNING_ABORT_WAIT_S)
 
     def abandon(self) -> None:
         self.job.cancelled = True
+        self._reader.dequeue(self.job)
 
 
 class LocalReader:
@@ -451,17 +797,19 @@ class LocalReader:
         self.mapped_bytes = 0
         """Of ``bytes``, those copied out of a peer's shared memory."""
         self.failures = 0
+        self.denied: set[int] = set()
+        """Pids the kernel refused to let this process read (EPERM): read through UCX."""
 
-    def map(self, pid: int, regions: list[SharedRegion]) -> PeerMap | None:
-        """Map ``pid``'s shared ``regions`` here, for :meth:`post` (None:
-        none given, ``fabric.kv._copy`` not built, or refused: logged, and
-        those reads use ``process_vm_readv``)."""
-        if not regions or _copier() is None:
+    def map(self, peer: LocalPeer) -> PeerMap | None:
+        """Map the files ``peer`` passed, for :meth:`post` (None: none,
+        ``fabric.kv._copy`` not built, or refused: logged, and those reads
+        use ``process_vm_readv``)."""
+        if not peer.regions or _copier() is None:
             return None
         try:
-            pmap = PeerMap(pid, regions)
+            pmap = PeerMap(peer.pid, peer.regions, peer.fds)
         except OSError as exc:
-            logger.info("pid %d's shared memory is not mapped here: %s", pid, exc)
+            logger.info("pid %d's shared memory is not mapped here: %s", peer.pid, exc)
             return None
         with self._cond:
             if self._closed:
@@ -481,7 +829,19 @@ class LocalReader:
         rows already checked against both sides' memory; those in ``pmap``
         are copied out of it."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        return LocalRead(self._queue(_Job(pid, start, rows, int(rows[:, 2].sum()), pmap)))
+        return LocalRead(self, self._queue(_Job(pid, start, rows, int(rows[:, 2].sum()), pmap)))
+
+    def dequeue(self, job: _Job) -> bool:
+        """Take ``job`` off the queue if it has not started; ended aborted."""
+        with self._cond:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return False
+        job.error = "aborted"
+        self.failures += 1
+        job.done.set()
+        return True
 
     def _queue(self, job: _Job) -> _Job:
         with self._cond:
@@ -531,8 +891,11 @@ class LocalReader:
     def _copy(self, job: _Job) -> None:
         try:
             alive = _start_time(job.pid) == job.start
-        except (OSError, ValueError, IndexError):
+        except (FileNotFoundError, ProcessLookupError):
             alive = False
+        except (OSError, ValueError, IndexError) as exc:  # NOTE: e.g. no fd left: not a death
+            job.error = f"pid {job.pid}: {exc}"
+            return
         if not alive:
             # NOTE: a dead peer's memory lives while mapped: let it go now
             self._drop(job.pmap)
@@ -558,6 +921,8 @@ class LocalReader:
             try:
                 got = read_rows(job.pid, rows)
             except OSError as exc:
+                if exc.errno == errno.EPERM:
+                    self.denied.add(job.pid)
                 reason = "the peer is gone" if exc.errno == errno.ESRCH else str(exc)
                 job.error = f"pid {job.pid}: {reason}"
                 return
@@ -584,7 +949,11 @@ class LocalReader:
             with contextlib.suppress(RuntimeError):
                 thread.join(ABORT_WAIT_S)
             if thread.is_alive():
-                logger.warning("local reader %s did not stop; its mappings stay", self.name)
+                logger.error(
+                    "local reader %s did not stop: its mappings stay, and a copy may still "
+                    "write into memory its owner frees",
+                    self.name,
+                )
                 return
         with self._cond:
             maps, self._maps = list(self._maps), set()

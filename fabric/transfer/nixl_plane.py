@@ -41,15 +41,17 @@ from fabric.transfer.dataplane import (
     WriteFence,
     WriteHandle,
     XferState,
-    spans_within,
 )
 from fabric.transfer.local_read import (
+    LocalClient,
+    LocalPeer,
     LocalProcess,
     LocalRead,
     LocalReader,
+    LocalServer,
     PeerMap,
     SharedRegion,
-    reachable,
+    same_host,
     share_region,
     this_process,
     ucx_allows_local,
@@ -81,9 +83,10 @@ class NixlRegions(msgspec.Struct, array_like=True, frozen=True):
 
     metadata: list[bytes]
     regions: list[tuple[int, int]]
-    shared: list[SharedRegion] = []
-    """The parts of the regions a reader of this host may map (none from an
-    older peer): :func:`~fabric.transfer.local_read.share_region`."""
+    local_token: bytes = b""
+    """Names the plane's connection to a same-host reader's
+    :class:`~fabric.transfer.local_read.LocalServer` (empty: none, or an
+    older peer)."""
 
 
 def nixl_available() -> bool:
@@ -216,16 +219,26 @@ class NixlDataPlane(DataPlane):
         self._device_id = 0
         self._reg: Any = None
         self._region_regs: list[Any] = []
-        self._regions_md: bytes | None = None  # region_descriptor, built once
+        self._regions_md: list[bytes] | None = None  # the regions' metadata, built once
         self._peers: dict[str, NixlDescriptor] = {}
         self._kept: list[tuple[str, bytes]] = []  # notifications progress() took
         # Handles dropped unfinished (appended from any thread, released under the lock).
         self.orphans: deque[Any] = deque()
-        local = local_reads and ucx_allows_local(os.environ.get("UCX_TLS"))
-        self._me = this_process() if local else None
         self.local_reader = LocalReader(name)
-        self._local_peers: dict[str, LocalProcess] = {}
+        self._local_server: LocalServer | None = None
+        self._local_client: LocalClient | None = None
+        if local_reads and ucx_allows_local(os.environ.get("UCX_TLS")):
+            try:
+                self._local_server = LocalServer(name, self._local_gone)
+                self._local_client = LocalClient()
+            except OSError as exc:
+                logger.info("no same-host reads: %s", exc)
+        address = self._local_server.address if self._local_server is not None else ""
+        self._me = this_process(address) if self._local_server is not None else None
+        self._local_lock = threading.Lock()
+        self._local_peers: dict[str, LocalPeer] = {}
         self._peer_maps: dict[str, PeerMap] = {}
+        self._peer_tokens: dict[str, bytes] = {}
         self._shared: list[SharedRegion] = []
 
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
@@ -262,8 +275,10 @@ class NixlDataPlane(DataPlane):
         if self._me is not None and mem_type == "DRAM":
             # NOTE: before NIXL registers (pins) the pages, which it replaces
             shared = share_region(base_address, nbytes)
-            if shared is not None:
+            if shared is not None and shared not in self._shared:
                 self._shared.append(shared)
+                if self._local_client is not None:
+                    self._local_client.update(self._shared)
         with self.lock:
             try:
                 reg = self.agent.register_memory([(base_address, nbytes, device_id, "")], mem_type)
@@ -290,17 +305,21 @@ class NixlDataPlane(DataPlane):
         )
         return msgspec.msgpack.encode(info)
 
-    def region_descriptor(self) -> bytes:
+    def region_descriptor(self, peer: str | None = None) -> bytes:
+        """The regions' registrations, and for ``peer`` the token of this
+        plane's same-host link to it (a token per peer: one peer's cannot
+        name another's link)."""
         with self.lock:
             if self._regions_md is None:
                 metadata = [
                     self.agent.get_partial_agent_metadata(reg, False, ["UCX"])
                     for reg in self._region_regs
                 ]
-                self._regions_md = msgspec.msgpack.encode(
-                    NixlRegions(metadata, list(self.regions), list(self._shared))
-                )
-            return self._regions_md
+                self._regions_md = metadata
+            metadata = list(self._regions_md)
+        client = self._local_client
+        token = client.token_for(peer) if client is not None and peer is not None else b""
+        return msgspec.msgpack.encode(NixlRegions(metadata, list(self.regions), token))
 
     def add_regions(self, peer: str, descriptor: bytes) -> None:
         info = self._peer(peer)
@@ -320,18 +339,9 @@ class NixlDataPlane(DataPlane):
                 raise TransportFailed(f"regions of {name!r} offered as {peer!r}'s")
         regions = [(int(b), int(n)) for b, n in given.regions]
         self._peers[peer] = msgspec.structs.replace(info, regions=regions)
-        same_host = self._local_peers.get(peer)
-        if same_host is not None:
-            self._unmap(peer)
-            # NOTE: only memory inside the regions just loaded (reads are checked against those)
-            inside = [
-                r
-                for r in given.shared
-                if spans_within(np.array([r.base]), np.array([r.nbytes]), regions)
-            ]
-            pmap = self.local_reader.map(same_host.pid, inside)
-            if pmap is not None:
-                self._peer_maps[peer] = pmap
+        if given.local_token:
+            with self._local_lock:
+                self._peer_tokens[peer] = given.local_token
 
     def add_peer(self, descriptor: bytes) -> str:
         try:
@@ -340,16 +350,66 @@ class NixlDataPlane(DataPlane):
             raise TransportFailed(f"bad NIXL peer descriptor: {exc}") from exc
         name = self._load(info.metadata, "peer descriptor")
         self._peers[name] = info
-        self._local_peers.pop(name, None)
-        self._unmap(name)
-        if self._me is not None and info.local is not None and info.mem_type == "DRAM":
-            why = reachable(info.local, info.pool_base) if info.pool_nbytes else "no pool"
-            if why is None:
-                self._local_peers[name] = info.local
-            logger.debug(
-                "NIXL peer %s: read %s", name, f"through UCX ({why})" if why else "in place"
-            )
+        self._forget_local(name)
+        peer = info.local
+        client = self._local_client
+        # NOTE: tell a same-host peer who this process is (its kernel
+        # checks) and pass it the memory this plane shares
+        if (
+            client is not None
+            and peer is not None
+            and peer.socket
+            and info.mem_type == "DRAM"
+            and same_host(peer)
+            and client.connect(name, peer.socket, self._shared)
+        ):
+            logger.debug("NIXL peer %s: same-host link up", name)
         return name
+
+    def _local_peer(self, peer: str) -> LocalPeer | None:
+        """``peer`` as its same-host link proved it (its memory mapped here
+        on first use); None: read through UCX."""
+        server = self._local_server
+        if server is None:
+            return None
+        with self._local_lock:
+            found = self._local_peers.get(peer)
+            if found is not None and found.alive:
+                return found
+            token = self._peer_tokens.get(peer)
+            found = server.peer(token) if token else None
+            if found is None:
+                return None
+            self._local_peers[peer] = found
+            stale = self._peer_maps.pop(peer, None)
+            pmap = self.local_reader.map(found)
+            if pmap is not None:
+                self._peer_maps[peer] = pmap
+        if stale is not None:
+            self.local_reader.unmap(stale)
+        return found
+
+    def _local_gone(self, gone: LocalPeer) -> None:
+        """A same-host link closed (the peer exited or went away): let its
+        memory go (:class:`~fabric.transfer.local_read.LocalServer`'s thread)."""
+        with self._local_lock:
+            names = [name for name, p in self._local_peers.items() if p is gone]
+            maps = [self._peer_maps.pop(name, None) for name in names]
+            for name in names:
+                del self._local_peers[name]
+        for pmap in maps:
+            if pmap is not None:
+                self.local_reader.unmap(pmap)
+
+    def _forget_local(self, peer: str) -> None:
+        with self._local_lock:
+            self._local_peers.pop(peer, None)
+            self._peer_tokens.pop(peer, None)
+            pmap = self._peer_maps.pop(peer, None)
+        if pmap is not None:
+            self.local_reader.unmap(pmap)
+        if self._local_client is not None:
+            self._local_client.drop(peer)
 
     def _load(self, metadata: bytes, what: str) -> str:
         """Load NIXL metadata (whole or partial); the agent it names."""
@@ -360,14 +420,8 @@ class NixlDataPlane(DataPlane):
             raise TransportFailed(f"bad NIXL {what}: {exc}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
-    def _unmap(self, peer: str) -> None:
-        pmap = self._peer_maps.pop(peer, None)
-        if pmap is not None:
-            self.local_reader.unmap(pmap)
-
     def remove_peer(self, peer: str) -> None:
-        self._local_peers.pop(peer, None)
-        self._unmap(peer)
+        self._forget_local(peer)
         if self._peers.pop(peer, None) is not None:
             with self.lock:
                 self.agent.remove_remote_agent(peer)
@@ -388,6 +442,7 @@ class NixlDataPlane(DataPlane):
             "local_read_failures": r.failures,
             "local_bytes": r.bytes,
             "mapped_bytes": r.mapped_bytes,
+            "local_refused": self._local_server.refused if self._local_server else 0,
             "local_peers": len(self._local_peers),
             "mapped_peers": len(self._peer_maps),
             "shared_bytes": sum(s.nbytes for s in self._shared),
@@ -407,10 +462,10 @@ class NixlDataPlane(DataPlane):
     def post_read(self, peer: str, spans: np.ndarray, notif: bytes = b"") -> WriteHandle:
         info = self._peer(peer)
         rows = self.check_read(peer, spans, [(info.pool_base, info.pool_nbytes), *info.regions])
-        same_host = self._local_peers.get(peer)
-        if same_host is not None and self._mem_type == "DRAM":
+        same = self._local_peer(peer) if self._mem_type == "DRAM" else None
+        if same is not None and same.pid not in self.local_reader.denied:
             pmap = self._peer_maps.get(peer)
-            read = self.local_reader.post(same_host.pid, same_host.start, rows, pmap)
+            read = self.local_reader.post(same.pid, same.start, rows, pmap)
             return _LocalNixlRead(self, peer, read, notif)
         local = np.empty((len(rows), 3), dtype=np.uint64)
         remote = np.empty((len(rows), 3), dtype=np.uint64)
@@ -506,11 +561,16 @@ class NixlDataPlane(DataPlane):
 
     def close(self) -> None:
         # NOTE: first: no copy may land in memory deregistered (and freed) below
+        if self._local_client is not None:
+            self._local_client.close()
+        if self._local_server is not None:
+            self._local_server.close()
         self.local_reader.close()
         with self.lock:
             self._release_orphans()
             self._local_peers.clear()
             self._peer_maps.clear()
+            self._peer_tokens.clear()
             for peer in list(self._peers):
                 self.agent.remove_remote_agent(peer)
             self._peers.clear()

@@ -245,7 +245,9 @@ def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cl
     after = cluster.d_stats()
     gone = {k: after[k] - before[k] for k in after if k.startswith(("plane_", "server_bytes"))}
     assert gone["plane_local_bytes"] == gone["server_bytes_read"] > 0
-    assert gone["plane_mapped_bytes"] >= 0.9 * gone["plane_local_bytes"]
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not (thp.exists() and "[always]" in thp.read_text()):  # NOTE: huge pages: not shared
+        assert gone["plane_mapped_bytes"] >= 0.9 * gone["plane_local_bytes"]
     assert gone["plane_local_read_failures"] == 0
     # NOTE: vLLM kept each request's blocks until D read them, then freed them
     wait_idle(p_url)

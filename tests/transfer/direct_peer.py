@@ -9,6 +9,9 @@ and region descriptor (hex), and where the chunk of ``BLOCK_IDS`` lies in the ca
 addresses, lengths) with its checksum. Then one JSON line per command:
     flip       flip a byte of the chunk; answers the new checksum
     notifs     the notifications taken so far
+    peer DESC  load the reader's plane descriptor (hex), as a Hello's answer
+               would (a same-host reader is then told who this process is);
+               answers the region descriptor for that reader
     quit
 """
 
@@ -78,6 +81,10 @@ def main() -> None:
         if cmd[0] == "flip":
             layers[LAYERS - 1][1, BLOCK_IDS[-1], BLOCK_SIZE - 1, HEADS - 1, HEAD_DIM - 1] += 1
             print(json.dumps({"checksum": checksum_spans(spans.addrs, spans.lengths)}), flush=True)
+        if cmd[0] == "peer":
+            name = plane.add_peer(bytes.fromhex(cmd[1]))
+            regions = plane.region_descriptor(name).hex()  # NOTE: for that reader only
+            print(json.dumps({"peer": name, "regions": regions}), flush=True)
         if cmd[0] == "notifs":
             print(json.dumps({"notifs": list(notifs)}), flush=True)
     stop.set()

@@ -1,14 +1,17 @@
-"""Same-host reads (:mod:`fabric.transfer.local_read`) against a real second
-process: what is copied, when a peer is not read in place, and a peer that
-dies, a read aborted and a reader closed while bytes are landing."""
+"""Same-host reads (:mod:`fabric.transfer.local_read`) against real second
+processes: who a peer is (the kernel says, not the peer), what is copied and
+mapped, and a peer that dies, a read aborted and a reader closed while bytes
+are landing."""
 
 from __future__ import annotations
 
 import json
 import mmap
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +24,17 @@ from fabric.transfer.dataplane import XferState
 from fabric.transfer.local_read import (
     MAX_CALL_BYTES,
     MAX_IOVS,
+    LocalHello,
+    LocalPeer,
     LocalProcess,
     LocalReader,
-    PeerMap,
+    LocalServer,
     SharedRegion,
     _anonymous,
     calls,
-    reachable,
+    check_shared_file,
+    release_unmapped,
+    same_host,
     share_region,
     this_process,
     ucx_allows_local,
@@ -39,18 +46,21 @@ MIB = 1 << 20
 HOLDER = """
 import json, mmap, sys
 import numpy as np
-from fabric.transfer.local_read import share_region, this_process
-n = int(sys.argv[1])
+from fabric.transfer.local_read import LocalClient, share_region, this_process
+n, mode, address = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 # NOTE: as a large malloc is (numpy's own would ask for huge pages)
 buf = np.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
 buf[:] = (np.arange(n, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
 # NOTE: a region not page-aligned, as a tensor in a malloc'd block is
-shared = share_region(buf.ctypes.data + 64, n - 128) if sys.argv[2] == "share" else None
+shared = share_region(buf.ctypes.data + 64, n - 128) if mode == "share" else None
+client = LocalClient()
+linked = address != "-" and client.connect("reader", address, [shared] if shared else [])
 me = this_process()
 print(json.dumps({
     "addr": buf.ctypes.data,
     "local": [me.boot_id, me.pid_ns, me.net_ns, me.pid, me.start],
     "shared": shared and [shared.base, shared.nbytes, shared.fd, shared.inode],
+    "token": client.token_for("reader").hex() if linked else "",
 }), flush=True)
 for line in sys.stdin:  # NOTE: "poke I V": buf[I] = V, after sharing
     _, i, v = line.split()
@@ -60,12 +70,13 @@ for line in sys.stdin:  # NOTE: "poke I V": buf[I] = V, after sharing
 
 
 class Holder:
-    """A process holding ``nbytes`` of a known pattern."""
+    """A process holding ``nbytes`` of a known pattern, shared when told,
+    linked to the :class:`LocalServer` at ``address`` when given."""
 
-    def __init__(self, nbytes: int, *, share: bool = False) -> None:
+    def __init__(self, nbytes: int, *, share: bool = False, address: str = "-") -> None:
         self.nbytes = nbytes
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(nbytes), "share" if share else "keep"],
+            [sys.executable, "-c", HOLDER, str(nbytes), "share" if share else "keep", address],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -75,6 +86,7 @@ class Holder:
         self.addr = int(hello["addr"])
         self.local = LocalProcess(*hello["local"])
         self.shared = SharedRegion(*hello["shared"]) if hello["shared"] else None
+        self.token = bytes.fromhex(hello["token"])
 
     def poke(self, index: int, value: int) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -91,9 +103,40 @@ class Holder:
         self.proc.wait()
 
 
+class Server:
+    """A :class:`LocalServer` and the peers it reported gone."""
+
+    def __init__(self) -> None:
+        self.gone: list[LocalPeer] = []
+        self.went = threading.Event()
+        self.server = LocalServer("test", self._gone)
+
+    def _gone(self, peer: LocalPeer) -> None:
+        self.gone.append(peer)
+        self.went.set()
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server()
+    try:
+        yield s
+    finally:
+        s.server.close()
+
+
 @pytest.fixture
 def holder() -> Iterator[Holder]:
     h = Holder(64 * MIB)
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture
+def sharer(server: Server) -> Iterator[Holder]:
+    h = Holder(64 * MIB, share=True, address=server.server.address)
     try:
         yield h
     finally:
@@ -166,7 +209,6 @@ def test_calls_keep_every_byte_in_order_within_the_limits() -> None:
 
 
 def test_a_scattered_read_lands_every_byte(holder: Holder, reader: LocalReader) -> None:
-    assert reachable(holder.local, holder.addr) is None
     dst = np.zeros(holder.nbytes, dtype=np.uint8)
     piece = 32 << 10
     rows = scattered(holder, dst, piece)
@@ -179,39 +221,84 @@ def test_a_scattered_read_lands_every_byte(holder: Holder, reader: LocalReader) 
     assert (reader.reads, reader.failures, reader.bytes) == (1, 0, holder.nbytes)
 
 
-def test_who_is_not_read_in_place(holder: Holder) -> None:
+def test_same_host_is_this_boot_and_these_namespaces() -> None:
     me = this_process()
-    assert me is not None
-    other_net = LocalProcess(me.boot_id, me.pid_ns, me.net_ns + 1, holder.local.pid, 0)
-    assert reachable(other_net, holder.addr) == "another host or namespace"
-    other_boot = LocalProcess("x", me.pid_ns, me.net_ns, holder.local.pid, holder.local.start)
-    assert reachable(other_boot, holder.addr) == "another host or namespace"
-    reused = msgspec.structs.replace(holder.local, start=holder.local.start + 1)
-    assert "another process now" in str(reachable(reused, holder.addr))
-    assert "Bad address" in str(reachable(holder.local, 8))  # NOTE: not mapped there
-    holder.stop()
-    assert reachable(holder.local, holder.addr) is not None
+    assert me is not None and same_host(me)
+    for other in (
+        msgspec.structs.replace(me, net_ns=me.net_ns + 1),
+        msgspec.structs.replace(me, pid_ns=me.pid_ns + 1),
+        msgspec.structs.replace(me, boot_id="another"),
+    ):
+        assert not same_host(other)
 
 
-def test_a_read_of_a_pid_that_is_another_process_now_lands_nothing(
-    holder: Holder, reader: LocalReader
+def test_the_kernel_names_the_peer_and_its_link_ends_with_it(
+    server: Server, sharer: Holder
 ) -> None:
-    dst = np.zeros(holder.nbytes, dtype=np.uint8)
-    handle = reader.post(holder.local.pid, holder.local.start + 1, scattered(holder, dst, MIB))
-    assert wait(handle) is XferState.ERR and "another process now" in str(handle.error)
-    assert handle.copied == 0 and not dst.any()
+    """What a peer's descriptors say of itself is never used: its link's
+    socket credentials name it. A token names only its own link; the link
+    closing (the peer died) reports the peer gone at once."""
+    peer = server.server.peer(sharer.token)
+    assert peer is not None and peer.alive
+    assert (peer.pid, peer.start) == (sharer.local.pid, sharer.local.start)
+    assert peer.pid != os.getpid()
+    assert len(peer.fds) == 1 and peer.regions == [sharer.shared]
+    assert server.server.peer(b"\x00" * 16) is None
+    assert server.server.peer(b"") is None
+    sharer.stop()
+    assert server.went.wait(5), "the link's end was not noticed"
+    assert server.gone == [peer] and not peer.alive and peer.fds == []
+    assert server.server.peer(sharer.token) is None
 
 
-def test_unmapped_memory_fails_the_read_not_the_reader(holder: Holder, reader: LocalReader) -> None:
-    dst = np.zeros(holder.nbytes, dtype=np.uint8)
-    rows = scattered(holder, dst, MIB)
-    bad = rows.copy()
-    bad[3, 1] = 4096  # NOTE: the first page is never mapped
-    handle = reader.post(holder.local.pid, holder.local.start, bad)
-    assert wait(handle) is XferState.ERR and handle.copied < holder.nbytes
-    again = reader.post(holder.local.pid, holder.local.start, rows)
-    assert wait(again) is XferState.DONE
-    assert reader.failures == 1 and reader.reads == 1
+def raw_link(address: str) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect("\0" + address)
+    conn.settimeout(5)
+    return conn
+
+
+def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) -> None:
+    """Garbage, files that are not shared memory (a pipe, a FIFO, a file
+    on disk, an unsealed memfd), regions without their files: refused,
+    answered and counted; the server goes on."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    disk = tmp_path / "disk"
+    disk.write_bytes(b"\x00" * (4 * MIB))
+    disk_fd = os.open(disk, os.O_RDONLY)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 4 * MIB)
+    pipe_r, pipe_w = os.pipe()
+    try:
+        cases: list[tuple[bytes, list[int]]] = [(b"\x93junk", [])]
+        for fd in (fifo_fd, disk_fd, unsealed, pipe_r):
+            region = SharedRegion(1 << 30, 4 * MIB, fd, os.fstat(fd).st_ino)
+            cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [region])), [fd]))
+        region = SharedRegion(1 << 30, 4 * MIB, 3, 1)
+        cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [region])), []))
+        for data, fds in cases:
+            conn = raw_link(server.server.address)
+            conn.sendmsg(
+                [data],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(np.array(fds, np.int32)))]
+                if fds
+                else [],
+            )
+            assert conn.recv(1) == b"\x00"
+            conn.close()
+        assert server.server.refused == len(cases)
+        assert server.server.peer(b"t" * 16) is None
+        good = raw_link(server.server.address)  # NOTE: and it still serves
+        good.sendmsg([msgspec.msgpack.encode(LocalHello(b"g" * 16, []))])
+        assert good.recv(1) == b"\x01"
+        found = server.server.peer(b"g" * 16)
+        assert found is not None and found.pid == os.getpid()
+        good.close()
+    finally:
+        for fd in (fifo_fd, disk_fd, unsealed, pipe_r, pipe_w):
+            os.close(fd)
 
 
 def big_read(h: Holder, dst: np.ndarray, times: int) -> np.ndarray:
@@ -267,27 +354,20 @@ def test_closing_the_reader_mid_read_ends_every_read(holder: Holder) -> None:
     assert late.poll() is XferState.ERR and late.error == "the reader is closed"
 
 
-@pytest.fixture
-def sharer() -> Iterator[Holder]:
-    h = Holder(64 * MIB, share=True)
-    try:
-        yield h
-    finally:
-        h.stop()
-
-
 def test_a_shared_region_keeps_its_bytes_and_is_read_out_of_the_mapping(
-    sharer: Holder, reader: LocalReader
+    server: Server, sharer: Holder, reader: LocalReader
 ) -> None:
     shared = sharer.shared
     assert shared is not None  # NOTE: the inside pages, from the first aligned one
     assert shared.base == sharer.addr + mmap.PAGESIZE
     assert shared.nbytes == sharer.nbytes - 2 * mmap.PAGESIZE
-    pmap = reader.map(sharer.local.pid, [shared])
+    peer = server.server.peer(sharer.token)
+    assert peer is not None
+    pmap = reader.map(peer)
     assert pmap is not None
     dst = np.zeros(sharer.nbytes, dtype=np.uint8)
     rows = scattered(sharer, dst, 32 << 10, seed=3)
-    handle = reader.post(sharer.local.pid, sharer.local.start, rows, pmap)
+    handle = reader.post(peer.pid, peer.start, rows, pmap)
     assert wait(handle) is XferState.DONE
     n = sharer.nbytes // (32 << 10)
     to = np.random.default_rng(3).permutation(n)
@@ -299,45 +379,75 @@ def test_a_shared_region_keeps_its_bytes_and_is_read_out_of_the_mapping(
     sharer.poke(5 << 20, 7)
     one = np.zeros(1, dtype=np.uint8)
     row = np.array([[one.ctypes.data, sharer.addr + (5 << 20), 1]], dtype=np.int64)
-    assert wait(reader.post(sharer.local.pid, sharer.local.start, row, pmap)) is XferState.DONE
+    assert wait(reader.post(peer.pid, peer.start, row, pmap)) is XferState.DONE
     assert one[0] == 7
 
 
-def test_a_dead_owners_memory_is_let_go_at_the_next_read(
-    sharer: Holder, reader: LocalReader
+def test_a_mapped_read_aborted_midway_stops(
+    server: Server, sharer: Holder, reader: LocalReader
 ) -> None:
-    assert sharer.shared is not None
-    pmap = reader.map(sharer.local.pid, [sharer.shared])
+    peer = server.server.peer(sharer.token)
+    assert peer is not None
+    pmap = reader.map(peer)
+    assert pmap is not None
+    dst = np.zeros(sharer.nbytes, dtype=np.uint8)
+    rows = np.concatenate([scattered(sharer, dst, 256 << 10)[4:-4]] * 64)  # NOTE: 4 GiB
+    handle = reader.post(peer.pid, peer.start, rows, pmap)
+    wait_some(handle)
+    assert handle.abort() is True and handle.poll() is XferState.ERR
+    copied = handle.copied
+    assert 0 < copied < int(rows[:, 2].sum()) and copied == reader.mapped_bytes
+    time.sleep(0.05)
+    assert handle.copied == copied
+
+
+def test_a_dead_owners_memory_is_let_go_at_the_next_read(
+    server: Server, sharer: Holder, reader: LocalReader
+) -> None:
+    peer = server.server.peer(sharer.token)
+    assert peer is not None and sharer.shared is not None
+    pmap = reader.map(peer)
     assert pmap is not None and pmap.maps
     sharer.stop()
     dst = np.zeros(MIB, dtype=np.uint8)
     row = np.array([[dst.ctypes.data, sharer.shared.base, MIB]], dtype=np.int64)
-    handle = reader.post(sharer.local.pid, sharer.local.start, row, pmap)
+    handle = reader.post(peer.pid, peer.start, row, pmap)
     assert wait(handle) is XferState.ERR and "gone" in str(handle.error)
     assert pmap.closed and not pmap.maps and not dst.any()
 
 
-def test_only_the_sealed_file_the_owner_named_is_mapped(sharer: Holder) -> None:
-    shared = sharer.shared
-    assert shared is not None
-    pid = sharer.local.pid
+def test_only_the_sealed_memory_file_named_is_taken(server: Server, sharer: Holder) -> None:
+    peer = server.server.peer(sharer.token)
+    assert peer is not None and sharer.shared is not None
+    shared, fd = sharer.shared, peer.fds[0]
+    check_shared_file(fd, shared)
     for wrong in (
         msgspec.structs.replace(shared, inode=shared.inode + 1),
-        msgspec.structs.replace(shared, nbytes=shared.nbytes - 4096),
-        msgspec.structs.replace(shared, fd=0),  # NOTE: its stdin, a pipe
+        msgspec.structs.replace(shared, nbytes=shared.nbytes + 4096),
     ):
         with pytest.raises(OSError):
-            PeerMap(pid, [wrong])
-    # NOTE: a file that may shrink could fault the reader's copies: refused
-    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+            check_shared_file(fd, wrong)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, 4 * MIB)
-        unsealed = SharedRegion(1 << 30, 4 * MIB, fd, os.fstat(fd).st_ino)
-        with pytest.raises(OSError, match="not its region"):
-            PeerMap(os.getpid(), [unsealed])
+        os.ftruncate(unsealed, 4 * MIB)
+        region = SharedRegion(1 << 30, 4 * MIB, unsealed, os.fstat(unsealed).st_ino)
+        with pytest.raises(OSError, match="not the region"):
+            check_shared_file(unsealed, region)
     finally:
-        os.close(fd)
-    assert PeerMap(pid, [shared]).maps  # NOTE: the right one is
+        os.close(unsealed)
+
+
+def test_a_queued_read_aborts_at_once(holder: Holder, reader: LocalReader) -> None:
+    dst = np.zeros(holder.nbytes, dtype=np.uint8)
+    running = reader.post(holder.local.pid, holder.local.start, big_read(holder, dst, 64))
+    queued = reader.post(holder.local.pid, holder.local.start, big_read(holder, dst, 1))
+    wait_some(running)
+    t0 = time.monotonic()
+    assert queued.abort() is True
+    assert time.monotonic() - t0 < 0.1  # NOTE: not behind the running 4 GiB read
+    assert queued.poll() is XferState.ERR and queued.copied == 0
+    assert running.poll() is XferState.PROC
+    assert running.abort() is True
 
 
 def allocation(nbytes: int) -> np.ndarray:
@@ -367,3 +477,21 @@ def test_what_is_not_shared(tmp_path: Path) -> None:
     assert shared is not None and big.all()  # NOTE: the same bytes, now in the file
     big[:] = 2
     assert os.pread(shared.fd, 16, 0) == b"\x02" * 16
+
+
+def test_memory_shared_again_is_the_same_region_and_its_file_goes_with_it() -> None:
+    m = mmap.mmap(-1, 8 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(m, dtype=np.uint8)
+    view[:] = 3
+    first = share_region(view.ctypes.data, view.nbytes)
+    assert first is not None
+    # NOTE: a second plane registering the same memory (or part of it)
+    assert share_region(view.ctypes.data, view.nbytes) == first
+    assert share_region(view.ctypes.data + MIB, MIB * 4) == first
+    release_unmapped()
+    os.fstat(first.fd)  # NOTE: still mapped: kept
+    del view
+    m.close()  # NOTE: the memory is freed (munmap)
+    release_unmapped()
+    with pytest.raises(OSError):
+        os.fstat(first.fd)

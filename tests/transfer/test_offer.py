@@ -364,14 +364,14 @@ def test_an_offer_whose_cache_cannot_be_loaded_is_refused(
     res = link.reserve("t13", [b"k" * 16], [pair.nbytes])
     plane = pair.sender.client.plane
     real = plane.region_descriptor()
-    monkeypatch.setattr(plane, "region_descriptor", lambda: b"junk")
+    monkeypatch.setattr(plane, "region_descriptor", lambda peer=None: b"junk")
     with pytest.raises(ReservationRefused, match="sender's cache"):
         link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
     forged = real.replace(plane.name.encode(), pair.receiver.client.plane.name.encode())
-    monkeypatch.setattr(plane, "region_descriptor", lambda: forged)
+    monkeypatch.setattr(plane, "region_descriptor", lambda peer=None: forged)
     with pytest.raises(ReservationRefused, match="sender's cache"):
         link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
-    monkeypatch.setattr(plane, "region_descriptor", lambda: real)
+    monkeypatch.setattr(plane, "region_descriptor", lambda peer=None: real)
     link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
     prog = server.wait("t13", 5)
     assert prog is not None and prog.complete

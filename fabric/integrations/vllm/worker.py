@@ -365,7 +365,12 @@ class FabricWorker:
         inherits it), inside ``initialize_from_config``
         (``vllm/v1/engine/core.py:377``), before the warm-up's first forward
         (``compile_or_warm_up_model``, ``core.py:379``) and before the engine
-        serves; no fabric thread touches the cache before this returns."""
+        serves (the V2 runner likewise: ``vllm/v1/worker/gpu/model_runner.py:798``
+        -> ``gpu/kv_connector.py:64``); no fabric thread touches the cache
+        before this returns. NOTE: under vLLM's ``MultiConnector`` a
+        connector registered before fabric that pinned or registered the
+        cache's pages would keep the old ones: list fabric first there, or
+        set ``local_reads: false``."""
         assert self.node is not None
         plane = self.node.plane
         devices = {str(t.device) for t in self.kv_caches}
