@@ -57,6 +57,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -67,6 +68,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,7 +104,14 @@ SHARE_SLICE_BYTES = 64 << 20
 """A region is moved onto its file this much at a time (the extra memory
 while it is moved)."""
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_F_SEAL_FUTURE_WRITE = 0x0010  # NOTE: Linux 5.1; not in Python's fcntl
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+"""What a shared file must carry: it cannot change size (a shrunk file
+would fault a reader's copies: SIGBUS), nor be written or mapped writable
+anew (its owner's mapping, made before, still writes; a reader cannot)."""
+MAX_ADDRESS = 1 << 57
+"""Above any user address (57-bit, 5-level paging): bases and ends beyond
+it are refused before any sum could wrap."""
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -351,7 +360,7 @@ def share_region(base: int, nbytes: int) -> SharedRegion | None:
     libc, done = _c(), 0
     try:
         os.ftruncate(fd, hi - lo)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | mmap.MAP_POPULATE
         while done < hi - lo:
             n = min(SHARE_SLICE_BYTES, hi - lo - done)
@@ -372,6 +381,13 @@ def share_region(base: int, nbytes: int) -> SharedRegion | None:
         if done < MIN_SHARED_BYTES:
             os.close(fd)
             return None
+    try:
+        # NOTE: after the move: the mapping made before keeps writing, no other can
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+    except OSError as exc:
+        logger.warning("sealing a shared region: %s (not shared)", exc)
+        os.close(fd)
+        return None
     region = SharedRegion(lo, done, fd, os.fstat(fd).st_ino)
     with _shared_lock:
         _shared_here[lo] = region
@@ -388,17 +404,32 @@ def _fs_type(fd: int) -> int:
     return ctypes.c_long.from_buffer(buf).value
 
 
+def check_region(region: SharedRegion) -> None:
+    """Refuse (ValueError) a region no :func:`share_region` makes: a base
+    not page-aligned, no bytes, or beyond :data:`MAX_ADDRESS`."""
+    base, nbytes = region.base, region.nbytes
+    if not (base > 0 and nbytes > 0 and base + nbytes <= MAX_ADDRESS) or base % mmap.PAGESIZE:
+        raise ValueError(f"a shared region at {base:#x} of {nbytes} bytes")
+
+
 def check_shared_file(fd: int, region: SharedRegion) -> None:
     """Refuse (OSError) a file passed as ``region`` unless it is what
-    :func:`share_region` makes: a regular file of tmpfs (a memfd; not
-    hugetlbfs, whose holes fault), sealed against shrinking (which would
-    fault this process's copies: SIGBUS), the inode named, large enough."""
+    :func:`share_region` makes: a memfd (its name, before anything else is
+    asked of it, so no other kind of file can block this thread) of tmpfs
+    (not hugetlbfs, whose holes fault), sealed as :data:`_SEALS` says, of
+    the inode named, large enough and with every page there (no holes to
+    fault in on this side)."""
+    check_region(region)
+    if not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+        raise OSError(errno.EINVAL, "not a memory file")
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or _fs_type(fd) != _TMPFS_MAGIC:
         raise OSError(errno.EINVAL, "not a memory file")
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if st.st_ino != region.inode or st.st_size < region.nbytes or ~seals & _SEALS:
         raise OSError(errno.EINVAL, "not the region named (inode, size or seals)")
+    if st.st_blocks * 512 < region.nbytes:
+        raise OSError(errno.EINVAL, "the file has holes")
 
 
 class PeerMap:
@@ -436,7 +467,7 @@ class PeerMap:
         at = np.searchsorted(self.bases, rows[:, 1], side="right") - 1
         ok = at >= 0
         at = np.maximum(at, 0)
-        ok &= rows[:, 1] + rows[:, 2] <= self.ends[at]
+        ok &= (rows[:, 1] >= self.bases[at]) & (rows[:, 2] <= self.ends[at] - rows[:, 1])
         mapped = rows[ok].copy()
         mapped[:, 1] = mapped[:, 1] - self.bases[at[ok]] + self.here[at[ok]]
         return mapped, rows[~ok]
@@ -480,40 +511,69 @@ class LocalPeer:
 MAX_LOCAL_PEERS = 256
 """Connections a :class:`LocalServer` keeps at most (more are refused)."""
 
-MAX_SHARED_FILES = 16
-"""Files one :class:`LocalHello` may pass."""
+MAX_SHARED_FILES = 250
+"""Files one :class:`LocalHello` may pass (the kernel passes 253 at most):
+a region per KV cache tensor (vLLM allocates one per layer or group)."""
 
 MAX_HELLO_BYTES = 64 << 10
 
 ACK_WAIT_S = 1.0
 """How long a plane waits for a same-host peer to take its hello."""
 
+HELLO_WAIT_S = 1.0
+"""How long a :class:`LocalServer` keeps a link that sent no hello."""
+
+SWEEP_S = 0.5
+"""How often a :class:`LocalServer` checks its peers' processes."""
+
+
+@dataclass(eq=False)
+class _Conn:
+    """A connection as accepted: who the kernel said connected, and when."""
+
+    pid: int
+    identity: tuple[int, str]
+    accepted: float
+    peer: LocalPeer | None = None
+
+
+def _identity(pid: int) -> tuple[int, str]:
+    """What tells a process from a later one under its pid: its start time
+    and its program (an ``exec`` keeps the pid and the start time)."""
+    return _start_time(pid), os.readlink(f"/proc/{pid}/exe")
+
 
 class LocalServer:
     """An abstract unix socket (so: this network namespace only) where a
     same-host peer's plane connects, passes its shared files and stays
     connected while it lives. The kernel names the connecting process
-    (``SO_PEERCRED``): a peer is read in place only as the process it is,
-    whatever its descriptors say, so it cannot have this process read
-    another's memory (or its own). The token binds the connection to the
-    peer's region descriptors (sent only in its Offers). A closed
-    connection (the peer exited) calls ``on_gone`` at once: its memory is
-    unmapped here. One thread; each message is taken whole without blocking
-    (``SOCK_SEQPACKET``)."""
+    (``SO_PEERCRED``, taken as it is accepted): a peer is read in place only
+    as the process it is, whatever its descriptors say, so it cannot have
+    this process read another's memory (or its own); only processes of this
+    user are taken. The token binds the connection to the peer's region
+    descriptors (sent only in its Offers). A connection whose process ended
+    or changed (its start time or program, checked every
+    :data:`SWEEP_S`), or that closed, calls ``on_gone`` at once: its memory is
+    unmapped here. One that sends nothing within :data:`HELLO_WAIT_S` is
+    closed. One thread; each message is taken whole without blocking
+    (``SOCK_SEQPACKET``); if the thread ever stops, no peer is served (reads
+    go through UCX) and ``down`` says so."""
 
     def __init__(self, name: str, on_gone: Callable[[LocalPeer], None]) -> None:
         self.address = f"fabric-local-{os.getpid()}-{secrets.token_hex(8)}"
         self._on_gone = on_gone
         self._lock = threading.Lock()
         self._by_token: dict[bytes, LocalPeer] = {}
-        self._conns: dict[socket.socket, LocalPeer | None] = {}
+        self._conns: dict[socket.socket, _Conn] = {}
         self.refused = 0
+        self.down = False
         flags = socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
         self._listener = socket.socket(socket.AF_UNIX, flags)
         self._listener.bind("\0" + self.address)
         self._listener.listen(64)
         self._wake_r, self._wake_w = socket.socketpair()
         self._closed = False
+        self._paused_until = 0.0
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
@@ -525,43 +585,92 @@ class LocalServer:
     def peer(self, token: bytes) -> LocalPeer | None:
         """The live peer whose connection carried ``token``."""
         with self._lock:
-            found = self._by_token.get(token)
+            found = self._by_token.get(token) if not self.down else None
         return found if found is not None and found.alive else None
 
     def _run(self) -> None:
-        while not self._closed:
+        try:
+            next_sweep = time.monotonic() + SWEEP_S
+            while not self._closed:
+                timeout = max(0.0, next_sweep - time.monotonic())
+                for key, _ in self._selector.select(timeout):
+                    try:
+                        if key.fileobj is self._listener:
+                            self._accept()
+                        elif key.fileobj is not self._wake_r:
+                            self._receive(key.fileobj)  # type: ignore[arg-type]
+                    except Exception:  # NOTE: one connection fails, the server goes on
+                        logger.exception("local server %s", self.address)
+                if time.monotonic() >= next_sweep:
+                    self._sweep()
+                    next_sweep = time.monotonic() + SWEEP_S
+        except BaseException:
+            logger.exception(
+                "local server %s stopped: same-host reads go through UCX", self.address
+            )
+        finally:
+            if not self._closed:
+                self.down = True
+                for conn in list(self._conns):
+                    self._drop(conn, [])
+
+    def _sweep(self) -> None:
+        """Close what sent no hello in time, and the links of processes
+        that ended or changed; listen again after a pause."""
+        now = time.monotonic()
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            self._selector.register(self._listener, selectors.EVENT_READ)
+        for conn, c in list(self._conns.items()):
+            if c.peer is None:
+                if now - c.accepted > HELLO_WAIT_S:
+                    self.refused += 1
+                    self._drop(conn, [])
+                continue
             try:
-                events = self._selector.select()
-            except OSError:
-                logger.exception("local server %s", self.address)
-                return
-            for key, _ in events:
-                try:
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is not self._wake_r:
-                        self._receive(key.fileobj)  # type: ignore[arg-type]
-                except Exception:  # NOTE: one connection fails, the server goes on
-                    logger.exception("local server %s", self.address)
+                same = _identity(c.pid) == c.identity
+            except (OSError, ValueError, IndexError):
+                same = False
+            if not same:
+                self._drop(conn, [])
 
     def _accept(self) -> None:
         try:
             conn, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        conn.setblocking(False)
-        if len(self._conns) >= MAX_LOCAL_PEERS:
+        except OSError as exc:  # NOTE: e.g. no fd left: stop listening a while, not spin
+            logger.warning("local server %s: %s; pausing", self.address, exc)
+            self._selector.unregister(self._listener)
+            self._paused_until = time.monotonic() + SWEEP_S
+            return
+        try:
+            conn.setblocking(False)
+            pid, uid, _ = struct.unpack(
+                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            )
+            if len(self._conns) >= MAX_LOCAL_PEERS:
+                raise ValueError("too many links")
+            if uid != os.getuid():
+                raise ValueError(f"uid {uid} is not this process's")
+            if pid <= 0:
+                raise ValueError("the peer is not in this PID namespace")
+            identity = _identity(pid)
+        except (ValueError, OSError, IndexError) as exc:
             self.refused += 1
+            logger.info("local server %s refused a link: %s", self.address, exc)
             conn.close()
             return
-        self._conns[conn] = None
+        self._conns[conn] = _Conn(pid, identity, time.monotonic())
         self._selector.register(conn, selectors.EVENT_READ)
 
     def _receive(self, conn: socket.socket) -> None:
         fds: list[int] = []
         try:
             data, ancdata, msg_flags, _ = conn.recvmsg(
-                MAX_HELLO_BYTES, socket.CMSG_SPACE(MAX_SHARED_FILES * 4)
+                MAX_HELLO_BYTES,
+                socket.CMSG_SPACE(MAX_SHARED_FILES * 4),
+                socket.MSG_CMSG_CLOEXEC,
             )
         except (BlockingIOError, InterruptedError):
             return
@@ -570,7 +679,8 @@ class LocalServer:
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
-        if not data:
+        c = self._conns.get(conn)
+        if not data or c is None:
             self._drop(conn, fds)
             return
         try:
@@ -579,14 +689,15 @@ class LocalServer:
             hello = msgspec.msgpack.decode(data, type=LocalHello)
             if len(hello.regions) != len(fds):
                 raise ValueError(f"{len(hello.regions)} regions with {len(fds)} files")
+            if len(hello.token) < 16:
+                raise ValueError("a short token")
+            spans = sorted((r.base, r.base + r.nbytes) for r in hello.regions)
+            if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
+                raise ValueError("overlapping regions")
             for region, fd in zip(hello.regions, fds, strict=True):
                 check_shared_file(fd, region)
-            pid, _, _ = struct.unpack(
-                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            )
-            if pid <= 0:
-                raise ValueError("the peer is not in this PID namespace")
-            start = _start_time(pid)
+            if _identity(c.pid) != c.identity:
+                raise ValueError(f"pid {c.pid} is not the process that connected")
         except (ValueError, OSError, msgspec.DecodeError, IndexError) as exc:
             self.refused += 1
             logger.warning("local server %s refused a peer: %s", self.address, exc)
@@ -594,10 +705,9 @@ class LocalServer:
                 conn.send(b"\x00")
             self._drop(conn, fds)
             return
-        peer = LocalPeer(pid, start, hello.token, list(hello.regions), fds)
+        peer = LocalPeer(c.pid, c.identity[0], hello.token, list(hello.regions), fds)
         with self._lock:
-            old = self._conns.get(conn)
-            self._conns[conn] = peer
+            old, c.peer = c.peer, peer
             if old is not None:  # NOTE: an update (more shared regions): the newer stands
                 self._by_token.pop(old.token, None)
             self._by_token[hello.token] = peer
@@ -613,7 +723,8 @@ class LocalServer:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         with self._lock:
-            peer = self._conns.pop(conn, None)
+            c = self._conns.pop(conn, None)
+            peer = c.peer if c is not None else None
             if peer is not None and self._by_token.get(peer.token) is peer:
                 del self._by_token[peer.token]
         conn.close()
@@ -641,8 +752,11 @@ class LocalServer:
 
 class LocalClient:
     """The other end: one connection per same-host peer's :class:`LocalServer`,
-    kept open while both live. Never blocks: a server that cannot take the
-    connection or the message now gets none (reads then go through UCX)."""
+    made when this plane first names its regions to that peer (an Offer, so
+    only to a peer that answered its Hello and granted a Reserve) and kept
+    open while both live. It waits :data:`ACK_WAIT_S` at most: a server
+    that does not take the link or its message gets none (reads then go
+    through UCX)."""
 
     def __init__(self) -> None:
         self._conns: dict[str, socket.socket] = {}
@@ -694,17 +808,27 @@ class LocalClient:
             return False
         return conn.recv(1) == b"\x01"
 
+    def linked(self, peer: str) -> bool:
+        with self._lock:
+            return peer in self._conns
+
     def update(self, regions: list[SharedRegion]) -> None:
-        """Tell every connected peer of this plane's shared regions now."""
+        """Tell every connected peer of this plane's shared regions now; a
+        link that does not take it is closed (the peer reads through UCX)."""
         with self._lock:
             conns = [(peer, conn, self._tokens[peer]) for peer, conn in self._conns.items()]
         for peer, conn, token in conns:
             try:
                 self._send(conn, token, regions)
-                if not self._acked(conn):
-                    logger.info("same-host link to %s: the update was not taken", peer)
-            except OSError as exc:
+                ok = self._acked(conn)
+            except (OSError, ValueError) as exc:  # NOTE: ValueError: closed meanwhile
+                ok = False
                 logger.info("same-host link to %s: %s", peer, exc)
+            if not ok:
+                with self._lock:
+                    if self._conns.get(peer) is conn:
+                        del self._conns[peer], self._tokens[peer]
+                conn.close()
 
     def drop(self, peer: str) -> None:
         with self._lock:

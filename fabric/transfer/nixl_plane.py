@@ -239,6 +239,7 @@ class NixlDataPlane(DataPlane):
         self._local_peers: dict[str, LocalPeer] = {}
         self._peer_maps: dict[str, PeerMap] = {}
         self._peer_tokens: dict[str, bytes] = {}
+        self._unlinked: set[str] = set()  # peers a link to failed (until their next descriptor)
         self._shared: list[SharedRegion] = []
 
     def _register(self, base_address: int, nbytes: int, device: str) -> None:
@@ -317,9 +318,31 @@ class NixlDataPlane(DataPlane):
                 ]
                 self._regions_md = metadata
             metadata = list(self._regions_md)
-        client = self._local_client
-        token = client.token_for(peer) if client is not None and peer is not None else b""
+        token = self._link(peer) if peer is not None else b""
         return msgspec.msgpack.encode(NixlRegions(metadata, list(self.regions), token))
+
+    def _link(self, peer: str) -> bytes:
+        """The token of this plane's same-host link to ``peer``, linking first
+        (empty: none). Made on the first region descriptor for it (an
+        Offer: never for a peer that did not answer this side's Hello), so
+        no other process is handed this plane's shared memory."""
+        client, info = self._local_client, self._peers.get(peer)
+        if client is None or info is None or peer in self._unlinked:
+            return b""
+        if not client.linked(peer):
+            self._unlinked.add(peer)  # NOTE: tried once per descriptor loaded, not per Offer
+            there = info.local
+            if (
+                there is None
+                or not there.socket
+                or info.mem_type != "DRAM"
+                or not same_host(there)
+                or not client.connect(peer, there.socket, self._shared)
+            ):
+                return b""
+            logger.debug("NIXL peer %s: same-host link up", peer)
+            self._unlinked.discard(peer)
+        return client.token_for(peer)
 
     def add_regions(self, peer: str, descriptor: bytes) -> None:
         info = self._peer(peer)
@@ -349,21 +372,10 @@ class NixlDataPlane(DataPlane):
         except msgspec.DecodeError as exc:
             raise TransportFailed(f"bad NIXL peer descriptor: {exc}") from exc
         name = self._load(info.metadata, "peer descriptor")
+        prev = self._peers.get(name)
         self._peers[name] = info
-        self._forget_local(name)
-        peer = info.local
-        client = self._local_client
-        # NOTE: tell a same-host peer who this process is (its kernel
-        # checks) and pass it the memory this plane shares
-        if (
-            client is not None
-            and peer is not None
-            and peer.socket
-            and info.mem_type == "DRAM"
-            and same_host(peer)
-            and client.connect(name, peer.socket, self._shared)
-        ):
-            logger.debug("NIXL peer %s: same-host link up", name)
+        if prev is None or prev.metadata != info.metadata:
+            self._forget_local(name)  # NOTE: another process under that name: links anew
         return name
 
     def _local_peer(self, peer: str) -> LocalPeer | None:
@@ -402,6 +414,7 @@ class NixlDataPlane(DataPlane):
                 self.local_reader.unmap(pmap)
 
     def _forget_local(self, peer: str) -> None:
+        self._unlinked.discard(peer)
         with self._local_lock:
             self._local_peers.pop(peer, None)
             self._peer_tokens.pop(peer, None)

@@ -5,6 +5,7 @@ are landing."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -20,8 +21,10 @@ import msgspec
 import numpy as np
 import pytest
 
+from fabric.transfer import local_read
 from fabric.transfer.dataplane import XferState
 from fabric.transfer.local_read import (
+    _SEALS,
     MAX_CALL_BYTES,
     MAX_IOVS,
     LocalHello,
@@ -39,6 +42,7 @@ from fabric.transfer.local_read import (
     this_process,
     ucx_allows_local,
 )
+from fabric.transfer.nixl_plane import NixlDataPlane, NixlDescriptor, NixlRegions, nixl_available
 
 pytestmark = pytest.mark.skipif(this_process() is None, reason="no /proc")
 
@@ -260,8 +264,9 @@ def raw_link(address: str) -> socket.socket:
 
 def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) -> None:
     """Garbage, files that are not shared memory (a pipe, a FIFO, a file
-    on disk, an unsealed memfd), regions without their files: refused,
-    answered and counted; the server goes on."""
+    on disk, an unsealed or sparse memfd), regions without their files or at
+    bases no share makes, a short token: refused, answered and counted; the
+    server goes on."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
@@ -270,14 +275,33 @@ def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) 
     disk_fd = os.open(disk, os.O_RDONLY)
     unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     os.ftruncate(unsealed, 4 * MIB)
+    # NOTE: sealed as shared files are, but all holes: its pages would be
+    # made (and charged) on this side as they are read
+    sparse = os.memfd_create("sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(sparse, 4 * MIB)
+    fcntl.fcntl(sparse, fcntl.F_ADD_SEALS, _SEALS)
     pipe_r, pipe_w = os.pipe()
+    good_file = allocation(8 * MIB)
+    good_file[:] = 1
+    shared = share_region(good_file.ctypes.data, good_file.nbytes)
+    assert shared is not None
     try:
         cases: list[tuple[bytes, list[int]]] = [(b"\x93junk", [])]
-        for fd in (fifo_fd, disk_fd, unsealed, pipe_r):
+        for fd in (fifo_fd, disk_fd, unsealed, sparse, pipe_r):
             region = SharedRegion(1 << 30, 4 * MIB, fd, os.fstat(fd).st_ino)
             cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [region])), [fd]))
         region = SharedRegion(1 << 30, 4 * MIB, 3, 1)
         cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [region])), []))
+        # NOTE: a good file named at bases no share makes: past any address
+        # (sums would wrap), unaligned, or twice over one range
+        for bad in (
+            [msgspec.structs.replace(shared, base=(1 << 63) - 4096)],
+            [msgspec.structs.replace(shared, base=shared.base + 1)],
+            [shared, msgspec.structs.replace(shared, base=shared.base + 4096)],
+        ):
+            data = msgspec.msgpack.encode(LocalHello(b"t" * 16, bad))
+            cases.append((data, [shared.fd] * len(bad)))
+        cases.append((msgspec.msgpack.encode(LocalHello(b"short", [])), []))
         for data, fds in cases:
             conn = raw_link(server.server.address)
             conn.sendmsg(
@@ -297,7 +321,7 @@ def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) 
         assert found is not None and found.pid == os.getpid()
         good.close()
     finally:
-        for fd in (fifo_fd, disk_fd, unsealed, pipe_r, pipe_w):
+        for fd in (fifo_fd, disk_fd, unsealed, sparse, pipe_r, pipe_w):
             os.close(fd)
 
 
@@ -495,3 +519,152 @@ def test_memory_shared_again_is_the_same_region_and_its_file_goes_with_it() -> N
     release_unmapped()
     with pytest.raises(OSError):
         os.fstat(first.fd)
+
+
+def child_linked(address: str, then: str) -> subprocess.Popen[str]:
+    """A process that links to ``address`` (no regions), prints its token,
+    then runs ``then`` (Python) with the link's socket ``conn`` open."""
+    code = f"""
+import os, socket, sys, time
+from fabric.transfer.local_read import LocalClient
+client = LocalClient()
+assert client.connect("reader", {address!r}, [])
+conn = client._conns["reader"]
+print(client.token_for("reader").hex(), flush=True)
+{then}
+"""
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def token_of(proc: subprocess.Popen[str]) -> bytes:
+    assert proc.stdout is not None
+    return bytes.fromhex(proc.stdout.readline().strip())
+
+
+def test_a_process_that_ends_while_its_link_lives_on_is_gone(server: Server) -> None:
+    """The link's socket kept open by a forked child: the process that
+    connected ended, so its pid may name another one soon: gone."""
+    proc = child_linked(
+        server.server.address,
+        "if os.fork() == 0:\n    time.sleep(30)\nos._exit(0)",
+    )
+    try:
+        token = token_of(proc)
+        assert proc.wait(10) == 0
+        assert server.went.wait(5), "an ended process kept its link"
+        assert server.server.peer(token) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_that_runs_another_program_is_gone(server: Server) -> None:
+    proc = child_linked(
+        server.server.address,
+        "conn.set_inheritable(True)\nos.execv('/bin/sleep', ['sleep', '30'])",
+    )
+    try:
+        token = token_of(proc)
+        assert server.went.wait(5), "a process that ran another program kept its link"
+        assert server.server.peer(token) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_a_link_from_another_user_is_refused(server: Server) -> None:
+    code = f"""
+import os, socket
+os.setuid(65534)  # NOTE: nobody, after starting (it may not run this Python)
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+conn.connect("\\0" + {server.server.address!r})
+conn.settimeout(5)
+print(repr(conn.recv(1)), flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "b''", out  # NOTE: closed unanswered
+    assert server.server.refused == 1
+
+
+def test_silent_links_are_closed_and_do_not_crowd_out_others(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_read, "MAX_LOCAL_PEERS", 8)
+    silent = [raw_link(server.server.address) for _ in range(8)]
+    try:
+        time.sleep(0.2)
+        late = raw_link(server.server.address)
+        assert late.recv(1) == b""  # NOTE: full: closed at once
+        for conn in silent:  # NOTE: each closed for saying nothing in time
+            assert conn.recv(1) == b""
+        good = raw_link(server.server.address)
+        good.sendmsg([msgspec.msgpack.encode(LocalHello(b"g" * 16, []))])
+        assert good.recv(1) == b"\x01"
+        good.close()
+        late.close()
+    finally:
+        for conn in silent:
+            conn.close()
+
+
+def test_a_server_whose_thread_stopped_serves_no_one(server: Server, sharer: Holder) -> None:
+    assert server.server.peer(sharer.token) is not None
+
+    def broken(timeout: float | None = None) -> list[object]:
+        raise RuntimeError("broken")
+
+    server.server._selector.select = broken  # type: ignore[method-assign,assignment]
+    server.server._wake_w.send(b"x")
+    server.server.thread.join(5)
+    assert server.server.down and not server.server.thread.is_alive()
+    assert server.server.peer(sharer.token) is None
+    assert server.went.wait(5)  # NOTE: its peers' memory let go
+
+
+def test_a_row_whose_end_would_wrap_is_not_copied_from_the_mapping(
+    server: Server, sharer: Holder, reader: LocalReader
+) -> None:
+    peer = server.server.peer(sharer.token)
+    assert peer is not None and sharer.shared is not None
+    pmap = reader.map(peer)
+    assert pmap is not None
+    base = sharer.shared.base
+    rows = np.array(
+        [[0, base + 8192, (1 << 63) - 1], [0, base - 4096, 8192], [0, base, 4096]],
+        dtype=np.int64,
+    )
+    mapped, rest = pmap.split(rows)
+    assert mapped.tolist() == [[0, pmap.here[0], 4096]]
+    assert rest.tolist() == rows[:2].tolist()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="no nixl")
+def test_a_plane_hands_its_memory_only_with_a_region_descriptor(server: Server) -> None:
+    """A Hello's descriptor may name any socket: loading it hands nothing
+    over. The plane's link (its files) goes with the first region
+    descriptor for that peer, which only an Offer carries; the same
+    descriptor loaded again (another Hello of that process) keeps it."""
+    cache, pool = allocation(8 * MIB), allocation(MIB)
+    cache[:] = 5
+    p = NixlDataPlane("share-p", ucx_net_devices="lo")
+    q = NixlDataPlane("share-q", ucx_net_devices="lo")
+    try:
+        p.register_pool(pool.ctypes.data, pool.nbytes)
+        p.register_region(cache.ctypes.data, cache.nbytes)
+        info = msgspec.msgpack.decode(q.descriptor(), type=NixlDescriptor)
+        assert info.local is not None
+        there = msgspec.structs.replace(info.local, socket=server.server.address)
+        forged = msgspec.msgpack.encode(msgspec.structs.replace(info, local=there))
+        name = p.add_peer(forged)
+        time.sleep(0.3)
+        assert not server.server._conns  # NOTE: nothing handed over on a Hello
+        token = msgspec.msgpack.decode(p.region_descriptor(name), type=NixlRegions).local_token
+        linked = server.server.peer(token)
+        assert linked is not None and linked.pid == os.getpid() and len(linked.fds) == 1
+        assert p.add_peer(forged) == name
+        again = msgspec.msgpack.decode(p.region_descriptor(name), type=NixlRegions).local_token
+        assert again == token and server.server.peer(token) is linked
+    finally:
+        p.close()
+        q.close()
