@@ -345,10 +345,18 @@ def share_region(base: int, nbytes: int) -> SharedRegion | None:
         return None
     try:
         release_unmapped()
-        with _shared_lock:
-            for region in _shared_here.values():
-                if region.base <= lo and hi <= region.base + region.nbytes:
-                    return region
+    except OSError as exc:
+        logger.debug("not sharing %#x..%#x: %s", lo, hi, exc)
+        return None
+    with _shared_lock:  # NOTE: two planes sharing one memory at once must not interleave
+        return _share_locked(lo, hi)
+
+
+def _share_locked(lo: int, hi: int) -> SharedRegion | None:
+    try:
+        for region in _shared_here.values():
+            if region.base <= lo and hi <= region.base + region.nbytes:
+                return region
         why = _anonymous(lo, hi)
         if why is not None:
             logger.debug("not sharing %#x..%#x: %s", lo, hi, why)
@@ -389,9 +397,16 @@ def share_region(base: int, nbytes: int) -> SharedRegion | None:
         os.close(fd)
         return None
     region = SharedRegion(lo, done, fd, os.fstat(fd).st_ino)
-    with _shared_lock:
-        _shared_here[lo] = region
+    _shared_here[lo] = region
     return region
+
+
+def live_regions(regions: list[SharedRegion]) -> list[SharedRegion]:
+    """Those of ``regions`` this process still shares (their files open)."""
+    release_unmapped()
+    with _shared_lock:
+        live = set(_shared_here.values())
+    return [r for r in regions if r in live]
 
 
 _TMPFS_MAGIC = 0x01021994
@@ -428,7 +443,7 @@ def check_shared_file(fd: int, region: SharedRegion) -> None:
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if st.st_ino != region.inode or st.st_size < region.nbytes or ~seals & _SEALS:
         raise OSError(errno.EINVAL, "not the region named (inode, size or seals)")
-    if st.st_blocks * 512 < region.nbytes:
+    if st.st_blocks * 512 < region.nbytes or os.lseek(fd, 0, os.SEEK_HOLE) < region.nbytes:
         raise OSError(errno.EINVAL, "the file has holes")
 
 
@@ -482,11 +497,19 @@ class PeerMap:
 
 class LocalHello(msgspec.Struct, array_like=True, frozen=True):
     """What a plane tells a same-host peer's :class:`LocalServer`: the token
-    its region descriptors carry, and its shared regions, whose files come
-    with the message (``SCM_RIGHTS``, in this order)."""
+    its region descriptors for that peer carry, its shared regions (whose
+    files come with the message: ``SCM_RIGHTS``, in this order), the agent
+    names of both ends (a server refuses a hello meant for another agent:
+    a descriptor that named another plane's socket gets nothing), and the
+    ranges of its memory it lets that peer read (its pool and registered
+    regions): reads beyond them are never done in place, whatever an Offer
+    claims."""
 
     token: bytes
     regions: list[SharedRegion]
+    sender: str = ""
+    receiver: str = ""
+    readable: list[tuple[int, int]] = []
 
 
 @dataclass(eq=False)
@@ -500,6 +523,10 @@ class LocalPeer:
     regions: list[SharedRegion] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
     alive: bool = True
+    sender: str = ""
+    """The agent name the peer linked as."""
+    readable: list[tuple[int, int]] = field(default_factory=list)
+    """What the peer lets this process read in place (base, nbytes)."""
 
     def close_fds(self) -> None:
         fds, self.fds = self.fds, []
@@ -517,8 +544,9 @@ a region per KV cache tensor (vLLM allocates one per layer or group)."""
 
 MAX_HELLO_BYTES = 64 << 10
 
-ACK_WAIT_S = 1.0
-"""How long a plane waits for a same-host peer to take its hello."""
+ACK_WAIT_S = 0.5
+"""How long a plane waits for a same-host peer to take its hello (under a
+link's stall threshold: a slow answer does not make the peer look stalled)."""
 
 HELLO_WAIT_S = 1.0
 """How long a :class:`LocalServer` keeps a link that sent no hello."""
@@ -560,6 +588,8 @@ class LocalServer:
     go through UCX) and ``down`` says so."""
 
     def __init__(self, name: str, on_gone: Callable[[LocalPeer], None]) -> None:
+        self.name = name
+        """This end's agent name: hellos for another are refused."""
         self.address = f"fabric-local-{os.getpid()}-{secrets.token_hex(8)}"
         self._on_gone = on_gone
         self._lock = threading.Lock()
@@ -613,6 +643,8 @@ class LocalServer:
                 self.down = True
                 for conn in list(self._conns):
                     self._drop(conn, [])
+                with contextlib.suppress(OSError):
+                    self._listener.close()  # NOTE: peers' links fail at once, not after a wait
 
     def _sweep(self) -> None:
         """Close what sent no hello in time, and the links of processes
@@ -691,6 +723,10 @@ class LocalServer:
                 raise ValueError(f"{len(hello.regions)} regions with {len(fds)} files")
             if len(hello.token) < 16:
                 raise ValueError("a short token")
+            if hello.receiver != self.name or not hello.sender:
+                raise ValueError(f"a hello for {hello.receiver!r} from {hello.sender!r}")
+            if any(not (b > 0 and n > 0 and b + n <= MAX_ADDRESS) for b, n in hello.readable):
+                raise ValueError("readable ranges past the user address range")
             spans = sorted((r.base, r.base + r.nbytes) for r in hello.regions)
             if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
                 raise ValueError("overlapping regions")
@@ -705,7 +741,15 @@ class LocalServer:
                 conn.send(b"\x00")
             self._drop(conn, fds)
             return
-        peer = LocalPeer(c.pid, c.identity[0], hello.token, list(hello.regions), fds)
+        peer = LocalPeer(
+            c.pid,
+            c.identity[0],
+            hello.token,
+            list(hello.regions),
+            fds,
+            sender=hello.sender,
+            readable=[(int(b), int(n)) for b, n in hello.readable],
+        )
         with self._lock:
             old, c.peer = c.peer, peer
             if old is not None:  # NOTE: an update (more shared regions): the newer stands
@@ -761,6 +805,7 @@ class LocalClient:
     def __init__(self) -> None:
         self._conns: dict[str, socket.socket] = {}
         self._tokens: dict[str, bytes] = {}
+        self._hellos: dict[str, LocalHello] = {}
         self._lock = threading.Lock()
 
     def token_for(self, peer: str) -> bytes:
@@ -769,14 +814,25 @@ class LocalClient:
         with self._lock:
             return self._tokens.get(peer, b"")
 
-    def connect(self, peer: str, address: str, regions: list[SharedRegion]) -> bool:
+    def connect(
+        self,
+        peer: str,
+        address: str,
+        regions: list[SharedRegion],
+        *,
+        sender: str = "",
+        readable: list[tuple[int, int]] | None = None,
+    ) -> bool:
+        """Link to ``peer`` (its agent name) at ``address``, as ``sender``,
+        letting it read ``readable`` in place."""
         self.drop(peer)
         flags = socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
         conn = socket.socket(socket.AF_UNIX, flags)
         token = secrets.token_bytes(16)
         try:
             conn.connect("\0" + address)
-            self._send(conn, token, regions)
+            hello = LocalHello(token, regions[:MAX_SHARED_FILES], sender, peer, readable or [])
+            self._send(conn, hello)
             ok = self._acked(conn)
         except OSError as exc:
             ok, why = False, str(exc)
@@ -789,14 +845,14 @@ class LocalClient:
         with self._lock:
             self._conns[peer] = conn
             self._tokens[peer] = token
+            self._hellos[peer] = hello
         return True
 
     @staticmethod
-    def _send(conn: socket.socket, token: bytes, regions: list[SharedRegion]) -> None:
-        regions = regions[:MAX_SHARED_FILES]
-        data = msgspec.msgpack.encode(LocalHello(token, regions))
-        fds = array.array("i", [r.fd for r in regions])
-        ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())] if regions else []
+    def _send(conn: socket.socket, hello: LocalHello) -> None:
+        data = msgspec.msgpack.encode(hello)
+        fds = array.array("i", [r.fd for r in hello.regions])
+        ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())] if fds else []
         conn.sendmsg([data], ancdata)
 
     @staticmethod
@@ -812,28 +868,37 @@ class LocalClient:
         with self._lock:
             return peer in self._conns
 
-    def update(self, regions: list[SharedRegion]) -> None:
-        """Tell every connected peer of this plane's shared regions now; a
-        link that does not take it is closed (the peer reads through UCX)."""
+    def update(self, regions: list[SharedRegion], readable: list[tuple[int, int]]) -> None:
+        """Tell every connected peer of this plane's shared regions and
+        readable ranges now; a link that does not take it is closed (the
+        peer reads through UCX)."""
         with self._lock:
-            conns = [(peer, conn, self._tokens[peer]) for peer, conn in self._conns.items()]
-        for peer, conn, token in conns:
+            conns = [(peer, conn, self._hellos[peer]) for peer, conn in self._conns.items()]
+        for peer, conn, old in conns:
+            hello = msgspec.structs.replace(
+                old, regions=regions[:MAX_SHARED_FILES], readable=readable
+            )
             try:
-                self._send(conn, token, regions)
+                self._send(conn, hello)
                 ok = self._acked(conn)
+                if ok:
+                    with self._lock:
+                        if self._conns.get(peer) is conn:
+                            self._hellos[peer] = hello
             except (OSError, ValueError) as exc:  # NOTE: ValueError: closed meanwhile
                 ok = False
                 logger.info("same-host link to %s: %s", peer, exc)
             if not ok:
                 with self._lock:
                     if self._conns.get(peer) is conn:
-                        del self._conns[peer], self._tokens[peer]
+                        del self._conns[peer], self._tokens[peer], self._hellos[peer]
                 conn.close()
 
     def drop(self, peer: str) -> None:
         with self._lock:
             conn = self._conns.pop(peer, None)
             self._tokens.pop(peer, None)
+            self._hellos.pop(peer, None)
         if conn is not None:
             conn.close()
 
@@ -841,6 +906,7 @@ class LocalClient:
         with self._lock:
             conns, self._conns = list(self._conns.values()), {}
             self._tokens.clear()
+            self._hellos.clear()
         for conn in conns:
             conn.close()
 
@@ -1055,6 +1121,14 @@ class LocalReader:
             if got != want:
                 job.error = f"pid {job.pid}: {got} of {want} bytes read"
                 return
+        if len(rest):
+            # NOTE: the pid may have named another process by the end (it ended meanwhile)
+            try:
+                same = _start_time(job.pid) == job.start
+            except (OSError, ValueError, IndexError):
+                same = False
+            if not same:
+                job.error = f"pid {job.pid} ended during the read"
 
     def close(self) -> None:
         """Fail what waits, stop after the running call, join the thread,

@@ -41,6 +41,7 @@ from fabric.transfer.dataplane import (
     WriteFence,
     WriteHandle,
     XferState,
+    spans_within,
 )
 from fabric.transfer.local_read import (
     LocalClient,
@@ -51,6 +52,7 @@ from fabric.transfer.local_read import (
     LocalServer,
     PeerMap,
     SharedRegion,
+    live_regions,
     same_host,
     share_region,
     this_process,
@@ -279,7 +281,9 @@ class NixlDataPlane(DataPlane):
             if shared is not None and shared not in self._shared:
                 self._shared.append(shared)
                 if self._local_client is not None:
-                    self._local_client.update(self._shared)
+                    # NOTE: registered() gains this region only once this returns
+                    readable = [*self.registered(), (base_address, nbytes)]
+                    self._local_client.update(self._live_shared(), readable)
         with self.lock:
             try:
                 reg = self.agent.register_memory([(base_address, nbytes, device_id, "")], mem_type)
@@ -321,6 +325,12 @@ class NixlDataPlane(DataPlane):
         token = self._link(peer) if peer is not None else b""
         return msgspec.msgpack.encode(NixlRegions(metadata, list(self.regions), token))
 
+    def _live_shared(self) -> list[SharedRegion]:
+        """This plane's shared regions whose memory is still there (a freed
+        cache's file is closed, and its number may name another file)."""
+        self._shared = live_regions(self._shared)
+        return self._shared
+
     def _link(self, peer: str) -> bytes:
         """The token of this plane's same-host link to ``peer``, linking first
         (empty: none). Made on the first region descriptor for it (an
@@ -337,7 +347,13 @@ class NixlDataPlane(DataPlane):
                 or not there.socket
                 or info.mem_type != "DRAM"
                 or not same_host(there)
-                or not client.connect(peer, there.socket, self._shared)
+                or not client.connect(
+                    peer,
+                    there.socket,
+                    self._live_shared(),
+                    sender=self.name,
+                    readable=self.registered(),
+                )
             ):
                 return b""
             logger.debug("NIXL peer %s: same-host link up", peer)
@@ -362,9 +378,9 @@ class NixlDataPlane(DataPlane):
                 raise TransportFailed(f"regions of {name!r} offered as {peer!r}'s")
         regions = [(int(b), int(n)) for b, n in given.regions]
         self._peers[peer] = msgspec.structs.replace(info, regions=regions)
-        if given.local_token:
-            with self._local_lock:
-                self._peer_tokens[peer] = given.local_token
+        with self._local_lock:
+            # NOTE: an empty token (no link, an older peer) unbinds the name too
+            self._peer_tokens[peer] = given.local_token
 
     def add_peer(self, descriptor: bytes) -> str:
         try:
@@ -374,7 +390,7 @@ class NixlDataPlane(DataPlane):
         name = self._load(info.metadata, "peer descriptor")
         prev = self._peers.get(name)
         self._peers[name] = info
-        if prev is None or prev.metadata != info.metadata:
+        if prev is None or (prev.metadata, prev.local) != (info.metadata, info.local):
             self._forget_local(name)  # NOTE: another process under that name: links anew
         return name
 
@@ -385,12 +401,14 @@ class NixlDataPlane(DataPlane):
         if server is None:
             return None
         with self._local_lock:
-            found = self._local_peers.get(peer)
-            if found is not None and found.alive:
-                return found
             token = self._peer_tokens.get(peer)
+            found = self._local_peers.get(peer)
+            if found is not None and found.alive and found.token == token:
+                return found
             found = server.peer(token) if token else None
-            if found is None:
+            if found is None or found.sender != peer:
+                # NOTE: a link is its sender's only: another agent's token names nothing here
+                self._local_peers.pop(peer, None)
                 return None
             self._local_peers[peer] = found
             stale = self._peer_maps.pop(peer, None)
@@ -476,7 +494,13 @@ class NixlDataPlane(DataPlane):
         info = self._peer(peer)
         rows = self.check_read(peer, spans, [(info.pool_base, info.pool_nbytes), *info.regions])
         same = self._local_peer(peer) if self._mem_type == "DRAM" else None
-        if same is not None and same.pid not in self.local_reader.denied:
+        if (
+            same is not None
+            and same.pid not in self.local_reader.denied
+            # NOTE: in place only what the sender itself let this process read
+            # over its link; other claimed ranges go to NIXL, whose keys bound them
+            and spans_within(rows[:, 1], rows[:, 2], same.readable)
+        ):
             pmap = self._peer_maps.get(peer)
             read = self.local_reader.post(same.pid, same.start, rows, pmap)
             return _LocalNixlRead(self, peer, read, notif)

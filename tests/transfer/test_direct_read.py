@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -28,7 +29,7 @@ from fabric.kv.direct import (
     direct_plan,
 )
 from fabric.transfer.dataplane import XferState
-from fabric.transfer.nixl_plane import NixlDataPlane, nixl_available
+from fabric.transfer.nixl_plane import NixlDataPlane, NixlRegions, nixl_available
 
 sys.path.insert(0, str(Path(__file__).parent))
 from direct_peer import BLOCK_IDS, cache
@@ -236,3 +237,31 @@ def test_a_plane_without_a_pool_describes_itself_and_no_region() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.no_read
+def test_claims_beyond_what_the_prefiller_let_read_are_never_read_in_place(
+    peer: Peer, plane: NixlDataPlane
+) -> None:
+    """Region claims come over the control channel; what a same-host
+    reader copies in place is bounded by what the prefiller itself said
+    over its link (its pool and registered regions). A claim of other
+    memory of the prefiller (its registrations and token replayed, the
+    ranges moved) is not read in place: NIXL, whose keys do not cover it,
+    refuses or fails it."""
+    _dst, name, plan = reader(peer, plane, regions=False)
+    real = msgspec.msgpack.decode(bytes.fromhex(str(peer.hello["regions"])), type=NixlRegions)
+    moved = [(b - (1 << 30), n) for b, n in real.regions]  # NOTE: outside its registrations
+    plane.add_regions(name, msgspec.msgpack.encode(msgspec.structs.replace(real, regions=moved)))
+    rows = plan.read_rows().copy()
+    rows[:, 1] -= 1 << 30
+    before = plane.counters()
+    try:
+        state = finish(plane.post_read(name, rows))
+    except TransportFailed:
+        state = XferState.ERR
+    assert state is XferState.ERR
+    after = plane.counters()
+    assert after["local_reads"] + after["local_read_failures"] == (
+        before["local_reads"] + before["local_read_failures"]
+    )

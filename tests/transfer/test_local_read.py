@@ -58,13 +58,16 @@ buf[:] = (np.arange(n, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
 # NOTE: a region not page-aligned, as a tensor in a malloc'd block is
 shared = share_region(buf.ctypes.data + 64, n - 128) if mode == "share" else None
 client = LocalClient()
-linked = address != "-" and client.connect("reader", address, [shared] if shared else [])
+regions = [shared] if shared else []
+linked = address != "-" and client.connect(
+    "test", address, regions, sender="holder", readable=[(buf.ctypes.data, n)]
+)
 me = this_process()
 print(json.dumps({
     "addr": buf.ctypes.data,
     "local": [me.boot_id, me.pid_ns, me.net_ns, me.pid, me.start],
     "shared": shared and [shared.base, shared.nbytes, shared.fd, shared.inode],
-    "token": client.token_for("reader").hex() if linked else "",
+    "token": client.token_for("test").hex() if linked else "",
 }), flush=True)
 for line in sys.stdin:  # NOTE: "poke I V": buf[I] = V, after sharing
     _, i, v = line.split()
@@ -265,8 +268,9 @@ def raw_link(address: str) -> socket.socket:
 def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) -> None:
     """Garbage, files that are not shared memory (a pipe, a FIFO, a file
     on disk, an unsealed or sparse memfd), regions without their files or at
-    bases no share makes, a short token: refused, answered and counted; the
-    server goes on."""
+    bases no share makes, a short token, a hello for another plane or from
+    no one, readable ranges past the address range: refused, answered and
+    counted; the server goes on."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
@@ -289,9 +293,11 @@ def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) 
         cases: list[tuple[bytes, list[int]]] = [(b"\x93junk", [])]
         for fd in (fifo_fd, disk_fd, unsealed, sparse, pipe_r):
             region = SharedRegion(1 << 30, 4 * MIB, fd, os.fstat(fd).st_ino)
-            cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [region])), [fd]))
+            cases.append(
+                (msgspec.msgpack.encode(LocalHello(b"t" * 16, [region], "x", "test")), [fd])
+            )
         region = SharedRegion(1 << 30, 4 * MIB, 3, 1)
-        cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [region])), []))
+        cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [region], "x", "test")), []))
         # NOTE: a good file named at bases no share makes: past any address
         # (sums would wrap), unaligned, or twice over one range
         for bad in (
@@ -299,9 +305,14 @@ def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) 
             [msgspec.structs.replace(shared, base=shared.base + 1)],
             [shared, msgspec.structs.replace(shared, base=shared.base + 4096)],
         ):
-            data = msgspec.msgpack.encode(LocalHello(b"t" * 16, bad))
+            data = msgspec.msgpack.encode(LocalHello(b"t" * 16, bad, "x", "test"))
             cases.append((data, [shared.fd] * len(bad)))
-        cases.append((msgspec.msgpack.encode(LocalHello(b"short", [])), []))
+        cases.append((msgspec.msgpack.encode(LocalHello(b"short", [], "x", "test")), []))
+        # NOTE: a hello meant for another plane (its descriptor named this socket)
+        cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [], "x", "other")), []))
+        cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [], "", "test")), []))
+        far = [((1 << 63) - 4096, 8192)]
+        cases.append((msgspec.msgpack.encode(LocalHello(b"t" * 16, [], "x", "test", far)), []))
         for data, fds in cases:
             conn = raw_link(server.server.address)
             conn.sendmsg(
@@ -315,7 +326,7 @@ def test_bad_links_are_refused_without_blocking(server: Server, tmp_path: Path) 
         assert server.server.refused == len(cases)
         assert server.server.peer(b"t" * 16) is None
         good = raw_link(server.server.address)  # NOTE: and it still serves
-        good.sendmsg([msgspec.msgpack.encode(LocalHello(b"g" * 16, []))])
+        good.sendmsg([msgspec.msgpack.encode(LocalHello(b"g" * 16, [], "x", "test"))])
         assert good.recv(1) == b"\x01"
         found = server.server.peer(b"g" * 16)
         assert found is not None and found.pid == os.getpid()
@@ -528,9 +539,9 @@ def child_linked(address: str, then: str) -> subprocess.Popen[str]:
 import os, socket, sys, time
 from fabric.transfer.local_read import LocalClient
 client = LocalClient()
-assert client.connect("reader", {address!r}, [])
-conn = client._conns["reader"]
-print(client.token_for("reader").hex(), flush=True)
+assert client.connect("test", {address!r}, [], sender="child")
+conn = client._conns["test"]
+print(client.token_for("test").hex(), flush=True)
 {then}
 """
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -599,7 +610,7 @@ def test_silent_links_are_closed_and_do_not_crowd_out_others(
         for conn in silent:  # NOTE: each closed for saying nothing in time
             assert conn.recv(1) == b""
         good = raw_link(server.server.address)
-        good.sendmsg([msgspec.msgpack.encode(LocalHello(b"g" * 16, []))])
+        good.sendmsg([msgspec.msgpack.encode(LocalHello(b"g" * 16, [], "x", "test"))])
         assert good.recv(1) == b"\x01"
         good.close()
         late.close()
@@ -642,29 +653,43 @@ def test_a_row_whose_end_would_wrap_is_not_copied_from_the_mapping(
 @pytest.mark.skipif(not nixl_available(), reason="no nixl")
 def test_a_plane_hands_its_memory_only_with_a_region_descriptor(server: Server) -> None:
     """A Hello's descriptor may name any socket: loading it hands nothing
-    over. The plane's link (its files) goes with the first region
-    descriptor for that peer, which only an Offer carries; the same
-    descriptor loaded again (another Hello of that process) keeps it."""
+    over, and a link meant for one plane is refused by another's socket.
+    The link (its files) goes with the first region descriptor for the
+    plane it names, which only an Offer carries; the same descriptor loaded
+    again (another Hello of that process) keeps it."""
     cache, pool = allocation(8 * MIB), allocation(MIB)
     cache[:] = 5
     p = NixlDataPlane("share-p", ucx_net_devices="lo")
     q = NixlDataPlane("share-q", ucx_net_devices="lo")
+    deputy = LocalServer("share-q", lambda peer: None)  # NOTE: as q's own would
     try:
         p.register_pool(pool.ctypes.data, pool.nbytes)
         p.register_region(cache.ctypes.data, cache.nbytes)
         info = msgspec.msgpack.decode(q.descriptor(), type=NixlDescriptor)
-        assert info.local is not None
-        there = msgspec.structs.replace(info.local, socket=server.server.address)
-        forged = msgspec.msgpack.encode(msgspec.structs.replace(info, local=there))
-        name = p.add_peer(forged)
+        local = info.local
+        assert local is not None
+
+        def naming(address: str) -> bytes:
+            there = msgspec.structs.replace(local, socket=address)
+            return msgspec.msgpack.encode(msgspec.structs.replace(info, local=there))
+
+        # NOTE: q's descriptor naming another plane's socket ("test")
+        name = p.add_peer(naming(server.server.address))
         time.sleep(0.3)
         assert not server.server._conns  # NOTE: nothing handed over on a Hello
+        tokens = msgspec.msgpack.decode(p.region_descriptor(name), type=NixlRegions)
+        assert tokens.local_token == b"" and server.server.refused == 1
+        assert not server.server._by_token
+        # NOTE: the socket of the plane the descriptor is
+        assert p.add_peer(naming(deputy.address)) == name
         token = msgspec.msgpack.decode(p.region_descriptor(name), type=NixlRegions).local_token
-        linked = server.server.peer(token)
+        linked = deputy.peer(token)
         assert linked is not None and linked.pid == os.getpid() and len(linked.fds) == 1
-        assert p.add_peer(forged) == name
+        assert linked.sender == "share-p" and (cache.ctypes.data, cache.nbytes) in linked.readable
+        assert p.add_peer(naming(deputy.address)) == name
         again = msgspec.msgpack.decode(p.region_descriptor(name), type=NixlRegions).local_token
-        assert again == token and server.server.peer(token) is linked
+        assert again == token and deputy.peer(token) is linked
     finally:
+        deputy.close()
         p.close()
         q.close()
