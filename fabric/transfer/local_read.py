@@ -258,11 +258,11 @@ def calls(rows: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def same_host(peer: LocalProcess) -> bool:
+def same_host(peer: LocalProcess, me: LocalProcess | None = None) -> bool:
     """Whether ``peer`` says it is on this host, in this process's PID and
-    network namespaces (a claim: :class:`LocalServer` has the kernel prove
-    who connects)."""
-    me = this_process()
+    network namespaces (``me``: this process, read from ``/proc`` if not
+    given; a claim: :class:`LocalServer` has the kernel prove who connects)."""
+    me = me if me is not None else this_process()
     return me is not None and (peer.boot_id, peer.pid_ns, peer.net_ns) == (
         me.boot_id,
         me.pid_ns,
@@ -472,7 +472,6 @@ class PeerMap:
         self.bases = np.array([r.base for r, _ in pairs], np.int64)
         self.ends = self.bases + np.array([n for _, n in self.maps], np.int64)
         self.here = np.array([a for a, _ in self.maps], np.int64)
-        self.nbytes = int(sum(n for _, n in self.maps))
 
     def split(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``rows`` as (rows copied from the mapping, their source addresses
@@ -924,7 +923,6 @@ class _Job:
     pid: int
     start: int
     rows: np.ndarray
-    nbytes: int
     pmap: PeerMap | None = None
     unmap: bool = False
     """A job that only unmaps ``pmap`` (after every read posted before it)."""
@@ -1010,7 +1008,7 @@ class LocalReader:
 
     def unmap(self, pmap: PeerMap) -> None:
         """Unmap ``pmap`` once every read posted before ran."""
-        self._queue(_Job(pmap.pid, 0, np.zeros((0, 3), np.int64), 0, pmap, unmap=True))
+        self._queue(_Job(pmap.pid, 0, np.zeros((0, 3), np.int64), pmap, unmap=True))
 
     def post(
         self, pid: int, start: int, rows: np.ndarray, pmap: PeerMap | None = None
@@ -1019,7 +1017,7 @@ class LocalReader:
         rows already checked against both sides' memory; those in ``pmap``
         are copied out of it."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        return LocalRead(self, self._queue(_Job(pid, start, rows, int(rows[:, 2].sum()), pmap)))
+        return LocalRead(self, self._queue(_Job(pid, start, rows, pmap)))
 
     def dequeue(self, job: _Job) -> bool:
         """Take ``job`` off the queue if it has not started; ended aborted."""

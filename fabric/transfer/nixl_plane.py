@@ -346,7 +346,7 @@ class NixlDataPlane(DataPlane):
                 there is None
                 or not there.socket
                 or info.mem_type != "DRAM"
-                or not same_host(there)
+                or not same_host(there, self._me)
                 or not client.connect(
                     peer,
                     there.socket,
