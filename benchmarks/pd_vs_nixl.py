@@ -66,7 +66,12 @@ Per request (times in seconds, on this process's ``perf_counter``):
   proxy), as cores used over the request, by the core its engines are
   pinned to, and the part in threads set to SCHED_IDLE; the machine's busy
   time outside every stack and this process (other jobs on the shared
-  machine); memory in use (``MemTotal - MemAvailable``).
+  machine); memory in use (``MemTotal - MemAvailable``). And P's and D's
+  threads over the request, CPU seconds by thread name (``schedstat``;
+  ``prefill_threads`` / ``decode_threads``, medians per point in the
+  summary's ``*_threads_s``): what of P's core went to threads other than
+  the forward (``VLLM::Worker``), e.g. fabric's ``fabric-server``,
+  ``fpush:<port>`` and ``fabric-pack``.
 
 Idle stacks: 7 engines share 2 cores, so the benchmark keeps the stacks
 not being measured out of the way, and checks that it did:
@@ -570,6 +575,9 @@ class Sample:
     path: str | None = None  # fabric's P with direct_reads auto: the path its push took
     ttft_cpu_s: float | None = None  # the stack's own processes, sent -> first token
     cpu: dict[str, Any] = field(default_factory=dict)  # cores_between over the request
+    # P's threads over the request: CPU seconds by thread name (schedstat)
+    prefill_threads: dict[str, float] = field(default_factory=dict)
+    decode_threads: dict[str, float] = field(default_factory=dict)  # D's, the same way
     mem_used_gib: float | None = None
     load_avg_1m: float | None = None
     error: str | None = None
@@ -680,6 +688,13 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             cores = [s["cpu"][name] for s in mine if s["cpu"].get(name) is not None]
             row[name] = median(cores)
             row[name + "_max"] = max(cores) if cores else None
+        for role in ("prefill", "decode"):
+            name = f"{role}_threads"
+            threads = sorted({n for s in ok for n in s.get(name, {})})
+            if threads:  # NOTE: a thread absent from a request used (about) none of it
+                row[f"{name}_s"] = {
+                    n: median(s.get(name, {}).get(n, 0.0) for s in ok) for n in threads
+                }
         rows.append(row)
     return rows
 
@@ -1214,6 +1229,33 @@ def runnable_ns(pid: int, tid: int) -> tuple[int, int] | None:
         return None if ticks is None else (ticks * 1_000_000_000 // CLOCK_TICKS,) * 2
 
 
+def threads_on_cpu_ns(run: Running) -> dict[tuple[int, int], tuple[str, int]]:
+    """(pid, tid) -> (name, nanoseconds on a CPU so far) of every thread of an engine."""
+    out = {}
+    for pid, tid in group_threads(run.pids or run.process.group_pids()):
+        ns = runnable_ns(pid, tid)
+        if ns is not None:
+            out[(pid, tid)] = (thread_name(pid, tid), ns[0])
+    return out
+
+
+def threads_between(
+    before: dict[tuple[int, int], tuple[str, int]],
+    after: dict[tuple[int, int], tuple[str, int]],
+    min_s: float = 0.001,
+) -> dict[str, float]:
+    """CPU seconds by thread name between two :func:`threads_on_cpu_ns` (threads
+    of one name summed; a thread started between them counts from 0; names
+    under ``min_s`` left out)."""
+    used: dict[str, float] = {}
+    for key, (name, ns) in after.items():
+        start = before.get(key, (name, 0))[1]
+        used[name] = used.get(name, 0.0) + max(0, ns - start) / 1e9
+    return {
+        name: round(s, 4) for name, s in sorted(used.items(), key=lambda kv: -kv[1]) if s >= min_s
+    }
+
+
 def pin_threads(runs: Iterable[Running]) -> tuple[dict[int, tuple[Running, int]], int]:
     """Pin every thread of these engines to its engine's core.
 
@@ -1322,11 +1364,19 @@ def measure(
         def on_first_token() -> None:
             first.append((time.perf_counter(), process_cpu_s(stack.pids)))
 
+        prefiller = next((r for r in stack.engines if r.spec.name == "prefill"), None)
+        decoder = next((r for r in stack.engines if r.spec.name == "decode"), None)
+        p_threads = threads_on_cpu_ns(prefiller) if prefiller is not None else {}
+        d_threads = threads_on_cpu_ns(decoder) if decoder is not None else {}
         start_mark, own_start = cpu_mark(stacks), process_cpu_s(stack.pids)
         stream = stream_completion(
             client, stack.url + PATH, dump(body), headers, on_first_token=on_first_token
         )
         end_mark = cpu_mark(stacks)
+        if prefiller is not None:
+            sample.prefill_threads = threads_between(p_threads, threads_on_cpu_ns(prefiller))
+        if decoder is not None:
+            sample.decode_threads = threads_between(d_threads, threads_on_cpu_ns(decoder))
         sample.started_s = stream.started
         sample.cpu = cores_between(start_mark, end_mark, name)
         sample.mem_used_gib = mem_used_gib()

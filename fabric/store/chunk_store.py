@@ -172,6 +172,13 @@ class ChunkStore:
                 "store_referenced_slots": self._slots.referenced,
             }
 
+    def has_deadlines(self) -> bool:
+        """Whether something here runs out by the clock: a live reservation (its
+        lease) or a quarantined slot (its due time). Without either, ``expire``
+        has nothing to do until the next ``reserve``, which calls it."""
+        with self._lock:
+            return bool(self._leases) or bool(self._slots.quarantine)
+
     def allocatable(self) -> tuple[int, int]:
         """(slots an ``allocate`` could take now, all slots): the free ones
         plus the present ones nobody holds (the LRU it would evict)."""

@@ -77,6 +77,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from fabric.threads import thread as named_thread
 from fabric.transfer.dataplane import WriteHandle, XferState
 
 logger = logging.getLogger(__name__)
@@ -606,8 +607,8 @@ class LocalServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self.thread = threading.Thread(
-            target=self._run, name=f"fabric-local-server-{name}", daemon=True
+        self.thread = named_thread(
+            self._run, name=f"fabric-local-server-{name}", os_name="fabric-link"
         )
         self.thread.start()
 
@@ -621,7 +622,9 @@ class LocalServer:
         try:
             next_sweep = time.monotonic() + SWEEP_S
             while not self._closed:
-                timeout = max(0.0, next_sweep - time.monotonic())
+                # NOTE: nothing to sweep (no connection, not paused): wait for one
+                idle = not self._conns and not self._paused_until
+                timeout = None if idle else max(0.0, next_sweep - time.monotonic())
                 for key, _ in self._selector.select(timeout):
                     try:
                         if key.fileobj is self._listener:
@@ -630,7 +633,9 @@ class LocalServer:
                             self._receive(key.fileobj)  # type: ignore[arg-type]
                     except Exception:  # NOTE: one connection fails, the server goes on
                         logger.exception("local server %s", self.address)
-                if time.monotonic() >= next_sweep:
+                if idle:
+                    next_sweep = time.monotonic() + SWEEP_S  # NOTE: a new link's first sweep
+                elif time.monotonic() >= next_sweep:
                     self._sweep()
                     next_sweep = time.monotonic() + SWEEP_S
         except BaseException:
@@ -1038,8 +1043,8 @@ class LocalReader:
                 job.done.set()
                 return job
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"fabric-local-read-{self.name}", daemon=True
+                self._thread = named_thread(
+                    self._run, name=f"fabric-local-read-{self.name}", os_name="fabric-lread"
                 )
                 self._thread.start()
             self._jobs.append(job)

@@ -39,7 +39,9 @@ class ServerStats:
     chunks whose READ failed, timed out or was ended by its consumer;
     ``offers_refused``: Offers refused (no such pending chunk, a stale
     generation, a cache map that does not fit, a receiver that does not
-    read).
+    read). ``loop_wakeups``: times the loop woke to poll (a message, a
+    notification poll, a tick): about 2 a second on a server that holds
+    nothing that runs out (``server.EMPTY_POLL_MS``).
     """
 
     hellos: int = 0
@@ -70,3 +72,4 @@ class ServerStats:
     bytes_read: int = 0
     read_failures: int = 0
     offers_refused: int = 0
+    loop_wakeups: int = 0

@@ -619,3 +619,49 @@ def test_a_reserve_that_timed_out_is_cancelled(fake: FakeReceiver) -> None:
     finally:
         sender.close()
         n.close()
+
+
+def test_a_push_between_chunks_sleeps_but_heartbeats_on_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A push whose next chunk is still being computed (a long prefill on
+    the engine's core) has nothing to poll: its endpoint's thread sleeps
+    until an event or its next heartbeat, at most ``IDLE_ROUND_S`` (the old
+    loop: 20 rounds a second). With a 300 ms lease its heartbeats still go
+    every 100 ms, and the reservation outlives a 1.5 s wait for the chunk."""
+    receiver, n = node(serve=True), node(serve=False)
+    counters = FabricCounters()
+    rounds: list[float] = []
+    for lease_ms in (30_000, 300):
+        sender = PushSender(n.client, n.store, counters, lease_ms=lease_ms, push_timeout_s=60)
+        real_round = sender._round
+
+        def counted(peer: _Peer, real: Callable[[_Peer], None] = real_round) -> None:
+            rounds.append(time.monotonic())
+            real(peer)
+
+        monkeypatch.setattr(sender, "_round", counted)
+        try:
+            keys, _ = fill_store(n, 10 + lease_ms % 7, 2, SLOT)
+            sent = Tally(counters)
+            tid = f"t-{lease_ms}"
+            sender.begin(PushJob(f"r-{lease_ms}", tid, receiver.endpoint, keys, [SLOT, SLOT]))
+            hand_over(sender, n.store, f"r-{lease_ms}", 0, keys[0])
+            wait_for(lambda s=sent: s["chunks_sent"] == 1, "the first chunk never went", HANG_S)
+            time.sleep(0.2)
+            start = time.monotonic()
+            time.sleep(1.5)  # NOTE: the prefill computes the next chunk
+            between = [t for t in rounds if start <= t < start + 1.5]
+            assert receiver.server is not None
+            assert receiver.server.store.has_reservation(tid), "the lease ran out"
+            if lease_ms == 30_000:
+                # NOTE: 3 at IDLE_ROUND_S; a busy machine only makes fewer
+                assert len(between) <= 6, f"{len(between)} rounds in 1.5 s with nothing to do"
+            hand_over(sender, n.store, f"r-{lease_ms}", 1, keys[1])
+            prog = receiver.server.wait(tid, HANG_S)
+            assert prog is not None and prog.complete and sent["push_failures"] == 0
+            receiver.server.release(tid)
+        finally:
+            sender.close()
+    receiver.close()
+    n.close()

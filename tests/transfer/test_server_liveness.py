@@ -316,3 +316,52 @@ def test_lookups_are_answered_while_a_clear_and_a_pin_wait(
 
 
 OFFLOADS = ("server_offload", "server_admin")
+
+
+def test_a_server_holding_nothing_ticks_twice_a_second_and_still_runs_its_leases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefiller's receiver holds nothing while its engine computes: its
+    loop wakes about twice a second (each wake-up costs the engine's core
+    0.1-0.3 ms), not every ``idle_poll_interval_ms`` (50 ms in an engine).
+    A Reserve still wakes it at once, and the lease it makes runs out on
+    time: the loop ticks at the idle interval again while it lives."""
+    steps: list[float] = []
+    real_step = TransferServer._step
+
+    def step(self: TransferServer, *args: Any) -> float:
+        steps.append(time.monotonic())
+        return real_step(self, *args)
+
+    monkeypatch.setattr(TransferServer, "_step", step)
+    store = ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=4, quarantine_ms=10))
+    config = TransferConfig(transport="loopback", idle_poll_interval_ms=50.0)
+    receiver = TransferNode(store, config, FINGERPRINT, name=f"live-r{next(_names)}")
+    sender = TransferNode(
+        ChunkStore(StoreConfig(slot_bytes=SLOT, num_slots=4, quarantine_ms=10)),
+        config,
+        FINGERPRINT,
+        name=f"live-s{next(_names)}",
+        serve=False,
+    )
+    try:
+        assert receiver.server is not None
+        time.sleep(0.3)  # NOTE: its start-up wake-ups
+        start = time.monotonic()
+        time.sleep(2.0)
+        quiet = [t for t in steps if start <= t < start + 2.0]
+        # NOTE: 4 at EMPTY_POLL_MS (the old loop: 40); a busy machine only makes fewer
+        assert len(quiet) <= 8, f"{len(quiet)} wake-ups in 2 s holding nothing"
+        assert receiver.server.stats.loop_wakeups >= len(quiet)
+        link = sender.client.connect(receiver.endpoint)
+        link.reserve("idle", [chunk_key(5, 0)], [SLOT], lease_ms=300)  # nothing comes
+        assert store.has_deadlines()
+        prog = receiver.server.wait_until("idle", lambda p: p.expired, 30)
+        assert prog is not None and prog.expired and receiver.server.stats.expired == 1
+        deadline = time.monotonic() + 30
+        while store.has_deadlines():  # NOTE: its slot's quarantine, then nothing again
+            assert time.monotonic() < deadline, "the store never ran out of deadlines"
+            time.sleep(0.02)
+    finally:
+        sender.close()
+        receiver.close()

@@ -130,6 +130,8 @@ PEER_IDLE_S = 60.0
 STALL_S = 1.0
 STALL_PRESSURE = 0.25
 """Below this fraction of allocatable store slots, a stalled receiver's waiting chunks go."""
+IDLE_ROUND_S = 0.5
+"""The longest an endpoint's thread with nothing to poll waits for an event (``_idle_s``)."""
 PART_POLL_S = 0.001
 """How often a part in flight is polled while no chunk's last write is (see ``_round``)."""
 MIN_FREE_SLOTS = 8
@@ -658,7 +660,7 @@ class PushSender:
         # part's completion is looked at every PART_POLL_S (a new event wakes
         # the thread at once), not every 50 us, which would take the core
         # from the forward; a chunk's last write is polled closely.
-        self._drain(peer, timeout=None if busy else PART_POLL_S if parts else 0.05)
+        self._drain(peer, timeout=None if busy else PART_POLL_S if parts else self._idle_s(peer))
         self._progress(peer)
         self._probe(peer)
         if peer.cancelling:
@@ -669,6 +671,22 @@ class PushSender:
             peer.last_active = time.monotonic()
         if peer.ended:
             self._record_paths(peer)
+
+    def _idle_s(self, peer: _Peer) -> float:
+        """How long ``peer``'s thread waits for an event when nothing of it is
+        polled (no write in flight, no part): until its next heartbeat is
+        due, ``IDLE_ROUND_S`` at most (a new event wakes it at once); 50 ms
+        while it sends Cancels or is backed off (probes). A push whose
+        decoder reads its chunks (an Offer per chunk or layer group, each
+        an event) waits so through the whole prefill, on the engine's core."""
+        now = time.monotonic()
+        if peer.cancelling or peer.backed_off(now):
+            return 0.05
+        wait = IDLE_ROUND_S
+        for job in peer.jobs.values():
+            if not (job.failed or job.complete or job.link is None):
+                wait = min(wait, job.last_heartbeat + self.lease_ms / 3000 - now)
+        return max(0.001, wait)
 
     def _probe(self, peer: _Peer) -> None:
         """While ``peer`` is backed off, ask it every ``PROBE_EVERY_S`` whether it
