@@ -207,6 +207,11 @@ class Offload:
             self._running += 1
             return self._jobs.popleft()
 
+    def wake(self) -> None:
+        """Make ``wake_fd`` readable: wakes the loop that polls it (its owner
+        stopping, or new state it must tend)."""
+        self._wake()
+
     def _wake(self) -> None:
         # NOTE: a full pipe already wakes the loop; a closed one means it stopped.
         with contextlib.suppress(BlockingIOError, OSError):

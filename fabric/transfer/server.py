@@ -169,12 +169,16 @@ CMA or RDMA), a write that starts in a quiet spell is progressed at that
 rate too: set ``quiet_poll_interval_ms`` to ``poll_interval_ms`` there."""
 EMPTY_POLL_MS = 500.0
 """The loop's tick while the server holds nothing that runs out by the clock:
-no transfer, READ, prefill note or tier hold, and a store without leases or
-quarantined slots (``ChunkStore.has_deadlines``). What it then has to do
-comes as a control message, which wakes it at once (a Reserve, which makes
-a lease, before any write for it); its tick only prunes idle peers and old
-notes. A notification with no transfer to land in is dropped whenever it is
-taken. On a prefiller (which only sends) this is every tick while it
+no transfer, READ, prefill note (kept a minute after its last word) or
+tier hold, a store without leases or quarantined slots
+(``ChunkStore.has_deadlines``), no data-plane handle left to release. What
+it then has to do comes as a control message, which wakes it at once (a
+Reserve, which makes a lease, before any write for it), or a hold made in
+this process (``answer_here`` wakes it); its tick only prunes idle peers
+and old notes. A notification with no transfer to land in is dropped
+whenever it is taken. A prefiller drives UCX for a decoder's READ of its
+cache while it waits for the Offer's answer (``PeerLink.offer``), not
+through this loop. On a prefiller (which only sends) this is every tick while it
 computes: each one costs 0.1-0.3 ms of the engine's core, cold caches and
 all, 20 a second at the engine's ``idle_poll_interval_ms``, 2 at this."""
 MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
@@ -268,6 +272,7 @@ class TransferServer:
         self._prefills: dict[str, PrefillNote] = {}  # transfer -> the proxy's last word
         self._next_prefill_prune = 0.0
         self._came_at = 0.0  # when the loop last got a notification or control message
+        self._sleeping_empty = False  # the loop waits EMPTY_POLL_MS now (holds nothing)
         # transfer -> when it was released before a Reserve came (oldest first)
         self._abandoned: dict[str, float] = {}
         # transfer -> (when, why) its Reserve was refused (oldest first)
@@ -489,6 +494,7 @@ class TransferServer:
                 self.close_timeout_s,
             )
         self._stop.set()
+        self._admin.wake()  # NOTE: a loop holding nothing sleeps up to EMPTY_POLL_MS
         self._verify_q.put(None)
         if self._loop.is_alive():
             self._loop.join(timeout=5)
@@ -563,9 +569,13 @@ class TransferServer:
         self.stats.loop_wakeups += 1
         if not busy:
             period_ms = self.config.idle_poll_interval_ms
-            if self._holds_nothing():
+            self._sleeping_empty = self._holds_nothing()
+            if self._sleeping_empty:
                 period_ms = max(period_ms, EMPTY_POLL_MS)
-            return dict(poller.poll(max(1, round(period_ms))))
+            try:
+                return dict(poller.poll(max(1, round(period_ms))))
+            finally:
+                self._sleeping_empty = False
         if ready := poller.poll(0):
             return dict(ready)
         quiet = time.monotonic() - self._came_at > QUIET_AFTER_MS / 1000
@@ -594,8 +604,10 @@ class TransferServer:
             self.stats.disconnects += 1
 
     def _holds_nothing(self) -> bool:
-        """Whether nothing here runs out by the clock (see ``EMPTY_POLL_MS``)."""
-        if self._reads or self._reads_ending:
+        """Whether nothing here runs out by the clock (see ``EMPTY_POLL_MS``).
+        Not while the data plane keeps handles it could not release yet
+        (NIXL's orphans: released on the loop's next notification poll)."""
+        if self._reads or self._reads_ending or getattr(self.plane, "orphans", None):
             return False
         with self._cond:
             if self._progress or self._prefills:
@@ -1115,7 +1127,10 @@ class TransferServer:
         if isinstance(msg, proto.Lookup):
             self.stats.lookups_in_process += 1
         try:
-            return tier_reply(tier, msg)
+            reply = tier_reply(tier, msg)
+            if self._sleeping_empty and tier.held_count():
+                self._admin.wake()  # NOTE: a hold's lease to expire: tick at the idle interval
+            return reply
         except Exception as exc:
             self.stats.internal_errors += 1
             logger.exception("fabric server failed on %s asked in process", type(msg).__name__)

@@ -627,12 +627,17 @@ def test_a_push_between_chunks_sleeps_but_heartbeats_on_time(
     """A push whose next chunk is still being computed (a long prefill on
     the engine's core) has nothing to poll: its endpoint's thread sleeps
     until an event or its next heartbeat, at most ``IDLE_ROUND_S`` (the old
-    loop: 20 rounds a second). With a 300 ms lease its heartbeats still go
-    every 100 ms, and the reservation outlives a 1.5 s wait for the chunk."""
+    loop: 20 rounds a second). Where that is longer than the lease (here 5 s
+    against 3 s), its heartbeats still go every lease/3, and the
+    reservation outlives a 4 s wait for the chunk."""
     receiver, n = node(serve=True), node(serve=False)
     counters = FabricCounters()
     rounds: list[float] = []
-    for lease_ms in (30_000, 300):
+    for lease_ms, idle_round_s, wait_s in (
+        (30_000, sender_module.IDLE_ROUND_S, 1.5),
+        (3000, 5.0, 4.0),
+    ):
+        monkeypatch.setattr(sender_module, "IDLE_ROUND_S", idle_round_s)
         sender = PushSender(n.client, n.store, counters, lease_ms=lease_ms, push_timeout_s=60)
         real_round = sender._round
 
@@ -650,8 +655,8 @@ def test_a_push_between_chunks_sleeps_but_heartbeats_on_time(
             wait_for(lambda s=sent: s["chunks_sent"] == 1, "the first chunk never went", HANG_S)
             time.sleep(0.2)
             start = time.monotonic()
-            time.sleep(1.5)  # NOTE: the prefill computes the next chunk
-            between = [t for t in rounds if start <= t < start + 1.5]
+            time.sleep(wait_s)  # NOTE: the prefill computes the next chunk
+            between = [t for t in rounds if start <= t < start + wait_s]
             assert receiver.server is not None
             assert receiver.server.store.has_reservation(tid), "the lease ran out"
             if lease_ms == 30_000:
