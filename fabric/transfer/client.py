@@ -204,6 +204,16 @@ MAX_LEASES = 256
 MAX_CANCELS = 256
 
 
+@dataclass(frozen=True)
+class ChunkOffer:
+    """One chunk (or its leading ``layers`` layers) of an :meth:`PeerLink.offer_many`."""
+
+    index: int
+    block_ids: Sequence[int]
+    checksum: int
+    layers: int = 0
+
+
 class PeerLink:
     """Control channel and data-plane route to one receiver.
 
@@ -305,17 +315,37 @@ class PeerLink:
         same endpoint, or seeing a rebuilt socket) answers ``no_hello``; say
         Hello again and resend once. ``same_agent``: not to a new process
         (its reservations are not ours): ``ReservationRefused`` instead."""
-        reply = self._call(msg, tick)
-        if isinstance(reply, proto.Refused) and reply.code == proto.Refusal.NO_HELLO:
+        return self._call_known_many([msg], tick, same_agent=same_agent)[0]
+
+    def _call_known_many(
+        self,
+        msgs: Sequence[proto.Message],
+        tick: Callable[[], None] | None = None,
+        *,
+        same_agent: bool = False,
+    ) -> list[proto.Message]:
+        """:meth:`_call_known` for several messages sent back to back (their
+        replies in their order); those answered ``no_hello`` go again, once,
+        after a new Hello."""
+        replies = self._call_many(msgs, tick)
+        again = [
+            i
+            for i, reply in enumerate(replies)
+            if isinstance(reply, proto.Refused) and reply.code == proto.Refusal.NO_HELLO
+        ]
+        if again:
             before = self.peer_agent
             self._adopt(self._handshake())
             if same_agent and self.peer_agent != before:
                 raise ReservationRefused(
                     f"{self.endpoint} is another process now (agent {self.peer_agent!r}); "
-                    f"{type(msg).__name__} not sent to it"
+                    f"{type(msgs[again[0]]).__name__} not sent to it"
                 )
-            reply = self._call(msg, tick)
-        return reply
+            for i, reply in zip(
+                again, self._call_many([msgs[i] for i in again], tick), strict=True
+            ):
+                replies[i] = reply
+        return replies
 
     def _adopt(self, ack: proto.HelloAck) -> None:
         """Use the data-plane agent a (new) HelloAck names.
@@ -336,20 +366,28 @@ class PeerLink:
         """Send ``msg`` and wait for the reply with its ``seq``; PeerUnreachable
         (socket rebuilt) when none comes within ``control_timeout_ms``.
         ``tick``: called about every ms while waiting (to drive the data plane)."""
+        return self._call_many([msg], tick)[0]
+
+    def _call_many(
+        self, msgs: Sequence[proto.Message], tick: Callable[[], None] | None = None
+    ) -> list[proto.Message]:
+        """:meth:`_call` for several messages sent back to back, each answered
+        on its own (the receiver works on them meanwhile); their replies in
+        their order, once all came, all within one ``control_timeout_ms``."""
         timeout_ms = self.client.config.control_timeout_ms
-        frame = self.client.codec.encode(msg)
+        frames = [self.client.codec.encode(msg) for msg in msgs]
         with self._lock, self._using():
-            if isinstance(msg, proto.Hello):
+            if any(isinstance(msg, proto.Hello) for msg in msgs):
                 self._hello_sent = True
             try:
-                reply = self._exchange(msg, frame, time.monotonic() + timeout_ms / 1000, tick)
+                replies = self._exchange(msgs, frames, time.monotonic() + timeout_ms / 1000, tick)
             except PeerUnreachable:
                 self._sock.close(linger=0)
                 self._sock = self._open_socket()
                 self._route_suspect = True  # NOTE: whatever cut this may have cut the data plane
                 raise
             self._send_cancels()  # NOTE: after the call: its socket is up now
-            return reply
+            return replies
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[None]:
@@ -370,20 +408,24 @@ class PeerLink:
 
     def _exchange(
         self,
-        msg: proto.Message,
-        frame: bytes,
+        msgs: Sequence[proto.Message],
+        frames: Sequence[bytes],
         deadline: float,
         tick: Callable[[], None] | None = None,
-    ) -> proto.Message:
-        seq = msg.seq  # type: ignore[union-attr]
-        name, timeout_ms = type(msg).__name__, self.client.config.control_timeout_ms
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            if not self._sock.poll(left_ms, zmq.POLLOUT):
-                raise PeerUnreachable(f"{self.endpoint}: not connected in {timeout_ms} ms ({name})")
-            self._sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again as exc:
-            raise PeerUnreachable(f"{self.endpoint}: cannot send {name}") from exc
+    ) -> list[proto.Message]:
+        seqs = [msg.seq for msg in msgs]  # type: ignore[union-attr]
+        name, timeout_ms = type(msgs[0]).__name__, self.client.config.control_timeout_ms
+        for frame in frames:
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                if not self._sock.poll(left_ms, zmq.POLLOUT):
+                    raise PeerUnreachable(
+                        f"{self.endpoint}: not connected in {timeout_ms} ms ({name})"
+                    )
+                self._sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again as exc:
+                raise PeerUnreachable(f"{self.endpoint}: cannot send {name}") from exc
+        replies: dict[int, proto.Message] = {}
         while (left := deadline - time.monotonic()) > 0:
             if tick is not None:
                 tick()
@@ -392,12 +434,18 @@ class PeerLink:
             elif not self._sock.poll(max(1, int(left * 1000))):
                 break
             reply = decode_reply(self.client.codec, self._sock.recv(), self.endpoint)
-            if getattr(reply, "seq", None) == seq:
-                return reply
+            seq = getattr(reply, "seq", None)
+            if seq in seqs and seq not in replies:
+                replies[seq] = reply
+                if len(replies) == len(seqs):
+                    return [replies[s] for s in seqs]
+                continue
             if isinstance(reply, proto.Refused) and reply.seq == -1:
                 raise_refused(reply, self.endpoint)
             self._stale(reply)
-        raise PeerUnreachable(f"{self.endpoint}: no answer to {name} in {timeout_ms} ms")
+        missing = len(seqs) - len(replies)
+        some = f" ({missing} of {len(seqs)})" if len(seqs) > 1 else ""
+        raise PeerUnreachable(f"{self.endpoint}: no answer to {name}{some} in {timeout_ms} ms")
 
     def _stale(self, reply: proto.Message) -> None:
         """A reply to an earlier request (one that timed out, or a Hello or
@@ -818,6 +866,16 @@ class PeerLink:
         came within the control timeout (a read may still be running then:
         the receiver verifies what it read, so the blocks may be reused, but
         not trusted to have moved)."""
+        self.offer_many(res, [ChunkOffer(index, block_ids, checksum, layers)], cache)
+
+    def offer_many(
+        self, res: RemoteReservation, offers: Sequence[ChunkOffer], cache: CacheMap
+    ) -> None:
+        """:meth:`offer` of several chunks (or parts) of ``res``, each chunk
+        once, sent back to back: the receiver reads each as it comes while
+        the next are on their way, and answers each once its read ended.
+        Returns once every answer came (all within one control timeout);
+        then raises as :meth:`offer` would for the first that failed."""
         self._post_check(res.request_id)
         if not self.client.may_offer(self.endpoint):
             # NOTE: unsigned, whoever answers on that address would be handed the
@@ -826,29 +884,36 @@ class PeerLink:
                 f"{self.endpoint} is beyond loopback and no secret is set: no Offer "
                 "names this side's cache to it (set a secret, or insecure: true)"
             )
-        msg = proto.Offer(
-            next(self._seq),
-            res.request_id,
-            index,
-            res.generations[index],
-            checksum,
-            list(block_ids),
-            cache,
-            layers,
-            self.client.plane.region_descriptor(self.peer_agent),
-        )
+        if len({o.index for o in offers}) != len(offers):
+            raise ValueError("offer_many: a chunk offered twice at once")
+        regions = self.client.plane.region_descriptor(self.peer_agent)
+        msgs = [
+            proto.Offer(
+                next(self._seq),
+                res.request_id,
+                o.index,
+                res.generations[o.index],
+                o.checksum,
+                list(o.block_ids),
+                cache,
+                o.layers,
+                regions,
+            )
+            for o in offers
+        ]
         # NOTE: the receiver's READ may need this side's agent to answer
         # (connection wire-up; UCX transports that emulate RMA): it is
-        # driven while the answer is awaited
+        # driven while the answers are awaited
         # NOTE: never to a process that did not grant the reservation: the
         # Offer names this side's cache
-        reply = self._call_known(msg, self.client.plane.progress, same_agent=True)
-        if isinstance(reply, proto.Refused):
-            raise ReservationRefused(f"{reply.code}: {reply.reason}")
-        if not isinstance(reply, proto.Ack) or reply.request_id != res.request_id:
-            raise ProtocolError(f"bad reply to Offer: {type(reply).__name__}")
-        if not reply.ok:
-            raise ReservationRefused(f"chunk {index} of {res.request_id} was not read")
+        replies = self._call_known_many(msgs, self.client.plane.progress, same_agent=True)
+        for o, reply in zip(offers, replies, strict=True):
+            if isinstance(reply, proto.Refused):
+                raise ReservationRefused(f"{reply.code}: {reply.reason}")
+            if not isinstance(reply, proto.Ack) or reply.request_id != res.request_id:
+                raise ProtocolError(f"bad reply to Offer: {type(reply).__name__}")
+            if not reply.ok:
+                raise ReservationRefused(f"chunk {o.index} of {res.request_id} was not read")
 
     def ping(self) -> bool:
         """Whether the receiver answers a control call on this link at all (a

@@ -22,6 +22,8 @@ from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.metadata import FabricMetadata, LoadPlan, PackChunk, SendPlan
 from fabric.integrations.vllm.scheduler import chunk_block_counts
 from fabric.integrations.vllm.worker import FabricWorker
+from fabric.transfer import PeerLink
+from fabric.transfer.client import ChunkOffer
 
 from .test_vllm_worker import BS, CT, tokens, wait_results, worker
 
@@ -367,3 +369,43 @@ def forward_step(
     p.pack_step(meta)
     p.before_step()
     p.get_results(set())
+
+
+def test_offers_queued_while_one_is_answered_go_as_one_round_trip(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pack thread offers a step's chunks one after another; those queued
+    while the push thread waits for an answer (here its Reserve's) go
+    together (``PeerLink.offer_many``: one round trip, each read as it
+    comes), and the decoder gets every chunk's KV."""
+    p, d = pair
+    assert d.node is not None and p.sender is not None
+    calls: list[list[int]] = []
+    real_offer_many, real_reserve = PeerLink.offer_many, PeerLink.reserve
+
+    def reserve(link: PeerLink, *args: object, **kwargs: object) -> object:
+        queued = p.sender._peers[d.node.endpoint].events  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10  # NOTE: answered once the three offers wait behind it
+        while queued.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return real_reserve(link, *args, **kwargs)  # type: ignore[arg-type]
+
+    def offer_many(link: PeerLink, res: object, offers: list[ChunkOffer], cache: object) -> None:
+        calls.append([o.index for o in offers])
+        real_offer_many(link, res, offers, cache)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PeerLink, "reserve", reserve)
+    monkeypatch.setattr(PeerLink, "offer_many", offer_many)
+    num_tokens = 150  # chunks of 4, 4, 2 blocks
+    plan = LoadPlan("d-req", "t1", 0, DST, num_tokens, tokens(num_tokens))
+    d.start_load(FabricMetadata(loads=[plan]))
+    step(p, prefill(num_tokens, d.node.endpoint))
+    assert wait_results(d) == ({"d-req"}, set())
+    assert calls == [[0, 1, 2]]
+    src = SRC[: -(-num_tokens // BS)]
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        for b in range(len(src)):
+            assert torch.equal(d_layer[DST[b]], p_layer[src[b]]), b
+    assert released(p) == {"p-req"}
+    pc = p.counters.take()
+    assert pc["chunks_offered"] == 3 and pc.get("push_failures", 0) == 0

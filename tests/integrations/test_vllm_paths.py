@@ -323,13 +323,13 @@ def test_auto_counts_the_link_threads_cpu_of_a_pushs_last_step(
     prompts (the offer that ends the push is its only one: a cost counted
     after the push was recorded would be lost, and direct would look free)."""
     p, d = pair
-    real_offer = PeerLink.offer
+    real_offer = PeerLink.offer_many  # NOTE: every offer goes through it
 
     def dear_offer(self: PeerLink, *args: object, **kw: object) -> None:
         burn(0.02)
         real_offer(self, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(PeerLink, "offer", dear_offer)
+    monkeypatch.setattr(PeerLink, "offer_many", dear_offer)
     assert p.paths is not None
     p.paths.tail_weight = 0.0  # NOTE: the choice by CPU alone (the offer lengthens the tail)
     paths, _ = run_pushes(p, d, 8, num_tokens=CT)
@@ -348,7 +348,7 @@ def test_auto_leaves_a_path_whose_offers_are_refused(
     def refused(self: PeerLink, *args: object, **kw: object) -> None:
         raise ReservationRefused("bad_request: this receiver does not read offered chunks")
 
-    monkeypatch.setattr(PeerLink, "offer", refused)
+    monkeypatch.setattr(PeerLink, "offer_many", refused)  # NOTE: every offer goes through it
     outcomes = []
     for n in range(7):
         try:
@@ -375,14 +375,14 @@ def test_a_direct_push_keeps_its_blocks_held_until_its_offers_ended(
     wait_jobs_over(p, recorded=1)
     gate = threading.Event()
     waiting = threading.Event()
-    real_offer = PeerLink.offer
+    real_offer = PeerLink.offer_many  # NOTE: every offer goes through it
 
     def gated_offer(self: PeerLink, *args: object, **kw: object) -> None:
         waiting.set()
         assert gate.wait(10)
         real_offer(self, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(PeerLink, "offer", gated_offer)
+    monkeypatch.setattr(PeerLink, "offer_many", gated_offer)
 
     def finished_while_offer_waits() -> None:
         assert waiting.wait(10)

@@ -28,7 +28,7 @@ from fabric.integrations.vllm.sender import (
 from fabric.integrations.vllm.worker import FabricWorker
 from fabric.launch.process import free_port
 from fabric.store import ChunkStore, StoreConfig
-from fabric.transfer import TransferClient, TransferConfig, TransferNode
+from fabric.transfer import RemoteReservation, TransferClient, TransferConfig, TransferNode
 from fabric.transfer import protocol as proto
 from fabric.transfer.dataplane import LoopbackDataPlane, Segment, WriteFence, WriteHandle, XferState
 from tests.transfer.patterns import FINGERPRINT, fill_store
@@ -670,3 +670,65 @@ def test_a_push_between_chunks_sleeps_but_heartbeats_on_time(
             sender.close()
     receiver.close()
     n.close()
+
+
+def test_offers_go_together_only_of_one_push_each_chunk_once_in_queue_order() -> None:
+    """What ``_take_offers`` puts in one round trip: the offers queued right
+    behind the first, of the same push, each chunk once (a second offer of a
+    chunk, its next layer group, waits for the first's answer); the event
+    that ends the batch is handled next, nothing skipped or reordered."""
+    store = ChunkStore(StoreConfig(slot_bytes=64, num_slots=4))
+    sender = PushSender(None, store, FabricCounters(), lease_ms=1000, push_timeout_s=5)  # type: ignore[arg-type]
+    sender.close()
+    peer = _Peer("tcp://x:1", sender._serve, "test", "test")  # NOTE: never started
+    a, b = (
+        PushJob("a", "ta", peer.endpoint, [KEY], [SLOT]),
+        PushJob("b", "tb", peer.endpoint, [KEY], [SLOT]),
+    )
+
+    def offer(job: PushJob, index: int, layers: int = 0) -> tuple[str, tuple]:
+        return ("offer", (job, index, [index], 0, time.monotonic(), layers))
+
+    first, *rest = [offer(a, 0, 2), offer(a, 1, 2), offer(a, 0, 4), offer(a, 2)]
+    for event in rest:
+        peer.events.put(event)
+    offers, after = sender._take_offers(peer, first)
+    assert [(o[1], o[5]) for o in offers] == [(0, 2), (1, 2)] and after == rest[1]
+    offers, after = sender._take_offers(peer, rest[1])
+    assert [o[1] for o in offers] == [0, 2] and after is sender_module._NO_EVENT
+    for event in (offer(b, 0), ("finished", "a")):
+        peer.events.put(event)
+    offers, after = sender._take_offers(peer, offer(a, 1))
+    assert [o[1] for o in offers] == [1] and after[1][0] is b  # type: ignore[index]
+    offers, after = sender._take_offers(peer, after)  # type: ignore[arg-type]
+    assert [o[1] for o in offers] == [0] and after == ("finished", "a")
+    assert peer.events.empty()
+    for i in range(sender_module.MAX_OFFER_BATCH + 2):
+        peer.events.put(offer(a, 10 + i))
+    offers, after = sender._take_offers(peer, offer(a, 9))
+    assert len(offers) == sender_module.MAX_OFFER_BATCH
+    assert after[1][1] == 9 + sender_module.MAX_OFFER_BATCH  # type: ignore[index]
+    while not peer.events.empty():
+        peer.events.get_nowait()
+    # NOTE: and MAX_OFFER_BATCH_BYTES of whole chunks at most
+    mib = 1 << 20
+    c = PushJob("c", "tc", peer.endpoint, [KEY] * 3, [SLOT] * 3)
+    c.res = RemoteReservation(
+        "tc", (KEY,) * 3, (200 * mib, 56 * mib, mib), (0, 1, 2), (1, 1, 1), (False,) * 3
+    )
+    for event in (offer(c, 1), offer(c, 2)):
+        peer.events.put(event)
+    # NOTE: the receiver's read rate not known yet: UNMEASURED_BATCH_BYTES
+    offers, after = sender._take_offers(peer, offer(c, 0))
+    assert [o[1] for o in offers] == [0] and after[1][1] == 1  # type: ignore[index]
+    offers, after = sender._take_offers(peer, after)  # type: ignore[arg-type]
+    assert [o[1] for o in offers] == [1, 2] and after is sender_module._NO_EVENT
+    sender._note_rate(peer, 64 * mib, 0.01)  # NOTE: 6.7 GB/s: MAX_OFFER_BATCH_BYTES
+    for event in (offer(c, 1), offer(c, 2)):
+        peer.events.put(event)
+    offers, after = sender._take_offers(peer, offer(c, 0))
+    assert [o[1] for o in offers] == [0, 1] and after[1][1] == 2  # type: ignore[index]
+    # NOTE: a chunk's later offers name only the layers not offered yet
+    sender.num_layers = 4
+    assert sender._offered(c, 0, 1) == 50 * mib and sender._read_bytes(c, 0, 0) == 150 * mib
+    assert sender._offered(c, 0, 0) == 150 * mib and sender._read_bytes(c, 0, 0) == 0

@@ -19,6 +19,7 @@ from fabric.kv import KVLayout, pack
 from fabric.kv.direct import CacheMap, cache_map, cache_regions, cache_spans, checksum_spans
 from fabric.store import ChunkStore, StoreConfig
 from fabric.transfer import TransferConfig, TransferNode
+from fabric.transfer.client import ChunkOffer
 from fabric.transfer.dataplane import XferState
 
 from .direct_peer import BLOCK_IDS, BLOCKS, cache
@@ -428,11 +429,14 @@ def test_an_offer_is_not_resent_to_a_process_that_did_not_grant_its_reservation(
             0, other.name, other.kind, pair.layout.fingerprint(), other.descriptor(), 1, 1
         )
 
-        def call(msg: proto.Message, tick: object = None) -> proto.Message:
-            sent.append(msg)
-            return proto.Refused(msg.seq, "", proto.Refusal.NO_HELLO, "who are you")  # type: ignore[attr-defined]
+        def call(msgs: list[proto.Message], tick: object = None) -> list[proto.Message]:
+            sent.extend(msgs)
+            return [
+                proto.Refused(msg.seq, "", proto.Refusal.NO_HELLO, "who are you")  # type: ignore[attr-defined]
+                for msg in msgs
+            ]
 
-        monkeypatch.setattr(link, "_call", call)
+        monkeypatch.setattr(link, "_call_many", call)
         monkeypatch.setattr(link, "_handshake", lambda: ack)
         with pytest.raises(ReservationRefused, match="another process"):
             link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
@@ -454,3 +458,42 @@ def test_no_offer_beyond_loopback_without_a_secret(
         link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
     monkeypatch.setattr(link, "endpoint", pair.receiver.endpoint)
     link.offer(res, 0, BLOCK_IDS, pair.checksum(), pair.cmap)
+
+
+def test_offers_sent_together_are_each_read_and_one_refused_fails_the_call(pair: Pair) -> None:
+    """``offer_many``: several chunks offered back to back, each read as it
+    comes and answered on its own; the call returns once every answer came.
+    One refused among them raises (the others were read and verified: their
+    answers came first), and it can be offered again alone. A chunk offered
+    twice in one call is refused before anything goes."""
+    server = pair.receiver.server
+    assert server is not None
+    link = pair.sender.client.connect(pair.receiver.endpoint)
+    keys = [bytes([65 + i]) * 16 for i in range(3)]
+    res = link.reserve("t20", keys, [pair.nbytes] * 3)
+    good = pair.checksum()
+    with pytest.raises(ValueError, match="twice"):
+        link.offer_many(
+            res, [ChunkOffer(0, BLOCK_IDS, good), ChunkOffer(0, BLOCK_IDS, good)], pair.cmap
+        )
+    past_the_end = [*BLOCK_IDS[:-1], BLOCKS]
+    offers = [
+        ChunkOffer(0, BLOCK_IDS, good),
+        ChunkOffer(1, past_the_end, good),
+        ChunkOffer(2, BLOCK_IDS, good),
+    ]
+    with pytest.raises(ReservationRefused, match="outside"):
+        link.offer_many(res, offers, pair.cmap)
+    prog = server.wait_until("t20", lambda p: p.filled == {0, 2}, 5)
+    assert prog is not None and prog.filled == {0, 2} and not prog.failed
+    assert server.stats.chunks_read == 2 and server.stats.offers_refused == 1
+    link.offer_many(res, [ChunkOffer(1, BLOCK_IDS, good)], pair.cmap)
+    prog = server.wait("t20", 5)
+    assert prog is not None and prog.complete
+    for key in keys:
+        slot = pair.receiver.store.acquire([key])
+        assert len(slot) == 1 and torch.equal(
+            pair.receiver.store.pool.slot_view(slot[0]), pair.packed()
+        )
+        pair.receiver.store.release_slots(slot)
+    assert (server.stats.chunks_read, server.stats.chunks_filled) == (3, 3)

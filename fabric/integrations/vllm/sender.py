@@ -113,6 +113,7 @@ from fabric.errors import (
     TransferTimeout,
 )
 from fabric.threads import thread as named_thread
+from fabric.transfer.client import ChunkOffer
 
 if TYPE_CHECKING:
     from fabric.integrations.vllm.counters import FabricCounters
@@ -130,6 +131,18 @@ PEER_IDLE_S = 60.0
 STALL_S = 1.0
 STALL_PRESSURE = 0.25
 """Below this fraction of allocatable store slots, a stalled receiver's waiting chunks go."""
+MAX_OFFER_BATCH = 16
+"""The most offers of one push queued together that go as one round trip
+(``PeerLink.offer_many``): a step's chunks' final offers (or one layer
+group's parts) reach a push thread while it waits for the last answer."""
+UNMEASURED_BATCH_BYTES = 64 << 20
+"""The bytes of chunks one batch of offers may name before the receiver's
+read rate is known (``PushSender._batch_bytes``)."""
+MAX_OFFER_BATCH_BYTES = 256 << 20
+"""...and chunks of this many bytes at most (whole chunks counted, a part
+reads less): the receiver reads them all at once, each bounded by the
+control timeout from when it came (256 MiB over a 1 Gbit/s link: ~2 s)."""
+_NO_EVENT = object()  # NOTE: _take_offers: nothing queued after the offers
 IDLE_ROUND_S = 0.5
 """The longest an endpoint's thread with nothing to poll waits for an event (``_idle_s``)."""
 PART_POLL_S = 0.001
@@ -199,6 +212,8 @@ class PushJob:
     early: list[_SlotRef] = field(default_factory=list)
     starved: bool = False
     parts: dict[int, _Part] = field(default_factory=dict)  # chunk -> its parts (endpoint thread)
+    # chunk -> its leading layers offered so far (a later offer reads only the rest)
+    offered_layers: dict[int, int] = field(default_factory=dict)
     # direct_reads auto: the path it takes ("staged", "direct"; "": not measured),
     # the CPU the pack thread (pack_cpu_s, before handing each chunk over) and
     # its endpoint's thread (link_cpu_s) spent on it, and when its last chunk
@@ -290,6 +305,7 @@ class _Peer:
         self.calling_since = 0.0  # when its current control call began (0: in none)
         self.cancelling: set[PeerLink] = set()  # links with Cancels still to send
         self.ended: list[PushJob] = []  # measured pushes over, to record (its thread's)
+        self.read_bps = 0.0  # how fast it read offered chunks lately (0: not yet measured)
         self.thread = named_thread(target, args=(self,), name=name, os_name=os_name)
 
     @property
@@ -354,6 +370,7 @@ class PushSender:
         max_unsettled_s: float = MAX_UNSETTLED_S,
         name: str = "fabric-push",
         cache: CacheMap | None = None,
+        num_layers: int = 0,
         on_over: Callable[[str], None] | None = None,
         paths: PathChooser | None = None,
     ) -> None:
@@ -363,6 +380,7 @@ class PushSender:
         self.max_waiting, self.peer_idle_s, self.name = max_waiting, peer_idle_s, name
         self.stall_s, self.max_unsettled_s = stall_s, max_unsettled_s
         self.cache, self.on_over, self.paths = cache, on_over, paths
+        self.num_layers = num_layers  # NOTE: the cache's (0: unknown): what an offer reads
         self._stalled: set[str] = set()  # endpoints stalled at the last tend (dispatcher's)
         self._events: queue.Queue[Event] = queue.Queue()
         self._jobs: dict[str, PushJob] = {}  # req_id -> its live job (for routing)
@@ -734,6 +752,16 @@ class PushSender:
             return
         while event is not None:
             peer.last_active = time.monotonic()
+            if event[0] == "offer":
+                offers, after = self._take_offers(peer, event)
+                if len(offers) > 1:
+                    self._handle_guarded(peer, "offers", offers)
+                else:
+                    self._handle_guarded(peer, *event)
+                if after is _NO_EVENT:
+                    return
+                event = after  # type: ignore[assignment]
+                continue
             self._handle_guarded(peer, *event)
             try:
                 event = peer.events.get_nowait()
@@ -741,10 +769,43 @@ class PushSender:
                 return
         peer.stopped = True
 
+    def _take_offers(self, peer: _Peer, first: tuple[str, object]) -> tuple[list[tuple], object]:
+        """The offer event ``first`` and the offers of the same push queued
+        right behind it (each chunk once, ``MAX_OFFER_BATCH`` at most): one
+        round trip for them all (``PeerLink.offer_many``). Returns them and
+        the event after them (``_NO_EVENT``: none queued), in queue order."""
+        payload = first[1]
+        assert isinstance(payload, tuple)
+        job = payload[0]
+        offers = [payload]
+        indices = {payload[1]}
+        nbytes, cap = self._read_bytes(job, payload[1], payload[5]), self._batch_bytes(peer)
+        while len(offers) < MAX_OFFER_BATCH:
+            try:
+                event = peer.events.get_nowait()
+            except queue.Empty:
+                return offers, _NO_EVENT
+            if event is None or event[0] != "offer":
+                return offers, event
+            nxt = event[1]
+            assert isinstance(nxt, tuple)
+            more = self._read_bytes(job, nxt[1], nxt[5])
+            if nxt[0] is not job or nxt[1] in indices or nbytes + more > cap:
+                return offers, event
+            offers.append(nxt)
+            indices.add(nxt[1])
+            nbytes += more
+        try:
+            return offers, peer.events.get_nowait()
+        except queue.Empty:
+            return offers, _NO_EVENT
+
     def _handle_guarded(self, peer: _Peer, kind: str, payload: object) -> None:
         job = payload if isinstance(payload, PushJob) else None
         if job is None and isinstance(payload, tuple) and isinstance(payload[0], PushJob):
             job = payload[0]
+        if job is None and isinstance(payload, list):  # NOTE: offers of one push
+            job = payload[0][0]
         # NOTE: not its Reserve (a link's first also connects): the same for either path
         cpu = time.thread_time() if job is not None and job.path and kind != "begin" else 0.0
         try:
@@ -764,6 +825,10 @@ class PushSender:
             peer.jobs[id(payload)] = payload
             self._reserve(peer, payload)
             return
+        if kind == "offers":
+            assert isinstance(payload, list)
+            self._offers(peer, payload[0][0], [tuple(o[1:]) for o in payload])
+            return
         assert isinstance(payload, tuple) and isinstance(payload[0], PushJob)
         job = payload[0]
         if kind == "part":
@@ -775,7 +840,7 @@ class PushSender:
             if (part := job.parts.get(payload[1])) is not None:
                 part.void = True
         elif kind == "offer":
-            self._offer(peer, job, *payload[1:])
+            self._offers(peer, job, [tuple(payload[1:])])
         elif kind == "chunk":
             assert isinstance(payload[2], _SlotRef)
             slot = payload[2].take()
@@ -866,21 +931,54 @@ class PushSender:
             # (nor its data-plane peer); the next push says Hello again.
             self.client.disconnect(peer.endpoint, link)
 
-    def _offer(
-        self,
-        peer: _Peer,
-        job: PushJob,
-        index: int,
-        block_ids: list[int],
-        checksum: int,
-        computed_at: float,
-        layers: int = 0,
-    ) -> None:
-        """Offer chunk ``index`` (direct reads), or its leading ``layers``
-        layers (a part); the call returns once the receiver read it, so this
-        endpoint's thread waits that long (bounded by the control timeout;
-        the receiver reads one chunk in a few ms). A part that fails fails
-        the push as a chunk would.
+    def _batch_bytes(self, peer: _Peer) -> int:
+        """How many bytes of chunks one batch of offers to ``peer`` may name:
+        what it reads in a quarter of the control timeout at the rate it
+        read offers lately (each read is bounded by that timeout from when
+        it came), ``MAX_OFFER_BATCH_BYTES`` at most; ``UNMEASURED_BATCH_BYTES``
+        before any was measured. A batch holds one offer whatever its size."""
+        if not peer.read_bps:
+            return UNMEASURED_BATCH_BYTES
+        timeout_s = self.client.config.control_timeout_ms / 1000 if self.client is not None else 5.0
+        return int(min(MAX_OFFER_BATCH_BYTES, peer.read_bps * timeout_s / 4))
+
+    @staticmethod
+    def _note_rate(peer: _Peer, nbytes: int, took: float) -> None:
+        """Offers that had ``nbytes`` read were answered in ``took`` seconds:
+        the peer's read rate (round trips in: it errs low)."""
+        if nbytes >= 1 << 20 and took > 0:
+            rate = nbytes / took
+            peer.read_bps = rate if not peer.read_bps else (peer.read_bps + rate) / 2
+
+    def _read_bytes(self, job: PushJob, index: int, layers: int) -> int:
+        """What an offer of chunk ``index`` up to ``layers`` layers (0: all)
+        has the receiver read: the layers not offered before (the whole
+        chunk where the layer count is unknown)."""
+        res = job.res
+        if res is None or not 0 <= index < len(res.nbytes):
+            return 0
+        nbytes, total = int(res.nbytes[index]), self.num_layers
+        if total <= 0:
+            return nbytes
+        upto = layers if 0 < layers < total else total
+        return nbytes * max(0, upto - job.offered_layers.get(index, 0)) // total
+
+    def _offered(self, job: PushJob, index: int, layers: int) -> int:
+        """Chunk ``index`` was read up to ``layers`` (0: all): what that read."""
+        nbytes = self._read_bytes(job, index, layers)
+        upto = layers if layers else max(self.num_layers, 1 << 30)
+        job.offered_layers[index] = max(job.offered_layers.get(index, 0), upto)
+        return nbytes
+
+    def _offers(self, peer: _Peer, job: PushJob, offers: list[tuple]) -> None:
+        """Offer chunks (direct reads), or their leading ``layers`` layers
+        (parts): ``offers`` of (index, block_ids, checksum, computed_at,
+        layers), each chunk once, queued together (``_take_offers``), go back
+        to back, one round trip for them all (``PeerLink.offer_many``). The
+        call returns once the receiver read them, so this endpoint's thread
+        waits that long (bounded by the control timeout; the receiver reads
+        one chunk in a few ms). The first that fails fails the push, a part
+        as a chunk would.
 
         vLLM keeps the request's blocks until its push is over, so a chunk
         that waited ``push_timeout_s`` since it was computed (a receiver
@@ -889,34 +987,48 @@ class PushSender:
         res = job.res
         if job.dropped or job.failed or job.link is None or res is None:
             return
-        waited = time.monotonic() - computed_at
-        if waited > self.push_timeout_s:
-            self._fail(job, f"chunk {index} waited {waited:.0f} s to be offered", peer)
-            return
-        if res.already_present[index]:
-            if not layers:  # NOTE: a part of a chunk the receiver has is nothing to count
+        now = time.monotonic()
+        asked = []
+        for index, block_ids, checksum, computed_at, layers in offers:
+            if now - computed_at > self.push_timeout_s:
+                waited = now - computed_at
+                self._fail(job, f"chunk {index} waited {waited:.0f} s to be offered", peer)
+                return
+            if res.already_present[index]:
+                if not layers:  # NOTE: a part of a chunk the receiver has is nothing to count
+                    job.written += 1
+                    self._count_sent(0, 0.0)
+                continue
+            asked.append(ChunkOffer(index, block_ids, checksum, layers))
+        if asked:
+            if self.cache is None:
+                raise FabricError("an offer reached a sender without a cache map")
+            started = time.monotonic()
+            try:
+                with peer.calling():
+                    job.link.offer_many(res, asked, self.cache)
+            except FabricError as exc:
+                self._peer_failed(peer, exc, started=started, link=job.link)
+                job.path_failed = True
+                one = asked[0]
+                what = (
+                    "chunks " + ", ".join(str(o.index) for o in asked)
+                    if len(asked) > 1
+                    else f"{one.layers} layers of chunk {one.index}"
+                    if one.layers
+                    else f"chunk {one.index}"
+                )
+                self._fail(job, f"offer of {what} failed: {exc}", peer)
+                return
+            took = time.monotonic() - started
+            self._note_rate(peer, sum(self._offered(job, o.index, o.layers) for o in asked), took)
+            for o in asked:
+                if o.layers:
+                    self.counters.add(parts_offered=1)
+                    continue
                 job.written += 1
-                self._count_sent(0, 0.0)
-                self._maybe_drop(peer, job)
-            return
-        if self.cache is None:
-            raise FabricError("an offer reached a sender without a cache map")
-        started = time.monotonic()
-        what = f"chunk {index}" if not layers else f"{layers} layers of chunk {index}"
-        try:
-            with peer.calling():
-                job.link.offer(res, index, block_ids, checksum, self.cache, layers)
-        except FabricError as exc:
-            self._peer_failed(peer, exc, started=started, link=job.link)
-            job.path_failed = True
-            self._fail(job, f"offer of {what} failed: {exc}", peer)
-            return
-        if layers:
-            self.counters.add(parts_offered=1)
-            return
-        job.written += 1
-        self._count_sent(res.nbytes[index], time.monotonic() - started)
-        self.counters.add(chunks_offered=1)
+                self._count_sent(res.nbytes[o.index], took)
+                self.counters.add(chunks_offered=1)
         self._maybe_drop(peer, job)
 
     def _part(self, job: PushJob, index: int, slot: int, layers: int, nbytes: int) -> None:

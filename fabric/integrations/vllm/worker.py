@@ -305,6 +305,7 @@ class FabricWorker:
                 lease_ms=self.config.lease_ms,
                 push_timeout_s=self.config.push_timeout_s,
                 cache=self._cache_map,
+                num_layers=layout.num_layers,
                 on_over=self._push_over,
                 paths=self.paths,
             )
