@@ -333,7 +333,8 @@ class PeerLink:
             for i, reply in enumerate(replies)
             if isinstance(reply, proto.Refused) and reply.code == proto.Refusal.NO_HELLO
         ]
-        if again:
+        refused = sum(isinstance(reply, proto.Refused) for reply in replies)
+        if again and refused == len(again):  # NOTE: not when another was refused anyway
             before = self.peer_agent
             self._adopt(self._handshake())
             if same_agent and self.peer_agent != before:
@@ -413,8 +414,16 @@ class PeerLink:
         deadline: float,
         tick: Callable[[], None] | None = None,
     ) -> list[proto.Message]:
+        """Send ``msgs`` and wait for the reply to each (by seq), in their
+        order. With several, an error (a frame that could not go, an answer
+        that did not decode, a refusal of the link) is raised only once the
+        messages that went were all answered or the deadline passed: each
+        may be work the receiver does on this side's memory (an Offer's
+        READ), which the caller must not give up while it may still run."""
         seqs = [msg.seq for msg in msgs]  # type: ignore[union-attr]
         name, timeout_ms = type(msgs[0]).__name__, self.client.config.control_timeout_ms
+        error: FabricError | None = None
+        sent = 0
         for frame in frames:
             left_ms = max(1, int((deadline - time.monotonic()) * 1000))
             try:
@@ -424,27 +433,51 @@ class PeerLink:
                     )
                 self._sock.send(frame, zmq.NOBLOCK)
             except zmq.Again as exc:
-                raise PeerUnreachable(f"{self.endpoint}: cannot send {name}") from exc
+                if not sent:
+                    raise PeerUnreachable(f"{self.endpoint}: cannot send {name}") from exc
+                error = PeerUnreachable(f"{self.endpoint}: cannot send {name}")
+                break
+            except PeerUnreachable as exc:
+                if not sent:
+                    raise
+                error = exc
+                break
+            sent += 1
+        waiting = set(seqs[:sent])
         replies: dict[int, proto.Message] = {}
-        while (left := deadline - time.monotonic()) > 0:
+        while waiting and (left := deadline - time.monotonic()) > 0:
             if tick is not None:
                 tick()
                 if not self._sock.poll(1):
                     continue
             elif not self._sock.poll(max(1, int(left * 1000))):
                 break
-            reply = decode_reply(self.client.codec, self._sock.recv(), self.endpoint)
+            try:
+                reply = decode_reply(self.client.codec, self._sock.recv(), self.endpoint)
+            except FabricError as exc:
+                if len(seqs) == 1:
+                    raise
+                error = error or exc  # NOTE: which message it answered is unknown
+                continue
             seq = getattr(reply, "seq", None)
-            if seq in seqs and seq not in replies:
+            if seq in waiting:
                 replies[seq] = reply
-                if len(replies) == len(seqs):
-                    return [replies[s] for s in seqs]
+                waiting.discard(seq)
                 continue
             if isinstance(reply, proto.Refused) and reply.seq == -1:
-                raise_refused(reply, self.endpoint)
+                try:
+                    raise_refused(reply, self.endpoint)
+                except FabricError as exc:
+                    if len(seqs) == 1:
+                        raise
+                    error = error or exc
+                continue
             self._stale(reply)
-        missing = len(seqs) - len(replies)
-        some = f" ({missing} of {len(seqs)})" if len(seqs) > 1 else ""
+        if error is not None:
+            raise error
+        if not waiting:
+            return [replies[s] for s in seqs]
+        some = f" ({len(waiting)} of {len(seqs)})" if len(seqs) > 1 else ""
         raise PeerUnreachable(f"{self.endpoint}: no answer to {name}{some} in {timeout_ms} ms")
 
     def _stale(self, reply: proto.Message) -> None:
@@ -884,6 +917,8 @@ class PeerLink:
                 f"{self.endpoint} is beyond loopback and no secret is set: no Offer "
                 "names this side's cache to it (set a secret, or insecure: true)"
             )
+        if not offers:
+            return
         if len({o.index for o in offers}) != len(offers):
             raise ValueError("offer_many: a chunk offered twice at once")
         regions = self.client.plane.region_descriptor(self.peer_agent)

@@ -273,6 +273,7 @@ class TransferServer:
         self._next_prefill_prune = 0.0
         self._came_at = 0.0  # when the loop last got a notification or control message
         self._sleeping_empty = False  # the loop waits EMPTY_POLL_MS now (holds nothing)
+        self._drained_at = 0.0  # when the loop last began taking control frames
         # transfer -> when it was released before a Reserve came (oldest first)
         self._abandoned: dict[str, float] = {}
         # transfer -> (when, why) its Reserve was refused (oldest first)
@@ -623,6 +624,10 @@ class TransferServer:
             return any(not p.finished for p in self._progress.values())
 
     def _drain_control(self) -> None:
+        # NOTE: no later than any frame of this pass came: an offered read's
+        # bound counts from here, so it ends before its sender's wait does
+        # (Offers sent back to back are taken in one pass, one after another)
+        self._drained_at = time.monotonic()
         while True:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -893,7 +898,7 @@ class TransferServer:
                 msg.seq, rid, proto.Refusal.READ_FAILED, str(exc)[:MAX_REASON_CHARS]
             )
         self._reads.append(
-            _Read(identity, msg, slot, span, handle, time.monotonic(), upto, final, start, prog)
+            _Read(identity, msg, slot, span, handle, self._drained_at, upto, final, start, prog)
         )
         return None
 

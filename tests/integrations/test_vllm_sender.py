@@ -718,7 +718,7 @@ def test_offers_go_together_only_of_one_push_each_chunk_once_in_queue_order() ->
     )
     for event in (offer(c, 1), offer(c, 2)):
         peer.events.put(event)
-    # NOTE: the receiver's read rate not known yet: UNMEASURED_BATCH_BYTES
+    # NOTE: the receiver's read rate not known yet: UNMEASURED_RATE, 64 MiB a batch
     offers, after = sender._take_offers(peer, offer(c, 0))
     assert [o[1] for o in offers] == [0] and after[1][1] == 1  # type: ignore[index]
     offers, after = sender._take_offers(peer, after)  # type: ignore[arg-type]

@@ -484,6 +484,8 @@ def test_offers_sent_together_are_each_read_and_one_refused_fails_the_call(pair:
     ]
     with pytest.raises(ReservationRefused, match="outside"):
         link.offer_many(res, offers, pair.cmap)
+    # NOTE: it raised once the others were read (counted before their answers went)
+    assert server.stats.bytes_read == 2 * pair.nbytes
     prog = server.wait_until("t20", lambda p: p.filled == {0, 2}, 5)
     assert prog is not None and prog.filled == {0, 2} and not prog.failed
     assert server.stats.chunks_read == 2 and server.stats.offers_refused == 1

@@ -135,13 +135,13 @@ MAX_OFFER_BATCH = 16
 """The most offers of one push queued together that go as one round trip
 (``PeerLink.offer_many``): a step's chunks' final offers (or one layer
 group's parts) reach a push thread while it waits for the last answer."""
-UNMEASURED_BATCH_BYTES = 64 << 20
-"""The bytes of chunks one batch of offers may name before the receiver's
-read rate is known (``PushSender._batch_bytes``)."""
+UNMEASURED_RATE = float(128 << 20)
+"""The read rate (bytes a second) a receiver's batches of offers are sized
+by before one was measured (``PushSender._batch_bytes``): 64 MiB a batch at
+the default control timeout."""
 MAX_OFFER_BATCH_BYTES = 256 << 20
-"""...and chunks of this many bytes at most (whole chunks counted, a part
-reads less): the receiver reads them all at once, each bounded by the
-control timeout from when it came (256 MiB over a 1 Gbit/s link: ~2 s)."""
+"""...and bytes the receiver reads for them at most (the layers not offered
+before: a part's, or a chunk's rest): it reads them all at once."""
 _NO_EVENT = object()  # NOTE: _take_offers: nothing queued after the offers
 IDLE_ROUND_S = 0.5
 """The longest an endpoint's thread with nothing to poll waits for an event (``_idle_s``)."""
@@ -932,15 +932,16 @@ class PushSender:
             self.client.disconnect(peer.endpoint, link)
 
     def _batch_bytes(self, peer: _Peer) -> int:
-        """How many bytes of chunks one batch of offers to ``peer`` may name:
-        what it reads in a quarter of the control timeout at the rate it
-        read offers lately (each read is bounded by that timeout from when
-        it came), ``MAX_OFFER_BATCH_BYTES`` at most; ``UNMEASURED_BATCH_BYTES``
-        before any was measured. A batch holds one offer whatever its size."""
-        if not peer.read_bps:
-            return UNMEASURED_BATCH_BYTES
+        """How many bytes one batch of offers to ``peer`` may have it read:
+        what it reads at the rate it read offers lately (``UNMEASURED_RATE``
+        before any was measured) in a quarter of the control timeout (each
+        read is bounded by 0.8 of it, counted from when its batch came) or
+        half the stall threshold, whichever is shorter;
+        ``MAX_OFFER_BATCH_BYTES`` at most. A batch holds one offer whatever
+        its size."""
         timeout_s = self.client.config.control_timeout_ms / 1000 if self.client is not None else 5.0
-        return int(min(MAX_OFFER_BATCH_BYTES, peer.read_bps * timeout_s / 4))
+        budget_s = min(timeout_s / 4, self.stall_s / 2)
+        return int(min(MAX_OFFER_BATCH_BYTES, (peer.read_bps or UNMEASURED_RATE) * budget_s))
 
     @staticmethod
     def _note_rate(peer: _Peer, nbytes: int, took: float) -> None:
@@ -1010,6 +1011,8 @@ class PushSender:
             except FabricError as exc:
                 self._peer_failed(peer, exc, started=started, link=job.link)
                 job.path_failed = True
+                if len(asked) > 1:  # NOTE: smaller batches from here on, until measured again
+                    peer.read_bps = (peer.read_bps or UNMEASURED_RATE) / 2
                 one = asked[0]
                 what = (
                     "chunks " + ", ".join(str(o.index) for o in asked)
@@ -1027,7 +1030,7 @@ class PushSender:
                     self.counters.add(parts_offered=1)
                     continue
                 job.written += 1
-                self._count_sent(res.nbytes[o.index], took)
+                self._count_sent(res.nbytes[o.index], took / len(asked))
                 self.counters.add(chunks_offered=1)
         self._maybe_drop(peer, job)
 
