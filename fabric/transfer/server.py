@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -181,6 +182,9 @@ cache while it waits for the Offer's answer (``PeerLink.offer``), not
 through this loop. On a prefiller (which only sends) this is every tick while it
 computes: each one costs 0.1-0.3 ms of the engine's core, cold caches and
 all, 20 a second at the engine's ``idle_poll_interval_ms``, 2 at this."""
+LAST_REPLY_S = 0.05
+"""``close`` waits this long after the last reply went before it closes the
+socket (without lingering, which would drop a reply ZMQ had not sent yet)."""
 MAX_RUNNING_S = 60.0  # the longest one ``running`` holds, whatever its ttl
 PRUNE_PREFILLS_S = 1.0  # how often the notes are pruned
 
@@ -274,6 +278,7 @@ class TransferServer:
         self._came_at = 0.0  # when the loop last got a notification or control message
         self._sleeping_empty = False  # the loop waits EMPTY_POLL_MS now (holds nothing)
         self._drained_at = 0.0  # when the loop last began taking control frames
+        self._replied_at = -math.inf  # when the loop last sent a reply
         # transfer -> when it was released before a Reserve came (oldest first)
         self._abandoned: dict[str, float] = {}
         # transfer -> (when, why) its Reserve was refused (oldest first)
@@ -503,6 +508,9 @@ class TransferServer:
             self._verifier.join(timeout=5)
         for offload, done in zip(offloads, idle, strict=True):
             offload.close(timeout=1.0 if done else 0.0)
+        # NOTE: the socket is closed without lingering: give the last replies
+        # (a job's that ended just now) a moment to leave first
+        time.sleep(max(0.0, self._replied_at + LAST_REPLY_S - time.monotonic()))
         if not self._sock.closed:
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
@@ -653,6 +661,7 @@ class TransferServer:
             frame = self.codec.encode(proto.Refused(-1, "", proto.Refusal.INTERNAL_ERROR, str(exc)))
         try:
             self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
+            self._replied_at = time.monotonic()
         except zmq.ZMQError as exc:  # the peer went away or its queue is full
             logger.debug("reply to a control peer dropped: %s", exc)
 
