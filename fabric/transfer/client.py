@@ -432,15 +432,13 @@ class PeerLink:
                         f"{self.endpoint}: not connected in {timeout_ms} ms ({name})"
                     )
                 self._sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again as exc:
-                if not sent:
-                    raise PeerUnreachable(f"{self.endpoint}: cannot send {name}") from exc
+            except zmq.Again:
                 error = PeerUnreachable(f"{self.endpoint}: cannot send {name}")
-                break
             except PeerUnreachable as exc:
-                if not sent:
-                    raise
                 error = exc
+            if error is not None:
+                if not sent:
+                    raise error
                 break
             sent += 1
         waiting = set(seqs[:sent])
@@ -454,23 +452,17 @@ class PeerLink:
                 break
             try:
                 reply = decode_reply(self.client.codec, self._sock.recv(), self.endpoint)
+                seq = getattr(reply, "seq", None)
+                if seq in waiting:
+                    replies[seq] = reply
+                    waiting.discard(seq)
+                    continue
+                if isinstance(reply, proto.Refused) and reply.seq == -1:
+                    raise_refused(reply, self.endpoint)
             except FabricError as exc:
                 if len(seqs) == 1:
                     raise
-                error = error or exc  # NOTE: which message it answered is unknown
-                continue
-            seq = getattr(reply, "seq", None)
-            if seq in waiting:
-                replies[seq] = reply
-                waiting.discard(seq)
-                continue
-            if isinstance(reply, proto.Refused) and reply.seq == -1:
-                try:
-                    raise_refused(reply, self.endpoint)
-                except FabricError as exc:
-                    if len(seqs) == 1:
-                        raise
-                    error = error or exc
+                error = error or exc  # NOTE: an undecodable answer's message is unknown
                 continue
             self._stale(reply)
         if error is not None:

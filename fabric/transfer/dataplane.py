@@ -250,6 +250,11 @@ class DataPlane(ABC):
         """Drive the transport once (a peer's READ of this process's memory
         may need it), keeping any notification for ``take_notifs``."""
 
+    def holds_handles(self) -> bool:
+        """Whether handles wait to be released by a later ``take_notifs``
+        (NIXL's that could not be released at once)."""
+        return False
+
     def remove_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget a peer."""
 

@@ -580,6 +580,9 @@ class NixlDataPlane(DataPlane):
         for _ in range(len(self.orphans)):
             self.release_handle(self.orphans.popleft())
 
+    def holds_handles(self) -> bool:
+        return bool(self.orphans)
+
     def take_notifs(self) -> list[tuple[str, bytes]]:
         with self.lock:
             self._release_orphans()

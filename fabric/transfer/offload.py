@@ -147,7 +147,7 @@ class Offload:
                 self._done.put((job.identity, proto.Refused(job.seq, "", CLOSING, reason)))
             self._cond.notify_all()
         if cancelled:
-            self._wake()
+            self.wake()
         return len(cancelled)
 
     def wait_idle(self, timeout: float) -> bool:
@@ -195,7 +195,7 @@ class Offload:
                     if reply is not None:
                         self._done.put((job.identity, reply))
                     self._cond.notify_all()
-            self._wake()
+            self.wake()
 
     def _next(self) -> _Job | None:
         """The next job (counted running), or None once shut down and drained."""
@@ -208,11 +208,8 @@ class Offload:
             return self._jobs.popleft()
 
     def wake(self) -> None:
-        """Make ``wake_fd`` readable: wakes the loop that polls it (its owner
-        stopping, or new state it must tend)."""
-        self._wake()
-
-    def _wake(self) -> None:
+        """Make ``wake_fd`` readable: wakes the loop that polls it (a reply
+        done, its owner stopping, new state it must tend)."""
         # NOTE: a full pipe already wakes the loop; a closed one means it stopped.
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")

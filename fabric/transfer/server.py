@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
@@ -179,8 +178,8 @@ this process (``answer_here`` wakes it); its tick only prunes idle peers
 and old notes. A notification with no transfer to land in is dropped
 whenever it is taken. A prefiller drives UCX for a decoder's READ of its
 cache while it waits for the Offer's answer (``PeerLink.offer``), not
-through this loop. On a prefiller (which only sends) this is every tick while it
-computes: each one costs 0.1-0.3 ms of the engine's core, cold caches and
+through this loop. On a prefiller (which only sends) every tick while it
+computes is one of these: each one costs 0.1-0.3 ms of the engine's core, cold caches and
 all, 20 a second at the engine's ``idle_poll_interval_ms``, 2 at this."""
 LAST_REPLY_S = 0.05
 """``close`` waits this long after the last reply went before it closes the
@@ -278,7 +277,7 @@ class TransferServer:
         self._came_at = 0.0  # when the loop last got a notification or control message
         self._sleeping_empty = False  # the loop waits EMPTY_POLL_MS now (holds nothing)
         self._drained_at = 0.0  # when the loop last began taking control frames
-        self._replied_at = -math.inf  # when the loop last sent a reply
+        self._replied_at = 0.0  # when the loop last sent a reply
         # transfer -> when it was released before a Reserve came (oldest first)
         self._abandoned: dict[str, float] = {}
         # transfer -> (when, why) its Reserve was refused (oldest first)
@@ -616,7 +615,7 @@ class TransferServer:
         """Whether nothing here runs out by the clock (see ``EMPTY_POLL_MS``).
         Not while the data plane keeps handles it could not release yet
         (NIXL's orphans: released on the loop's next notification poll)."""
-        if self._reads or self._reads_ending or getattr(self.plane, "orphans", None):
+        if self._reads or self._reads_ending or self.plane.holds_handles():
             return False
         with self._cond:
             if self._progress or self._prefills:

@@ -754,10 +754,7 @@ class PushSender:
             peer.last_active = time.monotonic()
             if event[0] == "offer":
                 offers, after = self._take_offers(peer, event)
-                if len(offers) > 1:
-                    self._handle_guarded(peer, "offers", offers)
-                else:
-                    self._handle_guarded(peer, *event)
+                self._handle_guarded(peer, "offers", offers)
                 if after is _NO_EVENT:
                     return
                 event = after  # type: ignore[assignment]
@@ -780,25 +777,20 @@ class PushSender:
         offers = [payload]
         indices = {payload[1]}
         nbytes, cap = self._read_bytes(job, payload[1], payload[5]), self._batch_bytes(peer)
-        while len(offers) < MAX_OFFER_BATCH:
+        while True:
             try:
                 event = peer.events.get_nowait()
             except queue.Empty:
                 return offers, _NO_EVENT
-            if event is None or event[0] != "offer":
+            nxt = event[1] if event is not None and event[0] == "offer" else None
+            if not isinstance(nxt, tuple) or nxt[0] is not job or nxt[1] in indices:
                 return offers, event
-            nxt = event[1]
-            assert isinstance(nxt, tuple)
             more = self._read_bytes(job, nxt[1], nxt[5])
-            if nxt[0] is not job or nxt[1] in indices or nbytes + more > cap:
+            if len(offers) >= MAX_OFFER_BATCH or nbytes + more > cap:
                 return offers, event
             offers.append(nxt)
             indices.add(nxt[1])
             nbytes += more
-        try:
-            return offers, peer.events.get_nowait()
-        except queue.Empty:
-            return offers, _NO_EVENT
 
     def _handle_guarded(self, peer: _Peer, kind: str, payload: object) -> None:
         job = payload if isinstance(payload, PushJob) else None
@@ -839,8 +831,6 @@ class PushSender:
             # goes whole, so D's digest of the part fails and it verifies anew
             if (part := job.parts.get(payload[1])) is not None:
                 part.void = True
-        elif kind == "offer":
-            self._offers(peer, job, [tuple(payload[1:])])
         elif kind == "chunk":
             assert isinstance(payload[2], _SlotRef)
             slot = payload[2].take()
@@ -961,14 +951,16 @@ class PushSender:
         nbytes, total = int(res.nbytes[index]), self.num_layers
         if total <= 0:
             return nbytes
-        upto = layers if 0 < layers < total else total
-        return nbytes * max(0, upto - job.offered_layers.get(index, 0)) // total
+        return nbytes * max(0, self._upto(layers) - job.offered_layers.get(index, 0)) // total
+
+    def _upto(self, layers: int) -> int:
+        """The layers an offer of ``layers`` makes final (0, or the count: all)."""
+        return layers if 0 < layers < self.num_layers else self.num_layers
 
     def _offered(self, job: PushJob, index: int, layers: int) -> int:
         """Chunk ``index`` was read up to ``layers`` (0: all): what that read."""
         nbytes = self._read_bytes(job, index, layers)
-        upto = layers if layers else max(self.num_layers, 1 << 30)
-        job.offered_layers[index] = max(job.offered_layers.get(index, 0), upto)
+        job.offered_layers[index] = max(job.offered_layers.get(index, 0), self._upto(layers))
         return nbytes
 
     def _offers(self, peer: _Peer, job: PushJob, offers: list[tuple]) -> None:
@@ -1013,13 +1005,9 @@ class PushSender:
                 job.path_failed = True
                 if len(asked) > 1:  # NOTE: smaller batches from here on, until measured again
                     peer.read_bps = (peer.read_bps or UNMEASURED_RATE) / 2
-                one = asked[0]
-                what = (
-                    "chunks " + ", ".join(str(o.index) for o in asked)
-                    if len(asked) > 1
-                    else f"{one.layers} layers of chunk {one.index}"
-                    if one.layers
-                    else f"chunk {one.index}"
+                what = ", ".join(
+                    f"{o.layers} layers of chunk {o.index}" if o.layers else f"chunk {o.index}"
+                    for o in asked
                 )
                 self._fail(job, f"offer of {what} failed: {exc}", peer)
                 return
