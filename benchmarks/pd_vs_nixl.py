@@ -98,6 +98,17 @@ not being measured out of the way, and checks that it did:
   before each request the sessions of every other stack get autogroup nice
   ``--idle-nice`` (19: weight 15 against 1024) and the measured stack's
   nice 0 (``/proc/<pid>/autogroup``).
+- Nice values alone were not even: a nice-19 session still gets its weight's
+  share when it is runnable, so NIXL's idle pollers took 0.027 cores of
+  core 0 while a NIXL stack was measured and 0.035 while fabric was (two
+  NIXL stacks idle against one; fabric's idle engines do not poll), and
+  about as much more of D's core (the 2026-12-07 runs). So by default
+  every stack but the measured one is stopped (``SIGSTOP`` to its proxy's
+  process group, then its engines'), and the measured one continued
+  (``SIGCONT``, engines first) and given ``thaw_settle_s`` (1 s) before its
+  request. The stacks are idle when stopped (between requests); every one
+  is continued before the tuning after the warm-up and before they are
+  stopped for good. ``--no-freeze`` leaves them running.
 - Each request records the cores the other stacks' processes used
   meanwhile (``/proc``): in all (``others_cores``, which includes pollers
   spinning on time nobody else wanted, e.g. on D's core during a
@@ -148,6 +159,7 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -221,6 +233,8 @@ class Settings:
     threads: str = "tuned"
     spin_threshold: float = 0.25
     idle_nice: int | None = 19
+    freeze_idle: bool = True
+    thaw_settle_s: float = 1.0
     kv_cache_gib: int = 1
     store_mib: int = 768
     chunk_tokens: int = 256
@@ -1049,6 +1063,7 @@ class Stack:
     tap: TimingTap | None = None
     proxy_pids: list[int] = field(default_factory=list)
     prefill_url: str | None = None  # P: its metrics (fabric's)
+    frozen: bool = False  # SIGSTOPped while another stack is measured
 
     def refresh_pids(self) -> None:
         """Every process of the stack's engines' process groups and of its proxy's."""
@@ -1071,6 +1086,32 @@ class Stack:
         out["idle"] = threads_cpu_s([t for run in self.engines for t in run.idle_threads])
         return out
 
+    def owners(self) -> list[ManagedProcess]:
+        """The processes that lead its process groups: the engines', then the proxy's."""
+        out = [run.process for run in self.engines]
+        return out + ([self.proxy] if self.proxy is not None else [])
+
+    def signal_groups(self, sig: int, owners: Sequence[ManagedProcess]) -> None:
+        """Send ``sig`` to these process groups, in this order (a group gone is skipped)."""
+        for owner in owners:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(owner.pid, sig)
+
+    def freeze(self) -> None:
+        """SIGSTOP the stack: its proxy first (no request or probe starts meanwhile), then
+        its engines."""
+        if not self.frozen:
+            self.signal_groups(signal.SIGSTOP, self.owners()[::-1])
+            self.frozen = True
+
+    def thaw(self) -> bool:
+        """SIGCONT the stack: its engines first, then its proxy. Whether it was frozen."""
+        if not self.frozen:
+            return False
+        self.signal_groups(signal.SIGCONT, self.owners())
+        self.frozen = False
+        return True
+
     def set_nice(self, nice: int) -> bool:
         """Give the scheduler autogroups of the stack's engines and proxy this nice value.
 
@@ -1079,11 +1120,8 @@ class Stack:
         a core fairly between sessions, and SCHED_IDLE only works inside one.
         False if a group could not be set.
         """
-        owners = [run.process for run in self.engines]
-        if self.proxy is not None:
-            owners.append(self.proxy)
         ok = True
-        for owner in owners:
+        for owner in self.owners():
             try:
                 Path(f"/proc/{owner.pid}/autogroup").write_text(str(nice))
             except OSError:
@@ -1105,6 +1143,22 @@ def favour(stacks: dict[str, Stack], measured: str, idle_nice: int | None) -> No
         return
     for name, stack in stacks.items():
         stack.set_nice(0 if name == measured else idle_nice)
+
+
+def freeze_others(stacks: dict[str, Stack], measured: str, settle_s: float) -> None:
+    """Freeze every stack but ``measured`` and thaw that one (then wait ``settle_s``
+    for its timers and threads to catch up, if it was frozen)."""
+    for name, stack in stacks.items():
+        if name != measured:
+            stack.freeze()
+    if stacks[measured].thaw():
+        time.sleep(settle_s)
+
+
+def thaw_all(stacks: dict[str, Stack]) -> None:
+    """Every frozen stack running again."""
+    for stack in stacks.values():
+        stack.thaw()
 
 
 def cpu_mark(stacks: dict[str, Stack]) -> CpuMark:
@@ -1351,6 +1405,8 @@ def measure(
     """One request to stack ``name`` (see the module docstring); errors are recorded, not raised."""
     stack = stacks[name]
     favour(stacks, name, settings.idle_nice if settings.threads == "tuned" else None)
+    if settings.freeze_idle:
+        freeze_others(stacks, name, settings.thaw_settle_s)
     sample = Sample(name, len(prompt), round_, position, phase, load_avg_1m=load_avg())
     body = generation_body(prompt, settings.max_tokens)
     headers = {"x-request-id": f"bench-{uuid4().hex}"}
@@ -1509,6 +1565,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
     record["memory"] = []
     samples: list[Sample] = []
     owned: list[ManagedProcess] = []
+    stacks: dict[str, Stack] | None = None
     timeout = httpx.Timeout(settings.request_timeout_s, connect=10.0)
     try:
         with TapThread() as taps, httpx.Client(timeout=timeout, trust_env=False) as client:
@@ -1537,6 +1594,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
                         say(f"{name}: warm-up failed; left out of the rounds")
                         record["stacks_dropped"][name] = sample.error
                         measured.remove(name)
+            thaw_all(stacks)  # NOTE: the tuning below looks at every engine's threads
             if tuned:
                 time.sleep(1.0)
                 # NOTE: again after the first requests: threads they started are pinned too.
@@ -1565,6 +1623,8 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
             record["phases_s"]["rounds"] = round(time.monotonic() - began, 1)
     finally:
         with signals_ignored():
+            if stacks is not None:
+                thaw_all(stacks)  # NOTE: a stopped process would not see SIGTERM
             say(f"stopping {len(owned)} processes")
             stop_all(owned)
     record["phases_s"]["total"] = round(time.monotonic() - began, 1)
@@ -1612,6 +1672,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
     p.add_argument("--threads", choices=["tuned", "shipped"], help="thread pinning (see doc)")
     p.add_argument("--spin-threshold", type=float, help="runnable share of a busy poller (0.25)")
     p.add_argument("--idle-nice", type=int, help="autogroup nice of idle stacks (19; -1: none)")
+    p.add_argument("--no-freeze", dest="freeze_idle", action="store_false", default=None,
+                   help="leave idle stacks running (default: SIGSTOP them; see doc)")  # fmt: skip
     p.add_argument("--kv-cache-gib", type=int, help="KV pool per engine (default 1)")
     p.add_argument("--store-mib", type=int, help="fabric chunk store per engine (default 768)")
     p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's step budget (default 2048)")
@@ -1640,6 +1702,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
         if not isinstance(ns.fabric_extra, dict):
             p.error("--fabric-extra: a JSON object, e.g. '{\"transfer_nice\": null}'")
         changes["fabric_extra"] = tuple(sorted(ns.fabric_extra.items()))
+    if ns.freeze_idle is not None:
+        changes["freeze_idle"] = ns.freeze_idle
     if ns.idle_nice is not None:
         changes["idle_nice"] = ns.idle_nice if ns.idle_nice >= 0 else None
     for name in ("requests", "warmup", "max_tokens", "threads", "spin_threshold", "kv_cache_gib",
@@ -1658,7 +1722,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt inside the block, so every ``finally`` runs."""
-    import signal
 
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)

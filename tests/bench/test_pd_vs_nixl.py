@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -163,6 +164,70 @@ def test_tuning_idles_a_spinning_thread_but_never_a_main_thread(bench: ModuleTyp
     finally:
         proc.kill()
         proc.wait()
+
+
+CHILD_SPINS = """
+import os, sys
+if os.fork() == 0:  # NOTE: a child in the group, as vLLM's engine core and workers are
+    while True:
+        pass
+sys.stdout.write("up\\n"); sys.stdout.flush()
+while True:
+    pass
+"""
+
+
+def _state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def test_an_idle_stack_is_stopped_whole_and_continued_before_its_request(
+    bench: ModuleType, tmp_path: Any
+) -> None:
+    """Every process of the stacks not measured -- each group's children too --
+    is stopped (uses no CPU), and the measured one runs again: fabric's idle
+    engines do not poll, NIXL's do, so nice values alone let the idle NIXL
+    stacks take more of the cores from fabric's requests than fabric's took
+    from theirs."""
+    from fabric.launch.process import ManagedProcess
+
+    def spinner(name: str) -> ManagedProcess:
+        proc = ManagedProcess(
+            [sys.executable, "-c", CHILD_SPINS], log_path=tmp_path / f"{name}.log", name=name
+        )
+        deadline = time.monotonic() + 10
+        while len(proc.group_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return proc
+
+    procs = {name: spinner(name) for name in ("a", "b")}
+    try:
+        stacks = {
+            name: bench.Stack(name, "http://unused", [], proxy=proc) for name, proc in procs.items()
+        }
+        pids = {name: proc.group_pids() for name, proc in procs.items()}
+        assert all(len(group) == 2 for group in pids.values()), pids
+
+        bench.freeze_others(stacks, "a", settle_s=0.0)
+        time.sleep(0.1)
+        assert {_state(pid) for pid in pids["b"]} == {"T"}
+        assert "T" not in {_state(pid) for pid in pids["a"]}
+        used = bench.process_cpu_s(pids["b"])
+        time.sleep(0.3)
+        assert bench.process_cpu_s(pids["b"]) == used  # not one tick while stopped
+
+        bench.freeze_others(stacks, "b", settle_s=0.0)
+        time.sleep(0.1)
+        assert {_state(pid) for pid in pids["a"]} == {"T"}
+        assert "T" not in {_state(pid) for pid in pids["b"]}
+        assert stacks["a"].frozen and not stacks["b"].frozen
+
+        bench.thaw_all(stacks)
+        time.sleep(0.1)
+        assert "T" not in {_state(pid) for group in pids.values() for pid in group}
+    finally:
+        for proc in procs.values():
+            proc.kill_group()
 
 
 METRICS_TEXT = """\
@@ -422,6 +487,7 @@ def test_options_quick_and_stack_subsets(bench: ModuleType) -> None:
     )
     assert alias.stacks == ("colocated",) and alias.lengths == (512,) and not alias.kv_heavy
     assert alias.idle_nice is None and settings.idle_nice == 19
+    assert settings.freeze_idle and not bench.parse_args(["--no-freeze"])[0].freeze_idle
     longer, _, _ = bench.parse_args(["--lengths", "8192"])
     assert longer.max_model_len == 8192 + 512
     with pytest.raises(SystemExit):
