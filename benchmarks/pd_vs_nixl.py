@@ -124,7 +124,10 @@ nixl-pull, over nixl-push, over ``nixl`` (at that length the one of pull
 and push with the lower median of that metric) and, for TTFT, over
 colocated, each with a
 bootstrap 90% interval (each side resampled, ``--bootstrap-draws`` 2,000)
-and the ratio of p90s.
+and the ratio of p90s. And a yardstick for those ratios (``noise``):
+nixl-pull's TTFT and P prefill over nixl-push's, computed the same way.
+The two run the same engines and the same prefill, so how far their
+prefill ratio lands from 1 is the noise of a ratio of medians here.
 
 Output: a table, ``benchmarks/results/pd_vs_nixl-<date>.json`` (machine,
 settings, git state, every raw sample; ``pd_vs_nixl-quick-<date>.json``
@@ -759,6 +762,39 @@ def ratios(
                 }
             per_metric[short] = per_base
         out[str(length)] = per_metric
+    return out
+
+
+def noise(
+    samples: list[dict[str, Any]], lengths: Sequence[int], draws: int = 2000
+) -> dict[str, Any]:
+    """Per length, nixl-pull's TTFT and P prefill over nixl-push's, like fabric's ratios.
+
+    The two stacks run the same engines and the same prefill (only the
+    handoff differs), so how far their P prefill ratio lands from 1 is what
+    this machine's noise does to a ratio of medians of ``requests`` samples:
+    the yardstick for fabric's. ``spread_max``: the worst length's
+    ``max(r, 1/r)``.
+    """
+    out: dict[str, Any] = {}
+    for short in ("ttft", "prefill"):
+        metric = RATIO_METRICS[short]
+        per_length: dict[str, Any] = {}
+        for length in lengths:
+            pull = values(samples, "nixl-pull", length, metric)
+            push = values(samples, "nixl-push", length, metric)
+            if not pull or not push:
+                continue
+            interval = bootstrap_ratio(pull, push, draws)
+            per_length[str(length)] = {
+                "ratio": _round(ratio(median(pull), median(push)), 4),
+                "interval_90": [round(v, 4) for v in interval] if interval else None,
+            }
+        spreads = [max(e["ratio"], 1 / e["ratio"]) for e in per_length.values() if e["ratio"]]
+        out[short] = {
+            "pull_over_push": per_length,
+            "spread_max": round(max(spreads), 3) if spreads else None,
+        }
     return out
 
 
@@ -1634,6 +1670,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
     record["summary"] = summarize(raw)
     record["ratios"] = ratios(raw, settings.lengths, settings.bootstrap_draws)
     record["idle_stacks"] = idle_stacks(raw)
+    record["noise"] = noise(raw, settings.lengths, settings.bootstrap_draws)
     record["peak_mem_used_gib"] = max(
         (s["mem_used_gib"] for s in raw if s["mem_used_gib"] is not None), default=None
     )
@@ -1749,6 +1786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(ratio_table(record["ratios"]))
     print(f"idle stacks' cores during measured requests: {json.dumps(record['idle_stacks'])}")
+    print(f"noise (nixl-pull over nixl-push, the same engines): {json.dumps(record['noise'])}")
     paths = {row["length"]: row["paths"] for row in record["summary"] if row.get("paths")}
     if paths:
         print(f"fabric's paths (direct_reads auto), per prompt length: {json.dumps(paths)}")

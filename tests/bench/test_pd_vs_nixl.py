@@ -391,6 +391,23 @@ def test_ratios_take_the_better_nixl_per_length_and_metric(bench: ModuleType) ->
     assert "[push]" in text and "[pull]" in text
 
 
+def test_noise_is_pull_over_push_computed_like_fabrics_ratios(bench: ModuleType) -> None:
+    samples = [s for s in _samples(bench) if not s["fallback"]]
+
+    found = bench.noise(samples, (1024, 4096), draws=200)
+
+    pull = [s["prefill_s"] for s in samples if s["stack"] == "nixl-pull" and s["length"] == 1024]
+    push = [s["prefill_s"] for s in samples if s["stack"] == "nixl-push" and s["length"] == 1024]
+    want = bench.median(pull) / bench.median(push)
+    assert found["prefill"]["pull_over_push"]["1024"]["ratio"] == pytest.approx(want, abs=1e-4)
+    spreads = [max(e["ratio"], 1 / e["ratio"]) for e in found["ttft"]["pull_over_push"].values()]
+    assert found["ttft"]["spread_max"] == pytest.approx(max(spreads), abs=1e-3)
+    assert bench.noise([s for s in samples if s["stack"] != "nixl-push"], (1024,)) == {
+        "ttft": {"pull_over_push": {}, "spread_max": None},
+        "prefill": {"pull_over_push": {}, "spread_max": None},
+    }
+
+
 def test_headline_is_the_worst_length_of_each_ratio(bench: ModuleType) -> None:
     samples = [s for s in _samples(bench) if not s["fallback"]]
     table = bench.ratios(samples, (1024, 4096), draws=200)
