@@ -143,6 +143,12 @@ over colocated's at 4k; ``null`` where not measured. Progress goes to
 stderr; engine and proxy logs stay in ``--workdir`` (default: a new temp
 dir), ``logs/<stack>-<engine>.log``.
 
+``--pool A.json B.json ...`` runs nothing: it pools the measured samples of
+runs made with the same settings (those that shape a measurement) and
+prints and saves (``pd_vs_nixl-pooled-<date>.json``, with its sources) the
+same tables and headline over them all: 14 requests per point from two
+runs, where one 25-minute run holds 7.
+
 Fairness: identical engine flags (``--enforce-eager``, bf16, block size
 128, ``--max-num-batched-tokens`` 2048, ``--max-model-len`` 4608, seed 0,
 prefix caching on), KV pool per engine (``--kv-cache-gib`` 1), loopback
@@ -1695,8 +1701,77 @@ def _memory(stacks: dict[str, Stack], when: str) -> dict[str, Any]:
     }
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None, Path]:
-    """Settings, work dir (None: a new temp dir) and results dir from the command line."""
+POOLED_SETTINGS = (
+    "lengths", "max_tokens", "stacks", "kv_heavy", "threads", "idle_nice", "freeze_idle",
+    "kv_cache_gib", "store_mib", "chunk_tokens", "max_num_batched_tokens", "max_model_len",
+    "prefill_core", "decode_core", "quick", "fabric_extra",
+)  # fmt: skip
+"""What runs must share to be pooled: what shapes a measurement (not the seed,
+the rounds or the bootstrap)."""
+
+
+class PoolError(ValueError):
+    """Runs that cannot be pooled."""
+
+
+def pool(records: Sequence[dict[str, Any]], draws: int = 2000) -> dict[str, Any]:
+    """One record from several runs' measured samples: summary, ratios, noise and
+    headline recomputed over them all.
+
+    The runs must agree on :data:`POOLED_SETTINGS` (a :class:`PoolError`
+    names the first field that differs). Each run's samples keep their
+    ``matches_colocated`` (compared within their own round); their rounds are
+    renumbered after the runs before them. The record lists its sources
+    (date, git commit and dirty files, headline) and keeps no warm-up samples.
+    """
+    if len(records) < 2:
+        raise PoolError("pooling needs at least two runs")
+    first = records[0]["settings"]
+    for record in records[1:]:
+        for name in POOLED_SETTINGS:
+            if record["settings"].get(name) != first.get(name):
+                raise PoolError(
+                    f"settings.{name} differs: {first.get(name)!r} and "
+                    f"{record['settings'].get(name)!r}"
+                )
+    samples: list[dict[str, Any]] = []
+    offset = 0
+    for record in records:
+        rounds = [s["round"] for s in record["samples"]]
+        samples += [{**s, "round": s["round"] + offset} for s in record["samples"]]
+        offset += max(rounds, default=-1) + 1
+    lengths = tuple(first["lengths"])
+    out: dict[str, Any] = {"benchmark": "pd_vs_nixl", "pooled": True}
+    out["settings"] = {
+        **first,
+        "requests": sum(r["settings"]["requests"] for r in records),
+        "bootstrap_draws": draws,
+    }
+    out["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    out["sources"] = [
+        {
+            "date": r.get("date"),
+            "git": (r.get("machine") or {}).get("git"),
+            "git_dirty": (r.get("machine") or {}).get("git_dirty"),
+            "headline": r.get("headline"),
+        }
+        for r in records
+    ]
+    out["machine"] = records[0].get("machine")
+    out["samples"] = samples
+    out["summary"] = summarize(samples)
+    out["ratios"] = ratios(samples, lengths, draws)
+    out["idle_stacks"] = idle_stacks(samples)
+    out["noise"] = noise(samples, lengths, draws)
+    out["headline"] = headline(out["ratios"])
+    return out
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+) -> tuple[Settings, Path | None, Path, list[Path] | None]:
+    """Settings, work dir (None: a new temp dir), results dir and the runs to pool
+    (None: run) from the command line."""
     p = argparse.ArgumentParser(prog="benchmarks/pd_vs_nixl.py", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1k only, 2 rounds (a smoke run)")
     p.add_argument("--lengths", help="prompt lengths, comma-separated (default 1024,2048,4096)")
@@ -1722,7 +1797,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
                         '\'{"transfer_nice": null}\'')  # fmt: skip
     p.add_argument("--workdir", type=Path, help="engine logs and caches (default: a temp dir)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--pool", type=Path, nargs="+", metavar="RESULT",
+                   help="run nothing: pool these runs' samples (same settings) into one "
+                        "result")  # fmt: skip
     ns = p.parse_args(argv)
+    if ns.pool is not None and len(ns.pool) < 2:
+        p.error("--pool: at least two result files")
     settings = Settings(lengths=(1024,), requests=2, quick=True) if ns.quick else Settings()
     changes: dict[str, Any] = {}
     if ns.lengths:
@@ -1753,7 +1833,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
         p.error("--requests and --lengths must be >= 1")
     if max(settings.lengths) + settings.max_tokens + 1 > settings.max_model_len:
         settings = replace(settings, max_model_len=max(settings.lengths) + 512)
-    return settings, ns.workdir, ns.results_dir
+    return settings, ns.workdir, ns.results_dir, ns.pool
 
 
 @contextlib.contextmanager
@@ -1771,8 +1851,17 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run, print the tables, save the JSON, end with the headline JSON line."""
-    settings, workdir, results_dir = parse_args(argv)
+    """Run (or pool runs), print the tables, save the JSON, end with the headline JSON line."""
+    settings, workdir, results_dir, pooled = parse_args(argv)
+    if pooled is not None:
+        try:
+            runs = [json.loads(path.read_text()) for path in pooled]
+            record = pool(runs, settings.bootstrap_draws)
+        except (OSError, ValueError) as exc:  # NOTE: PoolError and bad JSON are ValueErrors
+            print(f"--pool: {exc}", file=sys.stderr)
+            return 2
+        record["pooled_from"] = [str(path) for path in pooled]
+        return report(record, results_dir, "pd_vs_nixl-pooled")
     workdir = (workdir or Path(tempfile.mkdtemp(prefix="pd_vs_nixl-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"work dir (engine logs): {workdir}")
@@ -1782,6 +1871,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         say(f"interrupted ({exc or 'SIGINT'}); every process was stopped")
         return 130
+    return report(record, results_dir, "pd_vs_nixl-quick" if settings.quick else "pd_vs_nixl")
+
+
+def report(record: dict[str, Any], results_dir: Path, kind: str) -> int:
+    """Print the tables, save the record as ``<kind>-<date>.json``, end with the headline."""
     print(table(record["summary"]))
     print()
     print(ratio_table(record["ratios"]))
@@ -1790,10 +1884,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = {row["length"]: row["paths"] for row in record["summary"] if row.get("paths")}
     if paths:
         print(f"fabric's paths (direct_reads auto), per prompt length: {json.dumps(paths)}")
-    print(f"elapsed {record['phases_s']['total']:.0f} s; peak memory in use "
-          f"{record['peak_mem_used_gib']} GiB")  # fmt: skip
+    if "phases_s" in record:
+        print(f"elapsed {record['phases_s']['total']:.0f} s; peak memory in use "
+              f"{record['peak_mem_used_gib']} GiB")  # fmt: skip
     results_dir.mkdir(parents=True, exist_ok=True)
-    kind = "pd_vs_nixl-quick" if settings.quick else "pd_vs_nixl"
     path = results_dir / f"{kind}-{datetime.date.today().isoformat()}.json"
     if path.exists():  # NOTE: a second run the same day keeps the first
         path = path.with_name(f"{path.stem}-{datetime.datetime.now():%H%M%S}.json")

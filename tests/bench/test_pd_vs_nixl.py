@@ -408,6 +408,62 @@ def test_noise_is_pull_over_push_computed_like_fabrics_ratios(bench: ModuleType)
     }
 
 
+def _run_record(bench: ModuleType, scale: float, git: str) -> dict[str, Any]:
+    samples = [s for s in _samples(bench) if not s["fallback"]]
+    for s in samples:
+        if s["stack"] == "fabric" and s["ttft_s"] is not None:
+            s["ttft_s"] *= scale
+    settings = asdict(bench.Settings(lengths=(1024, 4096), requests=4))
+    return {"settings": settings, "samples": samples, "machine": {"git": git}, "date": git}
+
+
+def test_runs_pool_into_one_record_only_with_the_same_settings(
+    bench: ModuleType, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = _run_record(bench, 1.0, "aaa"), _run_record(bench, 2.0, "bbb")
+
+    pooled = bench.pool([a, b], draws=200)
+
+    assert pooled["settings"]["requests"] == 8
+    assert [src["git"] for src in pooled["sources"]] == ["aaa", "bbb"]
+
+    def fabric_1k(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        key = ("fabric", 1024, "round")
+        return [s for s in samples if (s["stack"], s["length"], s["phase"]) == key]
+
+    assert len(fabric_1k(pooled["samples"])) == 2 * len(fabric_1k(a["samples"]))
+    rounds = {s["round"] for s in a["samples"]}
+    assert len({s["round"] for s in pooled["samples"]}) == 2 * len(rounds)
+    both = [s["ttft_s"] for s in fabric_1k(pooled["samples"]) if s["ttft_s"] is not None]
+    assert bench.find_row(pooled["summary"], "fabric", 1024)["ttft_s"] == pytest.approx(
+        bench.median(both)
+    )
+    assert set(pooled["headline"]) == set(bench.headline(bench.ratios(a["samples"], (1024,))))
+    assert "pull_over_push" in pooled["noise"]["prefill"]
+
+    other = _run_record(bench, 1.0, "ccc")
+    other["settings"]["fabric_extra"] = [["direct_reads", True]]
+    with pytest.raises(bench.PoolError, match="fabric_extra"):
+        bench.pool([a, other])
+    with pytest.raises(bench.PoolError):
+        bench.pool([a])
+
+    paths = []
+    for i, record in enumerate((a, b)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(record))
+    out_dir = tmp_path / "results"
+    argv = ["--pool", *map(str, paths), "--results-dir", str(out_dir), "--bootstrap-draws", "100"]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[-1]) == bench.pool([a, b], draws=100)["headline"]
+    [written] = out_dir.glob("pd_vs_nixl-pooled-*.json")
+    assert json.loads(written.read_text())["pooled_from"] == [str(p) for p in paths]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert bench.main(["--pool", str(paths[0]), str(bad)]) == 2
+
+
 def test_headline_is_the_worst_length_of_each_ratio(bench: ModuleType) -> None:
     samples = [s for s in _samples(bench) if not s["fallback"]]
     table = bench.ratios(samples, (1024, 4096), draws=200)
@@ -492,20 +548,21 @@ def test_stream_completion_reports_an_engine_error(bench: ModuleType) -> None:
 
 
 def test_options_quick_and_stack_subsets(bench: ModuleType) -> None:
-    settings, workdir, _ = bench.parse_args([])
+    settings, workdir, _, pooled = bench.parse_args([])
+    assert pooled is None
     assert settings.lengths == (1024, 2048, 4096) and settings.requests == 7
     assert settings.stacks == bench.STACKS and settings.kv_heavy and workdir is None
 
-    quick, _, _ = bench.parse_args(["--quick", "--stacks", "nixl-push,fabric"])
+    quick, *_ = bench.parse_args(["--quick", "--stacks", "nixl-push,fabric"])
     assert quick.quick and quick.lengths == (1024,) and quick.requests == 2
     assert quick.stacks == ("fabric", "nixl-push")  # in the canonical order
-    alias, _, _ = bench.parse_args(
+    alias, *_ = bench.parse_args(
         ["--setups", "colocated", "--lengths", "512", "--tiny", "--idle-nice", "-1"]
     )
     assert alias.stacks == ("colocated",) and alias.lengths == (512,) and not alias.kv_heavy
     assert alias.idle_nice is None and settings.idle_nice == 19
     assert settings.freeze_idle and not bench.parse_args(["--no-freeze"])[0].freeze_idle
-    longer, _, _ = bench.parse_args(["--lengths", "8192"])
+    longer, *_ = bench.parse_args(["--lengths", "8192"])
     assert longer.max_model_len == 8192 + 512
     with pytest.raises(SystemExit):
         bench.parse_args(["--stacks", "nixl"])
