@@ -10,6 +10,9 @@ start while one runs) and writes one JSON result per line on stdout::
  -> {"id": 3, "status": 200, "body": "...", "events": [...], "ttft_s": 0.4,
      "elapsed_s": 1.2, "error": null}
 
+A stream command with ``"notify_events": n`` also gets ``{"id": 3,
+"progress": n}`` as soon as its ``n``-th event arrived, while it is open.
+
 ``events``: a stream's ``data:`` payloads, parsed (``[DONE]`` as the string);
 ``ttft_s``: until the first event (a stream) or the answer (otherwise);
 ``error``: the transport error that ended the call, if one did;
@@ -52,6 +55,14 @@ def _run(command: dict[str, Any], out: threading.Lock) -> None:
                         result["ttft_s"] = time.monotonic() - started
                     data = line[6:]
                     result["events"].append(data if data == "[DONE]" else json.loads(data))
+                    if len(result["events"]) == command.get("notify_events"):
+                        with out:
+                            print(
+                                json.dumps(
+                                    {"id": command["id"], "progress": len(result["events"])}
+                                ),
+                                flush=True,
+                            )
             else:
                 result["body"] = answer.read().decode(errors="replace")
                 result["ttft_s"] = time.monotonic() - started
@@ -87,12 +98,17 @@ class NsClient:
         self._ids = itertools.count()
         self._results: dict[int, dict[str, Any]] = {}
         self._arrived: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._progress: dict[int, int] = {}  # NOTE: written by the reader thread only
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            self._arrived.put(json.loads(line))
+            message = json.loads(line)
+            if "progress" in message:
+                self._progress[message["id"]] = message["progress"]
+            else:
+                self._arrived.put(message)
 
     def submit(
         self,
@@ -101,12 +117,14 @@ class NsClient:
         *,
         method: str = "POST",
         timeout: float = 300,
+        notify_events: int | None = None,
     ) -> int:
-        """Start a request; its id for :meth:`result`."""
+        """Start a request; its id for :meth:`result` (and :meth:`progressed`,
+        with ``notify_events``: a stream's events to count)."""
         ident = next(self._ids)
         stream = bool(payload and payload.get("stream"))
         command = {"id": ident, "method": method, "url": url, "json": payload}
-        command |= {"stream": stream, "timeout": timeout}
+        command |= {"stream": stream, "timeout": timeout, "notify_events": notify_events}
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
@@ -135,6 +153,11 @@ class NsClient:
                 break
             self._results[arrived["id"]] = arrived
         return self._results.get(ident)
+
+    def progressed(self, ident: int) -> int:
+        """Events the client had read of stream ``ident`` when it last told
+        (its ``notify_events``, once that many came; 0 before)."""
+        return self._progress.get(ident, 0)
 
     def call(self, url: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
         """A request, waited for."""

@@ -334,6 +334,9 @@ STREAM_TRIES = 3
 """Streams tried before a decode partition: one that ends before the cut is
 replaced (the test is about the cut, not about how fast the poll is)."""
 
+STREAMING_EVENTS = 20
+"""Events the client reads of a stream before it counts as being generated."""
+
 CUT_TRIES = 3
 """Decode partitions tried: a stream that still ended whole before the cut
 took effect (the machine stalled the test between its check and the cut:
@@ -381,6 +384,7 @@ def _start_stream_to_cut(rig: Rig, seed: int) -> tuple[list[int], int]:
         ident = rig.client.submit(
             rig.proxy("/v1/completions"),
             request(prompt, stream=True, max_tokens=STREAM_TOKENS),
+            notify_events=STREAMING_EVENTS,
         )
         early = _wait_streaming(rig, ident)
         if early is None:
@@ -392,28 +396,28 @@ def _start_stream_to_cut(rig: Rig, seed: int) -> tuple[list[int], int]:
 
 
 def _wait_streaming(rig: Rig, ident: int) -> dict[str, Any] | None:
-    """Until the decoder generates (its generation token count moved) while
-    the client's stream ``ident`` is still open: None. The stream's result,
-    summed up, if it ended first (a fast decoder and a poll slowed by a busy
-    machine: each poll is a /metrics call through the client's namespace).
+    """Until the client has read ``STREAMING_EVENTS`` events of its stream
+    ``ident`` while it is still open (the decoder generates it): None. The
+    stream's result, summed up, if it ended first.
 
-    The client says whether its stream is open; the decoder's
-    running-requests gauge only stood in for that (CI once waited 60 s on
-    this with no way to tell a stream that never started from one that
-    ended early)."""
-    start = rig.metric("hostd", "vllm:generation_tokens_total")
+    The client itself tells (``notify_events``), so nothing here depends on
+    a poll's pace. Before, a poll of D's /metrics through the client's
+    namespace (its generation counter) stood in: in a full run on a busy
+    machine, three 3,800-token streams (14.6 s each) all ended before it
+    saw 20 tokens with the stream open. And before that, D's
+    running-requests gauge could not tell a stream that never started from
+    one that ended early (CI waited 60 s on it)."""
     deadline = time.monotonic() + 60
-    seen: list[float] = []
     while True:
-        seen.append(rig.metric("hostd", "vllm:generation_tokens_total") - start)
+        progressed = rig.client.progressed(ident)
         ended = rig.client.finished(ident)
         if ended is not None:
             rig.client.result(ident, timeout=1)  # NOTE: taken, so it is not kept
             return _summary(ended)
-        if seen[-1] >= 20:
+        if progressed >= STREAMING_EVENTS:
             return None
-        assert time.monotonic() < deadline, ("the decoder never started generating", seen[-5:])
-        time.sleep(0.2)
+        assert time.monotonic() < deadline, ("the stream never started", progressed)
+        time.sleep(0.05)
 
 
 def _check_outcome(
