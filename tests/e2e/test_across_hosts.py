@@ -416,6 +416,7 @@ def _wait_streaming(rig: Rig, ident: int) -> dict[str, Any] | None:
             return _summary(ended)
         if progressed >= STREAMING_EVENTS:
             return None
+        assert rig.client.process.poll() is None, "the namespace client exited"
         assert time.monotonic() < deadline, ("the stream never started", progressed)
         time.sleep(0.05)
 
