@@ -760,14 +760,15 @@ def find_row(rows: list[dict[str, Any]], stack: str, length: int) -> dict[str, A
 
 
 def values(samples: list[dict[str, Any]], stack: str, length: int, metric: str) -> list[float]:
-    """The metric's values over the good samples of (stack, length)."""
-    return [s[metric] for s in good(samples, stack, length) if s[metric] is not None]
+    """The metric's values over the good samples of (stack, length), run by run."""
+    return [v for run in run_values(samples, stack, length, metric) for v in run]
 
 
 def run_values(
     samples: list[dict[str, Any]], stack: str, length: int, metric: str
 ) -> list[list[float]]:
-    """:func:`values` by run (a pooled record's samples carry their ``run``; one run else)."""
+    """The metric's values over the good samples of (stack, length), by run (a
+    pooled record's samples carry their ``run``; one run else)."""
     by_run: dict[int, list[float]] = {}
     for s in good(samples, stack, length):
         if s[metric] is not None:
@@ -790,20 +791,18 @@ def ratios(
     for length in lengths:
         per_metric: dict[str, Any] = {}
         for short, metric in RATIO_METRICS.items():
-            mine = values(samples, "fabric", length, metric)
+            mine_runs = run_values(samples, "fabric", length, metric)
+            mine = [v for run in mine_runs for v in run]
             per_base: dict[str, Any] = {}
             for base in BASELINES:
                 if base == "colocated" and short != "ttft":
                     continue
                 stack = best_nixl(samples, length, metric) if base == "nixl" else base
-                theirs = values(samples, stack, length, metric) if stack else []
+                theirs_runs = run_values(samples, stack, length, metric) if stack else []
+                theirs = [v for run in theirs_runs for v in run]
                 if not mine or not theirs:
                     continue
-                interval = bootstrap_ratio(
-                    run_values(samples, "fabric", length, metric),
-                    run_values(samples, stack, length, metric) if stack else [],
-                    draws,
-                )
+                interval = bootstrap_ratio(mine_runs, theirs_runs, draws)
                 per_base[base] = {
                     "stack": stack,
                     "ratio": _round(ratio(median(mine), median(theirs)), 4),
@@ -828,30 +827,23 @@ def noise(
     handoffs, so TTFT is not compared). ``spread_max``: the worst length's
     ``max(r, 1/r)``.
     """
-    out: dict[str, Any] = {}
-    for short in ("prefill",):
-        metric = RATIO_METRICS[short]
-        per_length: dict[str, Any] = {}
-        for length in lengths:
-            pull = values(samples, "nixl-pull", length, metric)
-            push = values(samples, "nixl-push", length, metric)
-            if not pull or not push:
-                continue
-            interval = bootstrap_ratio(
-                run_values(samples, "nixl-pull", length, metric),
-                run_values(samples, "nixl-push", length, metric),
-                draws,
-            )
-            per_length[str(length)] = {
-                "ratio": _round(ratio(median(pull), median(push)), 4),
-                "interval_90": [round(v, 4) for v in interval] if interval else None,
-            }
-        spreads = [max(e["ratio"], 1 / e["ratio"]) for e in per_length.values() if e["ratio"]]
-        out[short] = {
-            "pull_over_push": per_length,
-            "spread_max": round(max(spreads), 3) if spreads else None,
+    metric = RATIO_METRICS["prefill"]
+    per_length: dict[str, Any] = {}
+    for length in lengths:
+        pull_runs = run_values(samples, "nixl-pull", length, metric)
+        push_runs = run_values(samples, "nixl-push", length, metric)
+        if not pull_runs or not push_runs:
+            continue
+        interval = bootstrap_ratio(pull_runs, push_runs, draws)
+        pull_median = median(v for run in pull_runs for v in run)
+        push_median = median(v for run in push_runs for v in run)
+        per_length[str(length)] = {
+            "ratio": _round(ratio(pull_median, push_median), 4),
+            "interval_90": [round(v, 4) for v in interval] if interval else None,
         }
-    return out
+    spreads = [max(e["ratio"], 1 / e["ratio"]) for e in per_length.values() if e["ratio"]]
+    spread_max = round(max(spreads), 3) if spreads else None
+    return {"prefill": {"pull_over_push": per_length, "spread_max": spread_max}}
 
 
 def headline(table: dict[str, Any]) -> dict[str, float | None]:
@@ -1869,7 +1861,7 @@ def pool(records: Sequence[dict[str, Any]], draws: int = 2000) -> dict[str, Any]
         }
         for r in records
     ]
-    out["machine"] = {k: v for k, v in machine.items() if k not in ("git", "git_dirty")}
+    out["machine"] = {k: v for k, v in machine.items() if k not in MACHINE_NOT_POOLED}
     out["samples"] = samples
     out["summary"] = summarize(samples)
     out["ratios"] = ratios(samples, lengths, draws)
