@@ -243,6 +243,11 @@ class ProxyConfig(Settings):
     estimated prompt tokens one decoder may hold early from this proxy at
     once (0: a quarter of the decoder's KV cache, as its ``/metrics`` reports it;
     no bound until read); past it a request takes the sequential flow.
+    ``first_token``: ``prefiller`` streams the token the prefiller sampled
+    as soon as it answers, then the decoder's stream from its second token
+    (checked against the first); for early handoffs of streamed, greedy or
+    seeded completions (:mod:`fabric.router.first_token` says which);
+    ``decoder`` (default) relays the decoder's own first token.
 
     ``admin_token_env``: the name of an environment variable holding the
     bearer token that ``POST /fabric/lookup|clear|pin`` require
@@ -273,6 +278,7 @@ class ProxyConfig(Settings):
     cache_aware_max_imbalance: Annotated[int, Field(strict=True, ge=0)] = 4
     handoff: Literal["early", "sequential"] = "early"
     early_max_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
+    first_token: Literal["decoder", "prefiller"] = "decoder"
     admin_token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

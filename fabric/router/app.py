@@ -283,6 +283,11 @@ async def _metrics(state: ProxyState) -> Response:
     for name, value in state.counter_values().items():
         metric = f"fabric_proxy_{name}_total"
         lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
+    lines += [
+        "# TYPE fabric_proxy_first_token_lag_seconds summary",
+        f"fabric_proxy_first_token_lag_seconds_sum {state.first_token_lag_s}",
+        f"fabric_proxy_first_token_lag_seconds_count {state.first_token_lags}",
+    ]
     lines += ["# TYPE fabric_proxy_in_flight gauge", f"fabric_proxy_in_flight {state.in_flight}"]
     ready = int(state.readiness.ready)
     lines += ["# TYPE fabric_proxy_ready gauge", f"fabric_proxy_ready {ready}"]

@@ -88,9 +88,11 @@ from fabric.router.asgi import (
 )
 from fabric.router.engines import Engine, describe, is_drain_refusal
 from fabric.router.errors import INTERNAL, UNAVAILABLE, ProxyError, error_body
+from fabric.router.first_token import FirstToken, eligible
 from fabric.router.handoff import early_params
 from fabric.router.prefix import body_identity, lookup_all, prompt_token_ids
 from fabric.router.relay import (
+    FirstTokenWait,
     Relay,
     check_drain_refusal,
     count_transport_error,
@@ -100,6 +102,7 @@ from fabric.router.relay import (
 )
 from fabric.router.requests import (
     Endpoint,
+    decode_body,
     decode_content,
     dump_json,
     estimate_prompt_tokens,
@@ -260,20 +263,27 @@ async def _serve(
     # load-aware policies see requests that are still prefilling; _decode
     # and relay_stream take the count over and release it.
     decode.outstanding += 1
+    first: FirstTokenWait | None = None
     try:
         if local:
             state.counters.local_decodes += 1
             params = None
         elif prefill is not None and (tokens := _admit_early(state, decode, body, endpoint)):
             params = early_params(transfer_id)
+            if state.config.first_token == "prefiller" and eligible(body, endpoint):
+                future = asyncio.get_running_loop().create_future()
+                first = FirstTokenWait(future, bool(body.get("return_token_ids")))
             record.early = _start_early(
-                state, prefill, decode, endpoint, body, transfer_id, headers, tokens
+                state, prefill, decode, endpoint, body, transfer_id, headers, tokens, first
             )
         else:
             params = await _prefill_or_none(
                 state, prefill, decode, endpoint, body, transfer_id, headers
             )
-        content = decode_content(raw, body, params)
+        if first is not None:  # NOTE: the proxy tells tokens apart by their ids
+            content = dump_json({**decode_body(body, params), "return_token_ids": True})
+        else:
+            content = decode_content(raw, body, params)
     except BaseException:
         decode.outstanding -= 1
         state.policy.on_finish(prefill, decode, False)
@@ -283,7 +293,7 @@ async def _serve(
         try:
             timeouts = state.decode_timeouts if record.early is None else state.early_timeouts
             return await _send_decode(
-                state, prefill, decode, endpoint, body, content, headers, deadline, timeouts
+                state, prefill, decode, endpoint, body, content, headers, deadline, timeouts, first
             )
         except ProxyError as exc:
             retry = _other_decoder(state, tried) if exc.retryable else None
@@ -297,7 +307,7 @@ async def _serve(
         _cancel_early(record)
         record.early = None
         logger.warning("%s: %s; %s computes the prompt", transfer_id, reason, retry.name)
-        prefill, decode = None, retry
+        prefill, decode, first = None, retry, None
         tried.append(decode)
         decode.outstanding += 1
         record.prefill, record.decode = None, decode.name
@@ -314,14 +324,18 @@ async def _send_decode(
     headers: dict[str, str],
     deadline: float,
     timeouts: Timeouts,
+    first: FirstTokenWait | None = None,
 ) -> Answer | Relay:
     """D's answer: a stream to relay (see :mod:`fabric.router.relay`) or whole.
 
     ``timeouts``: an early handoff's D call waits for the prefill too (its
-    read bound is ``prefill_timeout_s + decode_timeout_s``)."""
+    read bound is ``prefill_timeout_s + decode_timeout_s``). ``first``:
+    P's first token goes first (:mod:`fabric.router.first_token`)."""
     url = decode.url + endpoint.path
     if is_stream(body):
-        return await relay_stream(state, prefill, decode, url, content, headers, deadline, timeouts)
+        return await relay_stream(
+            state, prefill, decode, url, content, headers, deadline, timeouts, first
+        )
     return await _decode(state, prefill, decode, url, content, headers, timeouts)
 
 
@@ -388,16 +402,22 @@ def _start_early(
     transfer_id: str,
     headers: dict[str, str],
     tokens: int,
+    first: FirstTokenWait | None = None,
 ) -> asyncio.Task[None]:
     """Start the prefill leg of an early handoff (see :mod:`fabric.router.handoff`).
 
     Its end however it ends (answered, failed, cancelled by the request's end
     or by ``prefill`` being marked down, even before it ran) is told to D and
-    releases D's early budget, in the task's done callback.
+    releases D's early budget, in the task's done callback. With ``first``,
+    P is asked for token ids and its token is set there (None however else
+    the leg ends).
     """
     kv_endpoint = decode.kv_endpoint
     assert kv_endpoint is not None  # _admit_early checked
-    content = dump_json(prefill_body(body, transfer_id, kv_endpoint))
+    prefill_request = prefill_body(body, transfer_id, kv_endpoint)
+    if first is not None:
+        prefill_request["return_token_ids"] = True
+    content = dump_json(prefill_request)
     state.counters.early_handoffs += 1
     decode.early_tokens += tokens
     decode.early_requests += 1
@@ -406,12 +426,15 @@ def _start_early(
 
     async def leg() -> None:
         try:
-            params, reason = await _call_prefill(state, prefill, endpoint, content, headers)
+            params, reason, answer = await _call_prefill(state, prefill, endpoint, content, headers)
         except Exception as exc:  # NOTE: a bug, not an engine failure (those are answers)
             logger.exception("%s: the prefill leg on %s failed", transfer_id, prefill.name)
             outcome["reason"] = f"{type(exc).__name__}: {exc}"
             return
         outcome["ok"], outcome["reason"] = params is not None, reason
+        if first is not None and params is not None and not first.future.done():
+            at = asyncio.get_running_loop().time()
+            first.future.set_result(FirstToken.of(answer, at))
         if params is None:
             state.counters.fallbacks += 1
             logger.warning(
@@ -420,6 +443,8 @@ def _start_early(
             )  # fmt: skip
 
     def ended(task: asyncio.Task[None]) -> None:
+        if first is not None and not first.future.done():
+            first.future.set_result(None)
         decode.early_tokens -= tokens
         decode.early_requests -= 1
         prefill.legs.discard(task)
@@ -466,7 +491,7 @@ async def _prefill_or_none(
         return None
     assert decode.kv_endpoint is not None  # EnginePool checks decoders have one
     content = dump_json(prefill_body(body, transfer_id, decode.kv_endpoint))
-    params, reason = await _call_prefill(state, prefill, endpoint, content, headers)
+    params, reason, _ = await _call_prefill(state, prefill, endpoint, content, headers)
     if params is None:
         state.counters.fallbacks += 1
         logger.warning(
@@ -478,8 +503,8 @@ async def _prefill_or_none(
 
 async def _call_prefill(
     state: ProxyState, prefill: Engine, endpoint: Endpoint, content: bytes, headers: dict[str, str]
-) -> tuple[dict[str, Any] | None, str]:
-    """POST the prefill; ``(params, "")`` or ``(None, why not)``."""
+) -> tuple[dict[str, Any] | None, str, Any]:
+    """POST the prefill; ``(params, "", P's answer)`` or ``(None, why not, None)``."""
     prefill.outstanding += 1
     try:
         url = prefill.url + endpoint.path
@@ -492,7 +517,7 @@ async def _call_prefill(
         count_transport_error(state, exc)
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
             state.connect_failed(prefill, exc)
-        return None, describe(exc)
+        return None, describe(exc), None
     finally:
         prefill.outstanding -= 1
     return _prefill_params(state, prefill, response.status, payload)
@@ -500,21 +525,22 @@ async def _call_prefill(
 
 def _prefill_params(
     state: ProxyState, prefill: Engine, status: int, payload: bytes
-) -> tuple[dict[str, Any] | None, str]:
+) -> tuple[dict[str, Any] | None, str, Any]:
     if not 200 <= status < 300:
         state.counters.prefill_errors += 1
         if is_drain_refusal(status, payload):
             state.counters.drain_refusals += 1
             prefill.saw_draining()
-        return None, f"HTTP {status}: {payload[:200].decode(errors='replace')}"
+        return None, f"HTTP {status}: {payload[:200].decode(errors='replace')}", None
     try:
-        params = load_json(payload).get("kv_transfer_params")
+        answer = load_json(payload)
+        params = answer.get("kv_transfer_params")
     except (ValueError, AttributeError):
         state.counters.prefill_errors += 1
-        return None, "answer is not a JSON object"
+        return None, "answer is not a JSON object", None
     if not isinstance(params, dict) or not params:
-        return None, "no kv_transfer_params in the answer (is the fabric connector loaded?)"
-    return params, ""
+        return None, "no kv_transfer_params in the answer (is the fabric connector loaded?)", None
+    return params, "", answer
 
 
 async def _decode(

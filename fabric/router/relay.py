@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 
@@ -35,6 +36,7 @@ from fabric.router.errors import (
     ProxyError,
     sse_error,
 )
+from fabric.router.first_token import FirstToken, Mismatch, Splice
 from fabric.router.state import ProxyState
 from fabric.router.transport import AnswerTooLarge, EngineResponse, Timeouts
 
@@ -110,9 +112,11 @@ async def relay_stream(
     headers: dict[str, str],
     deadline: float,
     timeouts: Timeouts | None = None,
+    first: FirstTokenWait | None = None,
 ) -> Relay | Answer:
     """POST to D; a :class:`Relay` of its stream, or its error answer whole
-    (``timeouts``: default the proxy's decode timeouts).
+    (``timeouts``: default the proxy's decode timeouts; ``first``: P's
+    first token goes first, see :mod:`fabric.router.first_token`).
 
     D's outstanding count, taken when D was picked, is released here or by
     the relay's :meth:`Relay.close`. The stream ends with an error event
@@ -131,7 +135,7 @@ async def relay_stream(
         if isinstance(exc, httpx.HTTPError):
             raise decode_failure(state, decode, exc) from exc
         raise
-    relay = Relay(state, prefill, decode, response, deadline, call)
+    relay = Relay(state, prefill, decode, response, deadline, call, first)
     if response.is_success:
         return relay
     try:
@@ -145,6 +149,23 @@ async def relay_stream(
     return Answer(response.status, body, relay.content_type)
 
 
+async def _read(chunks: AsyncIterator[bytes]) -> bytes | None:
+    """The next chunk, or None at the end."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
+@dataclass(frozen=True)
+class FirstTokenWait:
+    """P's first token, set by the prefill leg (None: D's goes first), and
+    whether the client asked for token ids."""
+
+    future: asyncio.Future[FirstToken | None]
+    want_ids: bool
+
+
 class Relay:
     """One open D response: its chunks, and the bookkeeping done once at the end."""
 
@@ -156,6 +177,7 @@ class Relay:
         response: EngineResponse,
         deadline: float,
         call: Call,
+        first: FirstTokenWait | None = None,
     ) -> None:
         self.state = state
         self.prefill = prefill
@@ -166,6 +188,7 @@ class Relay:
         self.status = response.status
         content_type = response.content_type
         self.content_type = content_type.encode("latin-1") if content_type else EVENT_STREAM
+        self.first = first
         self.ok = False
         self._closed = False
         state.streams += 1
@@ -176,9 +199,12 @@ class Relay:
         the per-read timeout)."""
         loop = asyncio.get_running_loop()
         call = self.call
+        source = self.response.chunks()
+        if self.first is not None:
+            source = self._spliced(source, self.first)
         try:
             with call:
-                async for chunk in self.response.chunks():
+                async for chunk in source:
                     call.reading = False  # NOTE: the send to the client is never cut
                     if loop.time() > self.deadline:
                         error = deadline_exceeded(self.state)
@@ -190,6 +216,60 @@ class Relay:
         except httpx.HTTPError as exc:
             error = decode_failure(self.state, self.decode, exc)
             yield sse_error(error.status, error.message, error.type)
+        except Mismatch as exc:
+            self.state.counters.first_token_mismatches += 1
+            yield sse_error(502, str(exc), UPSTREAM_ERROR)
+
+    async def _spliced(
+        self, source: AsyncIterator[bytes], first: FirstTokenWait
+    ) -> AsyncIterator[bytes]:
+        """D's chunks, with P's first token sent before them when it comes
+        first (see :mod:`fabric.router.first_token`).
+
+        NOTE: until P's token or D's first token is in, D's next chunk is
+        read in a task raced against P's answer; only one read is ever
+        pending, and it is cancelled if the stream ends first.
+        """
+        loop = asyncio.get_running_loop()
+        splice = Splice(first.want_ids)
+        reads = aiter(source)
+        pending: asyncio.Task[bytes | None] | None = None
+        waiting = True  # neither token is in
+        try:
+            while True:
+                if waiting and not first.future.done():
+                    if pending is None:
+                        pending = asyncio.create_task(_read(reads))
+                    await asyncio.wait((pending, first.future), return_when=asyncio.FIRST_COMPLETED)
+                if waiting and first.future.done():
+                    waiting = False
+                    token = first.future.result()
+                    if token is None:
+                        self.state.counters.first_tokens_from_decode += 1
+                    else:
+                        splice.sent_first(token)
+                        self.state.counters.first_tokens_from_prefill += 1
+                        yield token.event(first.want_ids)
+                read, pending = pending, None
+                # NOTE: P's token (if any) went out; D's read is awaited
+                chunk = await (read if read is not None else _read(reads))
+                if chunk is None:
+                    break
+                was_joined = splice.joined
+                events = splice.feed(chunk)
+                if splice.joined and not was_joined:
+                    if waiting:  # NOTE: D's token came before P's answer
+                        self.state.counters.first_tokens_from_decode += 1
+                    waiting = False
+                    if splice.first is not None:
+                        self.state.first_token_lag(loop.time() - splice.first.at)
+                for event in events:
+                    yield event
+            if rest := splice.rest():
+                yield rest
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     async def close(self) -> None:
         """Count the request finished and close D's response (idempotent).

@@ -82,7 +82,14 @@ class Counters:
     a decode goes to another decoder). ``early_handoffs``: requests whose
     decoder got them at dispatch (:mod:`fabric.router.handoff`);
     ``early_refused``: ones that took the sequential flow because the
-    decoder held ``early_max_tokens`` already. ``admin_refused``: admin
+    decoder held ``early_max_tokens`` already. ``first_tokens_from_prefill``:
+    streams whose first token was the prefiller's (``first_token:
+    prefiller``, :mod:`fabric.router.first_token`); ``first_tokens_from_decode``:
+    ones that could have but whose first token was the decoder's (P's
+    answer came later, failed, or held a token that may not go first);
+    ``first_token_mismatches``:
+    ones the decoder's own first token contradicted (an error event ended
+    them). ``admin_refused``: admin
     calls refused for a missing or wrong bearer token (:mod:`fabric.router.admin`).
     Not here, counted by each engine: ``calls_cut``, engine calls (streams,
     decodes, prefills) ended because their engine became unreachable
@@ -107,6 +114,9 @@ class Counters:
     early_handoffs: int = 0
     early_refused: int = 0
     admin_refused: int = 0
+    first_tokens_from_prefill: int = 0
+    first_tokens_from_decode: int = 0
+    first_token_mismatches: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""
@@ -171,6 +181,9 @@ class ProxyState:
         )
         self.handoff = Handoff(self.words.call)  # early handoffs' decoders waiting
         self.streams = 0  # decoder streams open (relay.Relay)
+        # D's own first token after P's answer (first_token: prefiller): sum, count
+        self.first_token_lag_s = 0.0
+        self.first_token_lags = 0
         self.tokenize_turn = 0  # which engine the next /tokenize goes to (prefix.py)
         self.readiness = Readiness(self)
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, while it runs
@@ -296,6 +309,11 @@ class ProxyState:
         if self._engines is not None:
             tables |= self._engines.tables()
         return tables
+
+    def first_token_lag(self, seconds: float) -> None:
+        """Count how long after P's answer D's own first token came."""
+        self.first_token_lag_s += seconds
+        self.first_token_lags += 1
 
     def counter_values(self) -> dict[str, int]:
         """Every counter: the proxy's and its store calls'."""

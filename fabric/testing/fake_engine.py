@@ -37,7 +37,7 @@ import sys
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from uuid import uuid4
@@ -73,6 +73,16 @@ class FakeEngineConfig(Settings):
     fabric decoder's load does: ``done`` counts a load, ``failed`` or a
     word that runs out a load failure (then it "recomputes": the same answer).
     ``refuse_words``: its kv port refuses the word (an older fabric decoder).
+    ``stream_at_once``: a streamed request admitted at dispatch starts its
+    stream at once and waits inside it, as vLLM's server does (its headers
+    go before the engine has a token); else it waits before answering.
+    ``first_token_delay_s``: a stream waits this long before its first
+    token (after that wait: a decoder computing the prompt's last token).
+    ``first_token_differs``: a decoder whose first token of a
+    remote-prefilled request is not the one a prefiller samples (numerics
+    that differ between the two). ``return_token_ids`` in a request adds
+    ``token_ids`` (and ``prompt_token_ids``) to each choice: a token's id
+    is its number.
     ``pad_bytes``: a non-streamed answer carries this many extra bytes.
     ``api_key``: the key ``/v1`` routes require. ``tokenize_delay_s``: wait
     before answering ``/tokenize``; ``tokenize_text``: answer it 200 with
@@ -101,6 +111,9 @@ class FakeEngineConfig(Settings):
     max_recorded: int = 1000
     serve_kv: bool = False
     refuse_words: bool = False
+    first_token_differs: bool = False
+    stream_at_once: bool = False
+    first_token_delay_s: float = 0.0
 
 
 @dataclass
@@ -243,25 +256,33 @@ async def _generate(state: FakeEngineState, request: Request, *, chat: bool) -> 
     if body.get("model") != config.model:
         return _error(404, f"The model `{body.get('model')}` does not exist.")
     params = body.get("kv_transfer_params")
-    if state.kv is not None and isinstance(params, dict) and _early(params):
-        # NOTE: as a fabric decoder admitted at dispatch: wait for the word
-        tid = str(params["transfer_id"])
-        state.early[tid] = outcome = await state.kv.wait_prefill(tid, timeout_s=60)
-        if outcome == "done" and not config.load_fails:
-            state.loads_ok += 1
-        else:
-            state.load_failures += 1
-    else:
-        state.count_load(body)
+    early = state.kv is not None and isinstance(params, dict) and _early(params)
     answer = _Answer.of(state.config, body, chat)
+    if not early:
+        state.count_load(body)
+    elif not (body.get("stream") and config.stream_at_once):
+        await _wait_early(state, params)
     if body.get("stream"):
+        wait = _wait_early(state, params) if early and config.stream_at_once else None
         return StreamingResponse(
-            _stream(answer, config.token_delay_s), media_type="text/event-stream"
+            _stream(answer, config.token_delay_s, wait, config.first_token_delay_s),
+            media_type="text/event-stream",
         )
     full = answer.full()
     if config.pad_bytes:
         full["padding"] = "x" * config.pad_bytes
     return JSONResponse(full)
+
+
+async def _wait_early(state: FakeEngineState, params: Any) -> None:
+    """As a fabric decoder admitted at dispatch: wait for the word, count the load."""
+    assert state.kv is not None
+    tid = str(params["transfer_id"])
+    state.early[tid] = outcome = await state.kv.wait_prefill(tid, timeout_s=60)
+    if outcome == "done" and not state.config.load_fails:
+        state.loads_ok += 1
+    else:
+        state.load_failures += 1
 
 
 @dataclass
@@ -274,6 +295,8 @@ class _Answer:
     prompt_tokens: int
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    token_ids: list[int] | None = None  # return_token_ids: each token's id
+    prompt_token_ids: list[int] | None = None
     id: str = field(default_factory=lambda: uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -282,13 +305,24 @@ class _Answer:
         prompt = body.get("messages") if chat else body.get("prompt")
         max_tokens = body.get("max_tokens") or DEFAULT_MAX_TOKENS
         options = body.get("stream_options") or {}
+        tokens = fake_tokens(prompt, max_tokens)
+        params = body.get("kv_transfer_params")
+        if (
+            config.first_token_differs
+            and isinstance(params, dict)
+            and params.get("do_remote_prefill")
+        ):
+            tokens[0] = f" t{(int(tokens[0][2:]) + 1) % 1000}"
+        ids = [int(token[2:]) for token in tokens] if body.get("return_token_ids") else None
         return cls(
             chat=chat,
             model=config.model,
-            tokens=fake_tokens(prompt, max_tokens),
+            tokens=tokens,
             prompt_tokens=count_prompt_tokens(prompt),
             include_usage=bool(options.get("include_usage")),
             kv_transfer_params=_returned_params(config, body, count_prompt_tokens(prompt)),
+            token_ids=ids,
+            prompt_token_ids=list(range(count_prompt_tokens(prompt))) if ids is not None else None,
         )
 
     def full(self) -> dict[str, Any]:
@@ -299,6 +333,8 @@ class _Answer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice.update(finish_reason="length", stop_reason=None)
+        if self.token_ids is not None:
+            choice.update(token_ids=self.token_ids, prompt_token_ids=self.prompt_token_ids)
         out = self._head("chat.completion" if self.chat else "text_completion")
         return {
             **out,
@@ -331,6 +367,9 @@ class _Answer:
         else:
             choice = {"index": 0, "text": token, "logprobs": None}
         choice.update(finish_reason="length" if last else None, stop_reason=None)
+        if self.token_ids is not None:
+            prompt_ids = self.prompt_token_ids if i == 0 else None
+            choice.update(token_ids=[self.token_ids[i]], prompt_token_ids=prompt_ids)
         return {**self._head(self._chunk_object()), "choices": [choice]}
 
     def _chunk_object(self) -> str:
@@ -346,7 +385,16 @@ class _Answer:
         }
 
 
-async def _stream(answer: _Answer, token_delay_s: float) -> AsyncIterator[bytes]:
+async def _stream(
+    answer: _Answer,
+    token_delay_s: float,
+    wait: Awaitable[None] | None = None,
+    first_token_delay_s: float = 0.0,
+) -> AsyncIterator[bytes]:
+    if wait is not None:
+        await wait
+    if first_token_delay_s:
+        await asyncio.sleep(first_token_delay_s)
     for chunk in answer.chunks():
         yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         if token_delay_s:

@@ -173,6 +173,81 @@ def test_early_admitted_requests_equal_colocated(cluster: Cluster) -> None:
     assert heard(cluster) - words >= 2 * len(lengths)
 
 
+def _stream_events(url: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url, json=payload, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize(
+    ("n", "sampling"),
+    [
+        (700, {"temperature": 0}),
+        (LONG, {"temperature": 0}),
+        # NOTE: one prefill step: vLLM's CPU runner cannot rewind a seeded
+        # generator after a partial (chunked) prefill step (RuntimeError: CPU
+        # Generator does not use offset, vllm/v1/worker/gpu_model_runner.py:3502)
+        (200, {"temperature": 0.8, "seed": 3}),
+    ],
+)
+def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
+    cluster: Cluster, n: int, sampling: dict[str, Any]
+) -> None:
+    """``first_token: prefiller``: the client's first token is P's (vLLM's
+    answer to P's one-token request), the rest D's; tokens, text, usage and
+    ids as the colocated engine streams them (seeded: the same draws)."""
+    proxy = cluster.proxy(first_token="prefiller")
+    prompt = prompt_ids(n, seed=5300 + n)
+    payload = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        **sampling,
+    }
+    oracle = cluster.engines["colocated"].url("/v1/completions")
+    want = _stream_events(oracle, payload)
+    got = _stream_events(proxy.url("/v1/completions"), payload)
+    # NOTE: another prompt (this one is in P's and D's prefix caches now)
+    other = {**payload, "prompt": prompt_ids(n, seed=5400 + n), "return_token_ids": False}
+    hidden = _stream_events(proxy.url("/v1/completions"), other)
+    hidden_want = _stream_events(oracle, other)
+
+    def ids(events: list[dict[str, Any]]) -> list[int]:
+        return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+
+    def text(events: list[dict[str, Any]]) -> str:
+        return "".join(c["text"] for e in events for c in e["choices"])
+
+    assert len(ids(want)) == 6
+    assert ids(got) == ids(want) and text(got) == text(want)
+    assert text(hidden) == text(hidden_want)
+    assert got[-1]["usage"] == want[-1]["usage"] == hidden[-1]["usage"]
+    assert [c["prompt_token_ids"] for c in got[0]["choices"]] == [prompt]
+    for events in (got, hidden):
+        assert len({e["id"] for e in events}) == len({e["created"] for e in events}) == 1
+        assert events[0]["id"].startswith("cmpl-")
+    assert all(c["token_ids"] is None for e in hidden for c in e["choices"])
+    # NOTE: the same keys as vLLM's own events, in the first (P's) and later (D's) ones
+    assert [sorted(e) for e in got] == [sorted(e) for e in want]
+    assert [sorted(c) for e in got for c in e["choices"]] == [
+        sorted(c) for e in want for c in e["choices"]
+    ]
+    from_prefill = proxy_counter(proxy, "first_tokens_from_prefill")
+    from_decode = proxy_counter(proxy, "first_tokens_from_decode")
+    # NOTE: D does not wait for P's answer, only for the KV: after a one-step
+    # prefill its token can reach the proxy first (then it goes first)
+    assert from_prefill + from_decode == 2
+    assert from_prefill == 2 or n < CHUNK_TOKENS
+    assert proxy_counter(proxy, "first_token_mismatches") == 0
+    assert proxy_counter(proxy, "fallbacks") == 0
+
+
 def test_a_decoder_out_of_early_budget_takes_the_sequential_flow(cluster: Cluster) -> None:
     d_url = cluster.engines["decode"].base_url
     proxy = cluster.proxy(early_max_tokens=1)

@@ -1,0 +1,243 @@
+"""The first token from the prefiller (``proxy.first_token: prefiller``).
+
+In vLLM's PD flow the decoder, once the prompt's KV is loaded, computes the
+prompt's last token again and samples the first token from it: a full
+prompt hit sets ``num_computed_tokens = num_tokens - 1``
+(``vllm/v1/core/sched/scheduler.py:3170-3172``, vLLM 0.32). The client's
+first token therefore waits for the whole handoff plus one decoder step
+(44-95 ms at 1k-4k tokens on the benchmark's CPU engines), although the
+prefiller sampled that very token when its prefill ended (its answer has
+``max_tokens`` 1).
+
+With ``first_token: prefiller`` the proxy streams the prefiller's token to
+the client as soon as P answers, and then the decoder's stream from its
+second token on. The decoder still samples its own first token (its seeded
+generator draws as a colocated engine's would, and its usage counts it);
+the proxy checks it against P's before relaying anything after it:
+
+- equal (token id, and P's text a prefix of D's first event's text): D's
+  first token is taken out of its stream (the rest of that event, if any,
+  goes on) and every later event is relayed with the first event's ``id``
+  and ``created``;
+- different: P's token has reached the client and D's continuation does
+  not follow it, so the stream ends with an error event (HTTP 502 in the
+  event, counted ``first_token_mismatches``). Never a token that does not
+  follow the ones before it.
+
+Only where P's token is the one D samples, and the proxy can splice the
+two streams exactly: early handoff (D admitted at dispatch), a streamed
+``/v1/completions`` request for one prompt with ``n`` 1, greedy
+(``temperature`` 0) or seeded, without ``echo``, ``logprobs``,
+``prompt_logprobs``, ``suffix``, stop strings (D holds back text that may
+begin one), beam search or continuous usage, and with room for a second
+token (``max_tokens`` absent or >= 2). At run time P's answer must hold
+exactly one token, whose text does not end in a partial character (U+FFFD:
+D's stream holds such bytes back; an empty text, a special token's or the
+start of a character, is D's too), and finish for length (a stop token or
+EOS ends the request there: D's own stream says so). Anything else, and a
+D whose first token arrives before P's answer (D recomputed on its own), is
+relayed as D sends it. Chat completions keep D's first token for now
+(their first events depend on the server's reasoning and tool parsers).
+
+Both P and D are asked ``return_token_ids`` (how the proxy tells tokens
+apart); a client that did not ask gets ``token_ids`` and
+``prompt_token_ids`` as null, as vLLM writes them. The proxy's
+``first_token_lag_seconds`` summary is how long after P's answer D's own
+first token reached the proxy (the handoff as the proxy sees it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from fabric.router.requests import COMPLETIONS, Endpoint, is_stream
+
+REFUSED_FIELDS = ("echo", "logprobs", "prompt_logprobs", "suffix", "use_beam_search")
+"""Fields whose presence (anything but null/false) keeps D's first token."""
+
+REPLACEMENT = "\ufffd"
+_DECODER = msgspec.json.Decoder()
+_ENCODER = msgspec.json.Encoder()
+
+
+def eligible(body: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether P's first token may go to the client first (see the module docstring)."""
+    if endpoint is not COMPLETIONS or not is_stream(body):
+        return False
+    if any(body.get(name) not in (None, False) for name in REFUSED_FIELDS):
+        return False
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return False
+    if body.get("stop") not in (None, "", []):
+        return False
+    options = body.get("stream_options") or {}
+    if options.get("continuous_usage_stats"):
+        return False
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and max_tokens < 2:
+        return False
+    if not _one_prompt(body.get("prompt")):
+        return False
+    return _is_number(body.get("temperature"), 0) or _is_int(body.get("seed"))
+
+
+def _one_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if isinstance(prompt[0], int):
+        return True  # token ids (checked by the request parser)
+    return len(prompt) == 1
+
+
+def _is_number(value: Any, equal: float) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == equal
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The token P sampled, from its (non-streamed) answer, and when it came."""
+
+    token_id: int
+    text: str
+    prompt_token_ids: list[int] | None
+    id: str
+    created: int
+    model: str
+    at: float  # loop time P's answer was read
+
+    @classmethod
+    def of(cls, answer: Any, at: float) -> FirstToken | None:
+        """P's token, or None when it may not go first (see the module docstring)."""
+        if not isinstance(answer, dict):
+            return None
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return None
+        choice = choices[0]
+        ids, text = choice.get("token_ids"), choice.get("text")
+        if not isinstance(ids, list) or len(ids) != 1 or not _is_int(ids[0]):
+            return None
+        if not isinstance(text, str) or text.endswith(REPLACEMENT):
+            return None
+        if choice.get("finish_reason") != "length":
+            return None
+        name, created, model = answer.get("id"), answer.get("created"), answer.get("model")
+        if not isinstance(name, str) or not isinstance(created, int) or not isinstance(model, str):
+            return None
+        prompt_ids = choice.get("prompt_token_ids")
+        if not (isinstance(prompt_ids, list) and all(_is_int(t) for t in prompt_ids)):
+            prompt_ids = None
+        return cls(ids[0], text, prompt_ids, name, created, model, at)
+
+    def event(self, want_ids: bool) -> bytes:
+        """P's token as the event vLLM streams for a completion's first token."""
+        choice = {
+            "index": 0,
+            "text": self.text,
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+            "prompt_token_ids": self.prompt_token_ids if want_ids else None,
+            "token_ids": [self.token_id] if want_ids else None,
+        }
+        chunk = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        return b"data: " + _ENCODER.encode(chunk) + b"\n\n"
+
+
+class Mismatch(Exception):
+    """D's first token is not the one P's stream already gave the client."""
+
+
+class Splice:
+    """D's stream, as events, after P's token (or instead of it).
+
+    :meth:`feed` takes D's bytes as they arrive and returns the events to
+    relay. Before :meth:`sent_first`, D's events go on as D wrote them (but
+    for the token ids the client did not ask for); after it, D's first token
+    is checked against P's and taken out.
+    """
+
+    def __init__(self, want_ids: bool) -> None:
+        self.want_ids = want_ids
+        self.first: FirstToken | None = None  # P's, once sent
+        self.joined = False  # D's first token seen (after P's, or instead)
+        self._buffer = b""
+
+    def sent_first(self, first: FirstToken) -> None:
+        """P's token went to the client (before any token of D's)."""
+        assert not self.joined
+        self.first = first
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The events of D's that ``chunk`` completes, rewritten; raises :class:`Mismatch`."""
+        self._buffer += chunk
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        return [out for event in events if (out := self._event(event)) is not None]
+
+    def rest(self) -> bytes:
+        """Bytes of D's after its last complete event (relayed as they are)."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _event(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data: {"):
+            return event + b"\n\n"
+        try:
+            chunk = _DECODER.decode(event[6:])
+        except msgspec.DecodeError:
+            return event + b"\n\n"
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not isinstance(choices, list):
+            return event + b"\n\n"  # NOTE: an error event, or not vLLM's: as it is
+        for choice in choices:
+            if isinstance(choice, dict) and self._choice(choice) is None:
+                return None
+        if self.first is not None:
+            chunk["id"], chunk["created"] = self.first.id, self.first.created
+        return b"data: " + _ENCODER.encode(chunk) + b"\n\n"
+
+    def _choice(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        """``choice`` rewritten in place; None to drop its event."""
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list):
+            ids = []
+        if not self.joined and (ids or choice.get("text")):
+            self.joined = True
+            if self.first is not None and not self._take_first(choice, ids):
+                return None
+        if not self.want_ids:
+            choice["token_ids"] = None
+            choice["prompt_token_ids"] = None
+        return choice
+
+    def _take_first(self, choice: dict[str, Any], ids: list[Any]) -> bool:
+        """Take P's token out of D's first; False when nothing else is left."""
+        first = self.first
+        assert first is not None
+        text = choice.get("text")
+        if not ids or ids[0] != first.token_id or not isinstance(text, str):
+            text = None
+        if text is None or not text.startswith(first.text):
+            raise Mismatch(
+                f"the decoder's first token ({ids[:1]!r}, {choice.get('text')!r}) is not the "
+                f"prefiller's ({first.token_id}, {first.text!r}), which the stream already gave"
+            )
+        choice["token_ids"] = ids[1:]
+        choice["text"] = text[len(first.text) :]
+        choice["prompt_token_ids"] = None
+        return bool(ids[1:] or choice["text"] or choice.get("finish_reason"))
