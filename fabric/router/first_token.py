@@ -17,8 +17,8 @@ the proxy checks it against P's before relaying anything after it:
 
 - equal (token id, and P's text a prefix of D's first event's text): D's
   first token is taken out of its stream (the rest of that event, if any,
-  goes on) and every later event is relayed with the first event's ``id``
-  and ``created``;
+  goes on) and every later event is relayed with the first event's ``id``,
+  ``created`` and ``model``;
 - different: P's token has reached the client and D's continuation does
   not follow it, so the stream ends with an error event (HTTP 502 in the
   event, counted ``first_token_mismatches``). Never a token that does not
@@ -55,8 +55,11 @@ import msgspec
 
 from fabric.router.requests import COMPLETIONS, Endpoint, is_stream
 
-REFUSED_FIELDS = ("echo", "logprobs", "prompt_logprobs", "suffix", "use_beam_search")
-"""Fields whose presence (anything but null/false) keeps D's first token."""
+REFUSED_FIELDS = ("logprobs", "prompt_logprobs", "suffix")
+"""Fields whose presence (anything but null; ``logprobs: 0`` asks for logprobs
+too) keeps D's first token."""
+REFUSED_FLAGS = ("echo", "use_beam_search")
+"""Flags that keep D's first token unless null or false."""
 
 REPLACEMENT = "\ufffd"
 _DECODER = msgspec.json.Decoder()
@@ -67,8 +70,12 @@ def eligible(body: dict[str, Any], endpoint: Endpoint) -> bool:
     """Whether P's first token may go to the client first (see the module docstring)."""
     if endpoint is not COMPLETIONS or not is_stream(body):
         return False
-    if any(body.get(name) not in (None, False) for name in REFUSED_FIELDS):
+    if any(body.get(name) is not None for name in REFUSED_FIELDS):
         return False
+    if any(body.get(name) is not None and body.get(name) is not False for name in REFUSED_FLAGS):
+        return False
+    if body.get("return_token_ids") not in (None, True, False):
+        return False  # NOTE: e.g. "false", which vLLM reads as false: not told apart here
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return False
     if body.get("stop") not in (None, "", []):
@@ -176,7 +183,8 @@ class Splice:
         self.want_ids = want_ids
         self.first: FirstToken | None = None  # P's, once sent
         self.joined = False  # D's first token seen (after P's, or instead)
-        self._buffer = b""
+        self._buffer = bytearray()
+        self._scanned = 0  # NOTE: where the next search for an event's end starts
 
     def sent_first(self, first: FirstToken) -> None:
         """P's token went to the client (before any token of D's)."""
@@ -184,14 +192,26 @@ class Splice:
         self.first = first
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        """The events of D's that ``chunk`` completes, rewritten; raises :class:`Mismatch`."""
-        self._buffer += chunk
-        *events, self._buffer = self._buffer.split(b"\n\n")
+        """The events of D's that ``chunk`` completes, rewritten; raises :class:`Mismatch`.
+
+        NOTE: linear in the bytes fed: an event of many chunks (a first event
+        with a long prompt's ids) is searched and copied once.
+        """
+        buffer = self._buffer
+        buffer += chunk
+        end = buffer.rfind(b"\n\n", self._scanned)
+        if end < 0:
+            self._scanned = max(0, len(buffer) - 1)
+            return []
+        events = bytes(buffer[:end]).split(b"\n\n")
+        del buffer[: end + 2]
+        self._scanned = max(0, len(buffer) - 1)
         return [out for event in events if (out := self._event(event)) is not None]
 
     def rest(self) -> bytes:
         """Bytes of D's after its last complete event (relayed as they are)."""
-        rest, self._buffer = self._buffer, b""
+        rest = bytes(self._buffer)
+        self._buffer.clear()
         return rest
 
     def _event(self, event: bytes) -> bytes | None:
@@ -208,7 +228,8 @@ class Splice:
             if isinstance(choice, dict) and self._choice(choice) is None:
                 return None
         if self.first is not None:
-            chunk["id"], chunk["created"] = self.first.id, self.first.created
+            first = self.first
+            chunk["id"], chunk["created"], chunk["model"] = first.id, first.created, first.model
         return b"data: " + _ENCODER.encode(chunk) + b"\n\n"
 
     def _choice(self, choice: dict[str, Any]) -> dict[str, Any] | None:

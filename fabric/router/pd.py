@@ -409,14 +409,20 @@ def _start_early(
     Its end however it ends (answered, failed, cancelled by the request's end
     or by ``prefill`` being marked down, even before it ran) is told to D and
     releases D's early budget, in the task's done callback. With ``first``,
-    P is asked for token ids and its token is set there (None however else
-    the leg ends).
+    P is asked for token ids (and keeps a ``min_tokens`` of at least 1, as
+    its one token) and its token is set there (None however else the leg
+    ends).
     """
     kv_endpoint = decode.kv_endpoint
     assert kv_endpoint is not None  # _admit_early checked
     prefill_request = prefill_body(body, transfer_id, kv_endpoint)
     if first is not None:
         prefill_request["return_token_ids"] = True
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens > 0:
+            # NOTE: D masks EOS and stop tokens at its first step: so must P, or
+            # a sampled (seeded) first token may differ
+            prefill_request["min_tokens"] = 1
     content = dump_json(prefill_request)
     state.counters.early_handoffs += 1
     decode.early_tokens += tokens

@@ -149,6 +149,12 @@ async def relay_stream(
     return Answer(response.status, body, relay.content_type)
 
 
+def _retrieve(task: asyncio.Task[bytes | None]) -> None:
+    """Mark a dropped read's exception retrieved (D's response is closed anyway)."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def _read(chunks: AsyncIterator[bytes]) -> bytes | None:
     """The next chunk, or None at the end."""
     try:
@@ -191,6 +197,7 @@ class Relay:
         self.first = first
         self.ok = False
         self._closed = False
+        self._pending: asyncio.Task[bytes | None] | None = None  # a read raced against P
         state.streams += 1
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -228,19 +235,22 @@ class Relay:
 
         NOTE: until P's token or D's first token is in, D's next chunk is
         read in a task raced against P's answer; only one read is ever
-        pending, and it is cancelled if the stream ends first.
+        pending, and it is cancelled if the stream ends first, here or in
+        :meth:`close`. Any event of D's before its first token (an error)
+        ends the race: P's token never follows it.
         """
         loop = asyncio.get_running_loop()
         splice = Splice(first.want_ids)
         reads = aiter(source)
-        pending: asyncio.Task[bytes | None] | None = None
         waiting = True  # neither token is in
         try:
             while True:
                 if waiting and not first.future.done():
-                    if pending is None:
-                        pending = asyncio.create_task(_read(reads))
-                    await asyncio.wait((pending, first.future), return_when=asyncio.FIRST_COMPLETED)
+                    if self._pending is None:
+                        self._pending = asyncio.create_task(_read(reads))
+                    await asyncio.wait(
+                        (self._pending, first.future), return_when=asyncio.FIRST_COMPLETED
+                    )
                 if waiting and first.future.done():
                     waiting = False
                     token = first.future.result()
@@ -250,26 +260,35 @@ class Relay:
                         splice.sent_first(token)
                         self.state.counters.first_tokens_from_prefill += 1
                         yield token.event(first.want_ids)
-                read, pending = pending, None
+                read, self._pending = self._pending, None
                 # NOTE: P's token (if any) went out; D's read is awaited
                 chunk = await (read if read is not None else _read(reads))
                 if chunk is None:
                     break
                 was_joined = splice.joined
                 events = splice.feed(chunk)
-                if splice.joined and not was_joined:
-                    if waiting:  # NOTE: D's token came before P's answer
-                        self.state.counters.first_tokens_from_decode += 1
+                if waiting and events:  # NOTE: D's token (or an error) came before P's answer
+                    self.state.counters.first_tokens_from_decode += 1
                     waiting = False
-                    if splice.first is not None:
-                        self.state.first_token_lag(loop.time() - splice.first.at)
+                if splice.joined and not was_joined and splice.first is not None:
+                    self.state.first_token_lag(loop.time() - splice.first.at)
                 for event in events:
                     yield event
             if rest := splice.rest():
                 yield rest
         finally:
-            if pending is not None:
-                pending.cancel()
+            self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        """Cancel a read of D's still raced against P's answer (its outcome retrieved)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.done():
+            _retrieve(pending)
+        else:
+            pending.cancel()
+            pending.add_done_callback(_retrieve)
 
     async def close(self) -> None:
         """Count the request finished and close D's response (idempotent).
@@ -281,6 +300,7 @@ class Relay:
         if self._closed:
             return
         self._closed = True
+        self._drop_pending()
         self.call.close()
         self.state.streams -= 1
         self.decode.outstanding -= 1

@@ -80,7 +80,9 @@ class FakeEngineConfig(Settings):
     token (after that wait: a decoder computing the prompt's last token).
     ``first_token_differs``: a decoder whose first token of a
     remote-prefilled request is not the one a prefiller samples (numerics
-    that differ between the two). ``return_token_ids`` in a request adds
+    that differ between the two). ``stream_error``: a stream sends this
+    error event (and ``[DONE]``) at once, before any token or wait.
+    ``return_token_ids`` in a request adds
     ``token_ids`` (and ``prompt_token_ids``) to each choice: a token's id
     is its number.
     ``pad_bytes``: a non-streamed answer carries this many extra bytes.
@@ -114,6 +116,7 @@ class FakeEngineConfig(Settings):
     first_token_differs: bool = False
     stream_at_once: bool = False
     first_token_delay_s: float = 0.0
+    stream_error: str | None = None
 
 
 @dataclass
@@ -262,6 +265,10 @@ async def _generate(state: FakeEngineState, request: Request, *, chat: bool) -> 
         state.count_load(body)
     elif not (body.get("stream") and config.stream_at_once):
         await _wait_early(state, params)
+    if body.get("stream") and config.stream_error is not None:
+        error = {"error": {"message": config.stream_error, "type": "InternalServerError"}}
+        events = [b"data: " + json.dumps(error).encode() + b"\n\n", b"data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
     if body.get("stream"):
         wait = _wait_early(state, params) if early and config.stream_at_once else None
         return StreamingResponse(

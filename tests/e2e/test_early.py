@@ -183,14 +183,7 @@ def _stream_events(url: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     ("n", "sampling"),
-    [
-        (700, {"temperature": 0}),
-        (LONG, {"temperature": 0}),
-        # NOTE: one prefill step: vLLM's CPU runner cannot rewind a seeded
-        # generator after a partial (chunked) prefill step (RuntimeError: CPU
-        # Generator does not use offset, vllm/v1/worker/gpu_model_runner.py:3502)
-        (200, {"temperature": 0.8, "seed": 3}),
-    ],
+    [(700, {"temperature": 0}), (LONG, {"temperature": 0})],
 )
 def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
     cluster: Cluster, n: int, sampling: dict[str, Any]
@@ -238,14 +231,48 @@ def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
     assert [sorted(c) for e in got for c in e["choices"]] == [
         sorted(c) for e in want for c in e["choices"]
     ]
-    from_prefill = proxy_counter(proxy, "first_tokens_from_prefill")
-    from_decode = proxy_counter(proxy, "first_tokens_from_decode")
-    # NOTE: D does not wait for P's answer, only for the KV: after a one-step
-    # prefill its token can reach the proxy first (then it goes first)
-    assert from_prefill + from_decode == 2
-    assert from_prefill == 2 or n < CHUNK_TOKENS
+    assert proxy_counter(proxy, "first_tokens_from_prefill") == 2
     assert proxy_counter(proxy, "first_token_mismatches") == 0
     assert proxy_counter(proxy, "fallbacks") == 0
+
+
+def test_a_seeded_first_token_from_the_prefiller_equals_colocated(cluster: Cluster) -> None:
+    """Seeded sampling: P's first token is the one D draws (the same seed, the
+    same first draw), and D's later draws are a colocated engine's.
+
+    NOTE: prompts of one prefill step: vLLM's CPU runner cannot rewind a
+    seeded generator after a partial (chunked) prefill step (RuntimeError:
+    CPU Generator does not use offset, vllm/v1/worker/gpu_model_runner.py:3502,
+    on a colocated engine alike). After a one-step prefill D's token can
+    reach the proxy before P's answer (D waits for the KV, not for P's
+    answer), and then it goes first: prompts are sent until two went P's way.
+    """
+    proxy = cluster.proxy(first_token="prefiller")
+    oracle = cluster.engines["colocated"].url("/v1/completions")
+    sent = 0
+    while proxy_counter(proxy, "first_tokens_from_prefill") < 2:
+        assert sent < 8, "P's token never went first"
+        payload = {
+            "model": "tiny",
+            "prompt": prompt_ids(200, seed=5500 + sent),
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "seed": 3 + sent,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        sent += 1
+        want = _stream_events(oracle, payload)
+        got = _stream_events(proxy.url("/v1/completions"), payload)
+        assert [c["token_ids"] for e in got for c in e["choices"]] == [
+            c["token_ids"] for e in want for c in e["choices"]
+        ]
+        assert "".join(c["text"] for e in got for c in e["choices"]) == "".join(
+            c["text"] for e in want for c in e["choices"]
+        )
+    assert proxy_counter(proxy, "first_token_mismatches") == 0
+    assert proxy_counter(proxy, "first_tokens_from_decode") == sent - 2
 
 
 def test_a_decoder_out_of_early_budget_takes_the_sequential_flow(cluster: Cluster) -> None:

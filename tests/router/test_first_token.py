@@ -159,6 +159,9 @@ def test_a_failed_prefill_leaves_the_decoders_own_first_token(
         {"temperature": None},  # the server's default (sampled)
         {"stop": ["x"]},
         {"logprobs": 2},
+        {"logprobs": 0},  # NOTE: 0 asks for logprobs too
+        {"logprobs": False},  # vLLM reads it as 0
+        {"return_token_ids": "false"},
         {"echo": True},
         {"n": 2},
         {"max_tokens": 1},
@@ -175,9 +178,39 @@ def test_other_requests_keep_the_decoders_first_token(
     response = client.post(f"{proxy.url}/v1/completions", json=body)
 
     assert response.status_code == 200, response.text
-    assert "return_token_ids" not in p.seen[0]["body"]
-    assert "return_token_ids" not in d.seen[0]["body"]
+    # NOTE: not asked by the proxy (the client's own field goes on as it is)
+    assert p.seen[0]["body"].get("return_token_ids") == body.get("return_token_ids")
+    assert d.seen[0]["body"].get("return_token_ids") == body.get("return_token_ids")
     assert proxy.state.counters.first_tokens_from_prefill == 0
+
+
+def test_a_prefiller_keeps_a_minimum_of_one_token_as_the_decoder_does(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """D masks EOS and stop tokens at its first step (``min_tokens``): so does P."""
+    p, _, proxy = stack(start_engine, start_proxy)
+
+    client.post(f"{proxy.url}/v1/completions", json={**GREEDY, "min_tokens": 3})
+    client.post(f"{proxy.url}/v1/completions", json=GREEDY)
+
+    assert p.seen[0]["body"]["min_tokens"] == 1 and p.seen[0]["body"]["max_tokens"] == 1
+    assert "min_tokens" not in p.seen[1]["body"]
+    assert proxy.state.counters.first_tokens_from_prefill == 2
+
+
+def test_an_error_from_the_decoder_before_its_first_token_ends_the_race(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """D's error event came before P's answer: P's token never follows it."""
+    _, _, proxy = stack(start_engine, start_proxy, stream_error="the load failed")
+
+    response = client.post(f"{proxy.url}/v1/completions", json=GREEDY)
+
+    events = sse_events(response.text)
+    assert json.loads(events[0])["error"]["message"] == "the load failed"
+    assert events[1:] == ["[DONE]"]
+    counters = proxy.state.counters
+    assert (counters.first_tokens_from_prefill, counters.first_tokens_from_decode) == (0, 1)
 
 
 def test_the_default_keeps_the_decoders_first_token(
@@ -197,6 +230,9 @@ def test_eligibility() -> None:
     assert eligible({**GREEDY, "temperature": 0.9, "seed": 7}, COMPLETIONS)
     assert eligible({**GREEDY, "prompt": [1, 2, 3]}, COMPLETIONS)
     assert eligible({**GREEDY, "prompt": ["one"]}, COMPLETIONS)
+    assert eligible({**GREEDY, "echo": False, "logprobs": None, "return_token_ids": 1}, COMPLETIONS)
+    assert not eligible({**GREEDY, "echo": 0}, COMPLETIONS)
+    assert not eligible({**GREEDY, "prompt_logprobs": 0}, COMPLETIONS)
     assert not eligible({**GREEDY, "prompt": ["one", "two"]}, COMPLETIONS)
     assert not eligible({**GREEDY, "seed": True, "temperature": 1}, COMPLETIONS)
     assert not eligible({**GREEDY, "temperature": False}, COMPLETIONS)
@@ -249,18 +285,28 @@ def test_the_splice_takes_the_first_token_out_of_the_decoders_stream() -> None:
     assert event["choices"][0]["prompt_token_ids"] is None
 
 
-def test_the_splice_keeps_the_rest_of_a_first_event_with_more_tokens() -> None:
+@pytest.mark.parametrize("want_ids", [False, True])
+def test_the_splice_keeps_the_rest_of_a_first_event_with_more_tokens(want_ids: bool) -> None:
     first = FirstToken.of(p_answer(), 0.0)
     assert first is not None
-    splice = Splice(want_ids=False)
+    splice = Splice(want_ids=want_ids)
     splice.sent_first(first)
     [out] = splice.feed(d_event([42, 9], " hi there", "length", [1, 2]))
-    choice = json.loads(out[6:])["choices"][0]
-    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (
-        " there",
-        None,
-        "length",
-    )
+    event = json.loads(out[6:])
+    choice = event["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (" there", "length")
+    assert choice["token_ids"] == ([9] if want_ids else None)
+    assert choice["prompt_token_ids"] is None  # NOTE: P's event carried them
+    assert (event["id"], event["created"], event["model"]) == ("cmpl-x", 5, "m")
+
+
+def test_the_splice_reads_an_event_in_many_small_chunks_once() -> None:
+    """A first event with a long prompt's ids, in 1-byte chunks: each byte is
+    searched once (the old buffer was split anew on every chunk)."""
+    splice = Splice(want_ids=True)
+    event = d_event([42], " hi", prompt_ids=list(range(3000)))
+    out = [e for i in range(len(event)) for e in splice.feed(event[i : i + 1])]
+    assert [json.loads(e[6:])["choices"][0]["prompt_token_ids"] for e in out] == [list(range(3000))]
 
 
 @pytest.mark.parametrize(("ids", "text"), [([43], " hi"), ([42], " ho"), ([42], ""), ([], "x")])
