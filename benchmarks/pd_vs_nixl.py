@@ -46,6 +46,15 @@ Per request (times in seconds, on this process's ``perf_counter``):
   wait for the KV (pull: the proxy's call to D and D's READ; push: P's WRITE
   and its notification; fabric early: the last chunks' push and unpack),
   D's scheduling and its computing the last prompt token, and the relay.
+  fabric's proxy sends the client P's own token first
+  (``proxy.first_token: prefiller``, ``--first-token``; the client's TTFT
+  is then P's answer plus the relay), and checks D's own first token
+  against it and takes it out of the stream; so for fabric handoff raw is
+  the tap's stamp of P's answer -> P's token at the client (the relay's
+  hops) plus P's answer -> D's own first token at the proxy (its
+  ``first_token_lag_seconds``): when D's token would have reached the
+  client. A request whose first token was D's after all is timed at the
+  client as the others. Each sample records which (``first_from_prefill``).
 - D local-hit TTFT: right after, D gets the same prompt plus one token with
   no ``kv_transfer_params`` (``--local-repeats`` 3 one-token variants,
   median, straight to D); its prefix cache holds the whole prompt (checked
@@ -252,8 +261,10 @@ class Settings:
     freeze_idle: bool = True
     thaw_settle_s: float = 1.0
     # NOTE: the measuring code's version, for --pool: bump it when how a
-    # request is measured changes (2: the settle before every request)
-    procedure: int = 2
+    # request is measured changes (2: the settle before every request; 3:
+    # fabric's handoff raw read at its proxy when P's token went first)
+    procedure: int = 3
+    first_token: str = "prefiller"  # fabric's proxy.first_token
     kv_cache_gib: int = 1
     store_mib: int = 768
     chunk_tokens: int = 256
@@ -323,10 +334,12 @@ def p90(values: Iterable[float | None]) -> float | None:
 
 
 def itl_s(token_s: Sequence[float]) -> float | None:
-    """Mean inter-token latency of one request from its token arrival times."""
-    if len(token_s) < 2:
+    """Mean inter-token latency of one request from its token arrival times,
+    from the second token on (fabric's first token may be P's, then the first
+    gap holds D's wait for the KV: that is the handoff, not decoding)."""
+    if len(token_s) < 3:
         return None
-    return (token_s[-1] - token_s[0]) / (len(token_s) - 1)
+    return (token_s[-1] - token_s[1]) / (len(token_s) - 2)
 
 
 def handoff_s(raw_s: float | None, local_ttft_s: float | None) -> float | None:
@@ -620,6 +633,7 @@ class Sample:
     remote_tokens: float | None = None
     fallback: bool = False
     sequential: bool = False  # fabric's proxy took the sequential flow
+    first_from_prefill: bool = False  # fabric's proxy sent P's token first
     matches_colocated: bool | None = None
     decode_metrics: dict[str, float] = field(default_factory=dict)
     proxy_metrics: dict[str, float] = field(default_factory=dict)
@@ -724,6 +738,7 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["errors"] = len(mine) - len(ok)
         row["fallbacks"] = sum(1 for s in mine if s["fallback"])
         row["sequential"] = sum(1 for s in mine if s["sequential"])
+        row["first_from_prefill"] = sum(1 for s in mine if s.get("first_from_prefill"))
         paths = [s.get("path") for s in mine if s.get("path")]
         if paths:
             row["paths"] = {path: paths.count(path) for path in sorted(set(paths))}
@@ -1300,6 +1315,7 @@ def start_proxy(
                 # NOTE: one request at a time; the default (a quarter of D's
                 # KV, 2,048 tokens here) would send 4k prompts the sequential way.
                 "early_max_tokens": 2 * max(settings.lengths),
+                "first_token": settings.first_token,
             },
         }
         path = workdir / "fabric-proxy.yaml"
@@ -1553,7 +1569,20 @@ def measure(
             sample.proxy_metrics = metric_deltas(
                 p_before, scrape(client, stack.url, PROXY_PREFIXES)
             )
-            sample.sequential = sample.proxy_metrics.get("fabric_proxy_early_refused_total", 0) > 0
+            proxied = sample.proxy_metrics
+            sample.sequential = proxied.get("fabric_proxy_early_refused_total", 0) > 0
+            lag = proxied.get("fabric_proxy_first_token_lag_seconds_sum")
+            if proxied.get("fabric_proxy_first_tokens_from_prefill_total", 0) > 0:
+                # NOTE: the client's first token was P's: handoff raw (the tap's
+                # stamp of P's answer -> that token at the client) holds the
+                # hops tap -> proxy and proxy -> client; D's own first token
+                # came ``lag`` after P's answer at the proxy and would have taken
+                # the same relay: the span as the other stacks' is their sum
+                sample.first_from_prefill = True
+                if sample.handoff_raw_s is not None and lag is not None:
+                    sample.handoff_raw_s += lag
+                else:
+                    sample.handoff_raw_s = None
         if prefill_url:
             deltas = metric_deltas(pf_before, scrape(client, prefill_url, ("vllm:fabric_",)))
             sample.prefill_metrics = deltas
@@ -1614,6 +1643,8 @@ def _log(sample: Sample) -> None:
         parts.append(f"mem {sample.mem_used_gib:.1f} GiB")
     if sample.sequential:
         parts.append("SEQUENTIAL")
+    if sample.first_from_prefill:
+        parts.append("P-first")
     if sample.error or sample.fallback:
         parts.append(f"ERROR {sample.error}" if sample.error else "FALLBACK")
     say(" ".join(parts))
@@ -1769,7 +1800,7 @@ POOLED_SETTINGS = (
     "lengths", "requests", "warmup", "max_tokens", "stacks", "kv_heavy", "threads",
     "spin_threshold", "idle_nice", "freeze_idle", "thaw_settle_s", "kv_cache_gib", "store_mib",
     "chunk_tokens", "max_num_batched_tokens", "max_model_len", "prefill_core", "decode_core",
-    "local_repeats", "quick", "fabric_extra", "procedure",
+    "local_repeats", "quick", "fabric_extra", "procedure", "first_token",
 )  # fmt: skip
 """What runs must share to be pooled: what shapes a measurement (not the seed,
 which must differ, nor the bootstrap)."""
@@ -1896,6 +1927,11 @@ def parse_args(
     p.add_argument("--local-repeats", type=int, help="D local-hit requests per sample (3)")
     p.add_argument("--bootstrap-draws", type=int, help="bootstrap resamples (2000)")
     p.add_argument("--seed", type=int, help="prompts and orders (default 11)")
+    p.add_argument(
+        "--first-token",
+        choices=["prefiller", "decoder"],
+        help="fabric's proxy.first_token (default prefiller)",
+    )
     p.add_argument("--fabric-extra", type=json.loads, default=None,
                    help='JSON object merged into fabric\'s kv_connector_extra_config, e.g. '
                         '\'{"transfer_nice": null}\'')  # fmt: skip
@@ -1929,7 +1965,7 @@ def parse_args(
         changes["idle_nice"] = ns.idle_nice if ns.idle_nice >= 0 else None
     for name in ("requests", "warmup", "max_tokens", "threads", "spin_threshold", "kv_cache_gib",
                  "store_mib", "max_num_batched_tokens", "local_repeats", "bootstrap_draws",
-                 "seed"):  # fmt: skip
+                 "seed", "first_token"):  # fmt: skip
         if getattr(ns, name) is not None:
             changes[name] = getattr(ns, name)
     settings = replace(settings, **changes)

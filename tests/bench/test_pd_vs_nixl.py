@@ -54,8 +54,9 @@ def test_each_round_shuffles_the_stacks_deterministically(bench: ModuleType) -> 
 
 
 def test_itl_handoff_ratio_median_and_p90(bench: ModuleType) -> None:
-    assert bench.itl_s([1.0, 1.1, 1.3, 1.6]) == pytest.approx(0.2)
-    assert bench.itl_s([1.0]) is None
+    # NOTE: from the second token on (fabric's first may be P's)
+    assert bench.itl_s([1.0, 1.1, 1.3, 1.6]) == pytest.approx(0.25)
+    assert bench.itl_s([1.0, 1.1]) is None
     assert bench.handoff_s(0.5, 0.2) == pytest.approx(0.3)
     assert bench.handoff_s(0.5, None) is None
     assert bench.ratio(1.0, 4.0) == 0.25
