@@ -251,7 +251,9 @@ class Relay:
                     await asyncio.wait(
                         (self._pending, first.future), return_when=asyncio.FIRST_COMPLETED
                     )
-                if waiting and first.future.done():
+                ready = self._pending is not None and self._pending.done()
+                if waiting and first.future.done() and not ready:
+                    # NOTE: a read of D's that is ready too goes first (D's token may be in it)
                     waiting = False
                     token = first.future.result()
                     if token is None:
@@ -268,13 +270,19 @@ class Relay:
                 was_joined = splice.joined
                 events = splice.feed(chunk)
                 if waiting and events:  # NOTE: D's token (or an error) came before P's answer
-                    self.state.counters.first_tokens_from_decode += 1
                     waiting = False
+                    if splice.joined:
+                        self.state.counters.first_tokens_from_decode += 1
                 if splice.joined and not was_joined and splice.first is not None:
                     self.state.first_token_lag(loop.time() - splice.first.at)
                 for event in events:
                     yield event
             if rest := splice.rest():
+                if splice.first is not None and not splice.joined:
+                    # NOTE: not framed as vLLM frames events: D's first token cannot be checked
+                    raise Mismatch(
+                        "the decoder's stream ended inside an event before its first token"
+                    )
                 yield rest
         finally:
             self._drop_pending()

@@ -85,8 +85,8 @@ class Counters:
     decoder held ``early_max_tokens`` already. ``first_tokens_from_prefill``:
     streams whose first token was the prefiller's (``first_token:
     prefiller``, :mod:`fabric.router.first_token`); ``first_tokens_from_decode``:
-    ones that could have but whose first token was the decoder's (P's
-    answer came later, failed, or held a token that may not go first);
+    ones that could have but whose first token was the decoder's (it came
+    before P's answer, or P's failed or held a token that may not go first);
     ``first_token_mismatches``:
     ones the decoder's own first token contradicted (an error event ended
     them). ``admin_refused``: admin
