@@ -19,10 +19,24 @@ the proxy checks it against P's before relaying anything after it:
   first token is taken out of its stream (the rest of that event, if any,
   goes on) and every later event is relayed with the first event's ``id``,
   ``created`` and ``model``;
-- different: P's token has reached the client and D's continuation does
-  not follow it, so the stream ends with an error event (HTTP 502 in the
-  event, counted ``first_token_mismatches``). Never a token that does not
-  follow the ones before it.
+- different (counted ``first_token_mismatches``): P's token has reached the
+  client and D's continuation does not follow it, so nothing more of D's
+  stream is relayed. D's request is dropped and D gets another, from P's
+  token on: the prompt's token ids with P's token appended, ``max_tokens``
+  and ``min_tokens`` one less, no ``kv_transfer_params`` (D's prefix cache
+  holds the prompt it just loaded; vLLM primes its detokenizer with the
+  whole prompt, so the text goes on where P's token left it); its stream
+  is relayed as the rest of the answer, its usage counted as the client's
+  request (``first_token_continuations``). A seeded request's later draws
+  then start from its seed again (a valid sample, not a colocated
+  engine's). If that request fails, an error event ends the stream. Never
+  a token that does not follow the ones before it.
+
+  Why they can differ: the same rule on the same logits is not the same
+  logits. P's come from the prefill, D's from a one-token step over the
+  loaded KV, and a near tie can flip between the two (seen on this
+  project's CPU engines with a random tiny model: P's token was the
+  colocated engine's, D's the one vLLM's NIXL stacks returned).
 
 Only where P's token is the one D samples, and the proxy can splice the
 two streams exactly: early handoff (D admitted at dispatch), a streamed
@@ -170,6 +184,21 @@ class Mismatch(Exception):
     """D's first token is not the one P's stream already gave the client."""
 
 
+def continuation(body: dict[str, Any], first: FirstToken) -> dict[str, Any] | None:
+    """D's request for the answer after P's token (see the module docstring);
+    None without P's prompt token ids."""
+    if first.prompt_token_ids is None:
+        return None
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    out["prompt"] = [*first.prompt_token_ids, first.token_id]
+    out["stream"] = out["return_token_ids"] = True
+    if isinstance(max_tokens := body.get("max_tokens"), int):
+        out["max_tokens"] = max_tokens - 1  # NOTE: eligible: >= 2
+    if isinstance(min_tokens := body.get("min_tokens"), int) and min_tokens > 0:
+        out["min_tokens"] = min_tokens - 1
+    return out
+
+
 class Splice:
     """D's stream, as events, after P's token (or instead of it).
 
@@ -179,10 +208,13 @@ class Splice:
     is checked against P's and taken out.
     """
 
-    def __init__(self, want_ids: bool) -> None:
+    def __init__(self, want_ids: bool, after: FirstToken | None = None) -> None:
+        """``after``: the stream of a request continuing from P's token (no
+        first token to take out; its prompt and usage hold P's token)."""
         self.want_ids = want_ids
-        self.first: FirstToken | None = None  # P's, once sent
-        self.joined = False  # D's first token seen (after P's, or instead)
+        self.first: FirstToken | None = after  # P's, once sent
+        self.joined = after is not None  # D's first token seen (after P's, or instead)
+        self.continuing = after is not None
         self._buffer = bytearray()
         self._scanned = 0  # NOTE: where the next search for an event's end starts
 
@@ -227,6 +259,14 @@ class Splice:
         for choice in choices:
             if isinstance(choice, dict) and self._choice(choice) is None:
                 return None
+            if self.continuing and isinstance(choice, dict):
+                choice["prompt_token_ids"] = None  # NOTE: P's event carried the client's
+        usage = chunk.get("usage")
+        if self.continuing and isinstance(usage, dict):
+            # NOTE: P's token is in the continuation's prompt; the client's request made it
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                usage["prompt_tokens"], usage["completion_tokens"] = prompt - 1, completion + 1
         if self.first is not None:
             first = self.first
             chunk["id"], chunk["created"], chunk["model"] = first.id, first.created, first.model

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -36,7 +37,8 @@ from fabric.router.errors import (
     ProxyError,
     sse_error,
 )
-from fabric.router.first_token import FirstToken, Mismatch, Splice
+from fabric.router.first_token import FirstToken, Mismatch, Splice, continuation
+from fabric.router.requests import dump_json
 from fabric.router.state import ProxyState
 from fabric.router.transport import AnswerTooLarge, EngineResponse, Timeouts
 
@@ -136,6 +138,7 @@ async def relay_stream(
             raise decode_failure(state, decode, exc) from exc
         raise
     relay = Relay(state, prefill, decode, response, deadline, call, first)
+    relay.again = (url, headers, timeouts or state.decode_timeouts)
     if response.is_success:
         return relay
     try:
@@ -170,6 +173,7 @@ class FirstTokenWait:
 
     future: asyncio.Future[FirstToken | None]
     want_ids: bool
+    body: dict[str, Any] | None = None  # the client's: to continue from P's token
 
 
 class Relay:
@@ -198,6 +202,7 @@ class Relay:
         self.ok = False
         self._closed = False
         self._pending: asyncio.Task[bytes | None] | None = None  # a read raced against P
+        self.again: tuple[str, dict[str, str], Timeouts] | None = None  # D's url, headers
         state.streams += 1
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -224,7 +229,6 @@ class Relay:
             error = decode_failure(self.state, self.decode, exc)
             yield sse_error(error.status, error.message, error.type)
         except Mismatch as exc:
-            self.state.counters.first_token_mismatches += 1
             yield sse_error(502, str(exc), UPSTREAM_ERROR)
 
     async def _spliced(
@@ -268,7 +272,14 @@ class Relay:
                 if chunk is None:
                     break
                 was_joined = splice.joined
-                events = splice.feed(chunk)
+                try:
+                    events = splice.feed(chunk)
+                except Mismatch:
+                    again = await self._continue(first, splice.first)
+                    if again is None or splice.first is None:
+                        raise
+                    reads, splice = again, Splice(first.want_ids, after=splice.first)
+                    continue
                 if waiting and events:  # NOTE: D's token (or an error) came before P's answer
                     waiting = False
                     if splice.joined:
@@ -280,12 +291,42 @@ class Relay:
             if rest := splice.rest():
                 if splice.first is not None and not splice.joined:
                     # NOTE: not framed as vLLM frames events: D's first token cannot be checked
+                    self.state.counters.first_token_mismatches += 1
                     raise Mismatch(
                         "the decoder's stream ended inside an event before its first token"
                     )
                 yield rest
         finally:
             self._drop_pending()
+
+    async def _continue(
+        self, first: FirstTokenWait, token: FirstToken | None
+    ) -> AsyncIterator[bytes] | None:
+        """Drop D's request whose first token was not P's and ask D for the
+        answer after P's token (see :mod:`fabric.router.first_token`); its
+        chunks, or None if it cannot be asked. Raises :class:`Mismatch` if
+        D refuses it (httpx errors go on as D's failures)."""
+        self.state.counters.first_token_mismatches += 1
+        if token is None or first.body is None:
+            return None
+        body = continuation(first.body, token)
+        if body is None or self.again is None:
+            return None
+        self._drop_pending()
+        url, headers, timeouts = self.again
+        await self.response.close()  # NOTE: vLLM aborts a request whose connection closes
+        headers = {**headers, "x-request-id": f"{headers.get('x-request-id', '')}-p1"}
+        response = await self.state.engines.post(url, dump_json(body), headers, timeouts)
+        self.response = response
+        if not response.is_success:
+            payload = await response.read(self.state.max_answer_bytes)
+            raise Mismatch(
+                f"the decoder's first token was not the prefiller's, and asked for the rest "
+                f"after it, it answered HTTP {response.status}: "
+                f"{payload[:200].decode(errors='replace')}"
+            )
+        self.state.counters.first_token_continuations += 1
+        return aiter(response.chunks())
 
     def _drop_pending(self) -> None:
         """Cancel a read of D's still raced against P's answer (its outcome retrieved)."""

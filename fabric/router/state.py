@@ -88,8 +88,10 @@ class Counters:
     ones that could have but whose first token was the decoder's (it came
     before P's answer, or P's failed or held a token that may not go first);
     ``first_token_mismatches``:
-    ones the decoder's own first token contradicted (an error event ended
-    them). ``admin_refused``: admin
+    ones the decoder's own first token contradicted;
+    ``first_token_continuations``: of those, the ones the decoder then
+    answered from the prefiller's token on (the others ended with an error
+    event). ``admin_refused``: admin
     calls refused for a missing or wrong bearer token (:mod:`fabric.router.admin`).
     Not here, counted by each engine: ``calls_cut``, engine calls (streams,
     decodes, prefills) ended because their engine became unreachable
@@ -117,6 +119,7 @@ class Counters:
     first_tokens_from_prefill: int = 0
     first_tokens_from_decode: int = 0
     first_token_mismatches: int = 0
+    first_token_continuations: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counter name -> value."""

@@ -80,7 +80,9 @@ class FakeEngineConfig(Settings):
     token (after that wait: a decoder computing the prompt's last token).
     ``first_token_differs``: a decoder whose first token of a
     remote-prefilled request is not the one a prefiller samples (numerics
-    that differ between the two). ``stream_error``: a stream sends this
+    that differ between the two). ``plain_fail_status``: answer this status
+    to a request without ``kv_transfer_params`` (a decoder that serves PD
+    requests only). ``stream_error``: a stream sends this
     error event (and ``[DONE]``) at once, before any token or wait.
     ``return_token_ids`` in a request adds
     ``token_ids`` (and ``prompt_token_ids``) to each choice: a token's id
@@ -117,6 +119,7 @@ class FakeEngineConfig(Settings):
     stream_at_once: bool = False
     first_token_delay_s: float = 0.0
     stream_error: str | None = None
+    plain_fail_status: int | None = None
 
 
 @dataclass
@@ -258,6 +261,8 @@ async def _generate(state: FakeEngineState, request: Request, *, chat: bool) -> 
         return _error(400, "the body must be a JSON object")
     if body.get("model") != config.model:
         return _error(404, f"The model `{body.get('model')}` does not exist.")
+    if config.plain_fail_status is not None and "kv_transfer_params" not in body:
+        return _error(config.plain_fail_status, f"{config.name} serves PD requests only")
     params = body.get("kv_transfer_params")
     early = state.kv is not None and isinstance(params, dict) and _early(params)
     answer = _Answer.of(state.config, body, chat)

@@ -116,11 +116,48 @@ def test_the_stream_is_the_decoders_with_its_first_token_from_the_prefiller(
     assert "fabric_proxy_first_tokens_from_prefill_total 1" in metrics
 
 
-def test_a_decoder_whose_first_token_differs_ends_the_stream_with_an_error(
+@pytest.mark.parametrize("want_ids", [False, True])
+def test_a_decoder_whose_first_token_differs_answers_again_from_the_prefillers(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, want_ids: bool
+) -> None:
+    """P's token went out; D's stream follows another token: never relayed.
+    D is asked again, from P's token on, and that answer is the rest."""
+    _, d, proxy = stack(start_engine, start_proxy, first_token_differs=True)
+    body = {**GREEDY, "min_tokens": 2, "seed": 5, "return_token_ids": want_ids}
+
+    response = client.post(f"{proxy.url}/v1/completions", json=body)
+
+    assert response.status_code == 200
+    assert sse_events(response.text)[-1] == "[DONE]"
+    events = chunks(response.text)
+    first = fake_tokens(PROMPT, 5)[0]
+    prompt_again = [0, 1, 2, 3, int(first[2:])]  # the fake's ids of PROMPT, and P's token
+    rest = fake_tokens(prompt_again, 4)
+    assert tokens_of(events) == [first, *rest]
+    assert all("error" not in e for e in events)
+    assert {(e["id"], e["created"], e["model"]) for e in events} == {
+        (events[0]["id"], events[0]["created"], events[0]["model"])
+    }
+    choices = [c for e in events for c in e["choices"]]
+    ids = [t for c in choices for t in c.get("token_ids") or []]
+    assert ids == ([int(t[2:]) for t in [first, *rest]] if want_ids else [])
+    assert [bool(c.get("prompt_token_ids")) for c in choices] == [want_ids] + [False] * 4
+    assert events[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    # NOTE: D's second request: the prompt's ids and P's token, one token less, no KV params
+    again = d.seen[1]
+    assert again["request_id"] == d.seen[0]["request_id"] + "-p1"
+    assert again["body"]["prompt"] == prompt_again
+    assert (again["body"]["max_tokens"], again["body"]["min_tokens"]) == (4, 1)
+    assert again["body"]["seed"] == 5 and "kv_transfer_params" not in again["body"]
+    counters = proxy.state.counters
+    assert (counters.first_token_mismatches, counters.first_token_continuations) == (1, 1)
+    wait_for(lambda: proxy.state.tables()["streams"] == 0)
+
+
+def test_a_decoder_that_refuses_to_answer_again_ends_the_stream_with_an_error(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
 ) -> None:
-    """P's token went out; D's continuation follows another token: never relayed."""
-    _, _, proxy = stack(start_engine, start_proxy, first_token_differs=True)
+    _, _, proxy = stack(start_engine, start_proxy, first_token_differs=True, plain_fail_status=503)
 
     response = client.post(f"{proxy.url}/v1/completions", json=GREEDY)
 
@@ -128,10 +165,12 @@ def test_a_decoder_whose_first_token_differs_ends_the_stream_with_an_error(
     events = sse_events(response.text)
     assert json.loads(events[0])["choices"][0]["text"] == fake_tokens(PROMPT, 5)[0]
     error = json.loads(events[1])["error"]
-    assert error["code"] == 502 and "first token" in error["message"]
+    assert error["code"] == 502 and "HTTP 503" in error["message"]
     assert len(events) == 2  # nothing of D's after it
-    assert proxy.state.counters.first_token_mismatches == 1
+    counters = proxy.state.counters
+    assert (counters.first_token_mismatches, counters.first_token_continuations) == (1, 0)
     wait_for(lambda: proxy.state.tables()["streams"] == 0)
+    assert all(e.outstanding == 0 for e in proxy.state.pool.engines)
 
 
 def test_a_failed_prefill_leaves_the_decoders_own_first_token(
