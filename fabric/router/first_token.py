@@ -28,9 +28,15 @@ the proxy checks it against P's before relaying anything after it:
   whole prompt, so the text goes on where P's token left it); its stream
   is relayed as the rest of the answer, its usage counted as the client's
   request (``first_token_continuations``). A seeded request's later draws
-  then start from its seed again (a valid sample, not a colocated
-  engine's). If that request fails, an error event ends the stream. Never
-  a token that does not follow the ones before it.
+  then come from its seed again: with vLLM's V2 model runner (the GPU
+  default) noise keyed by seed and position, the colocated draws; with the
+  V1 runner (CPU) a generator restarted, so the next draw reuses the noise
+  that picked P's token. Only where the rest means the same with P's token
+  in the prompt (:data:`CONTINUABLE_FIELDS`; not after a first token with
+  an empty text); else, or if D refuses, an error event ends the stream. A
+  D whose budget was one token (its first event ends for length) ends the
+  answer with P's token. Never a token that does not follow the ones
+  before it.
 
   Why they can differ: the same rule on the same logits is not the same
   logits. P's come from the prefill, D's from a one-token step over the
@@ -184,16 +190,49 @@ class Mismatch(Exception):
     """D's first token is not the one P's stream already gave the client."""
 
 
+CONTINUABLE_FIELDS = frozenset(
+    (
+        "model", "prompt", "max_tokens", "min_tokens", "temperature", "seed", "top_p", "top_k",
+        "min_p", "repetition_penalty", "logit_bias", "allowed_token_ids", "stop_token_ids",
+        "ignore_eos", "skip_special_tokens", "stream", "stream_options", "return_token_ids",
+        "cache_salt", "priority", "user", "request_id", "add_special_tokens",
+        "kv_transfer_params", "n", "best_of", "echo", "logprobs", "prompt_logprobs", "suffix",
+        "use_beam_search", "stop",
+    )
+)  # fmt: skip
+"""The request fields whose meaning does not change when P's token moves from
+the output into the prompt. Not among them, so a mismatch ends the stream:
+``frequency_penalty``/``presence_penalty``, ``bad_words`` and repetition
+detection count output tokens only; structured outputs would start their
+grammar anew after P's token; ``truncate_prompt_tokens`` would cut the
+prompt again; and whatever vLLM adds (an allowlist does not go stale).
+(``n``, ``echo``, ``stop`` ... are here only as their eligible values.)"""
+DEFAULT_MAX_TOKENS = 16
+"""vLLM's ``max_tokens`` for a completion that names none
+(``vllm/entrypoints/openai/completion/protocol.py:63``, vLLM 0.32)."""
+
+
 def continuation(body: dict[str, Any], first: FirstToken) -> dict[str, Any] | None:
     """D's request for the answer after P's token (see the module docstring);
-    None without P's prompt token ids."""
-    if first.prompt_token_ids is None:
+    None when it would not be the same answer's rest.
+
+    Not for a first token with an empty text: it may be part of a character,
+    and vLLM's detokenizer, primed with a prompt that ends in one, emits the
+    whole prompt's text with the next (tokenizers' ``DecodeStream`` sets no
+    prefix on a text ending in U+FFFD); not without P's prompt token ids; not
+    with ``max_tokens`` null (the server's generation config decides it).
+    """
+    if first.prompt_token_ids is None or not first.text:
+        return None
+    if any(name not in CONTINUABLE_FIELDS for name in body):
+        return None
+    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if not isinstance(max_tokens, int) or max_tokens < 2:
         return None
     out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     out["prompt"] = [*first.prompt_token_ids, first.token_id]
     out["stream"] = out["return_token_ids"] = True
-    if isinstance(max_tokens := body.get("max_tokens"), int):
-        out["max_tokens"] = max_tokens - 1  # NOTE: eligible: >= 2
+    out["max_tokens"] = max_tokens - 1
     if isinstance(min_tokens := body.get("min_tokens"), int) and min_tokens > 0:
         out["min_tokens"] = min_tokens - 1
     return out
@@ -215,6 +254,7 @@ class Splice:
         self.first: FirstToken | None = after  # P's, once sent
         self.joined = after is not None  # D's first token seen (after P's, or instead)
         self.continuing = after is not None
+        self.ended_on_other = False  # D's one-token answer was another token than P's
         self._buffer = bytearray()
         self._scanned = 0  # NOTE: where the next search for an event's end starts
 
@@ -294,6 +334,11 @@ class Splice:
         if not ids or ids[0] != first.token_id or not isinstance(text, str):
             text = None
         if text is None or not text.startswith(first.text):
+            if len(ids) == 1 and choice.get("finish_reason") == "length":
+                # NOTE: the request's budget was one token: P's is the answer
+                choice["token_ids"], choice["text"], choice["prompt_token_ids"] = [], "", None
+                self.ended_on_other = True
+                return True
             raise Mismatch(
                 f"the decoder's first token ({ids[:1]!r}, {choice.get('text')!r}) is not the "
                 f"prefiller's ({first.token_id}, {first.text!r}), which the stream already gave"

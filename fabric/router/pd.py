@@ -272,7 +272,7 @@ async def _serve(
             params = early_params(transfer_id)
             if state.config.first_token == "prefiller" and eligible(body, endpoint):
                 future = asyncio.get_running_loop().create_future()
-                first = FirstTokenWait(future, bool(body.get("return_token_ids")))
+                first = FirstTokenWait(future, bool(body.get("return_token_ids")), body)
             record.early = _start_early(
                 state, prefill, decode, endpoint, body, transfer_id, headers, tokens, first
             )

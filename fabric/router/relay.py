@@ -138,7 +138,7 @@ async def relay_stream(
             raise decode_failure(state, decode, exc) from exc
         raise
     relay = Relay(state, prefill, decode, response, deadline, call, first)
-    relay.again = (url, headers, timeouts or state.decode_timeouts)
+    relay.again = (url, headers)  # NOTE: first_token: to ask D again
     if response.is_success:
         return relay
     try:
@@ -202,7 +202,7 @@ class Relay:
         self.ok = False
         self._closed = False
         self._pending: asyncio.Task[bytes | None] | None = None  # a read raced against P
-        self.again: tuple[str, dict[str, str], Timeouts] | None = None  # D's url, headers
+        self.again: tuple[str, dict[str, str]] | None = None  # D's url, headers
         state.streams += 1
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -280,6 +280,9 @@ class Relay:
                         raise
                     reads, splice = again, Splice(first.want_ids, after=splice.first)
                     continue
+                if splice.ended_on_other:  # NOTE: D's one-token answer: P's token is the answer
+                    self.state.counters.first_token_mismatches += 1
+                    splice.ended_on_other = False
                 if waiting and events:  # NOTE: D's token (or an error) came before P's answer
                     waiting = False
                     if splice.joined:
@@ -312,14 +315,22 @@ class Relay:
         body = continuation(first.body, token)
         if body is None or self.again is None:
             return None
+        if asyncio.get_running_loop().time() > self.deadline:
+            return None
         self._drop_pending()
-        url, headers, timeouts = self.again
+        url, headers = self.again
+        # NOTE: it waits for no prefill: the decode timeouts, not an early handoff's
+        timeouts = self.state.decode_timeouts
         await self.response.close()  # NOTE: vLLM aborts a request whose connection closes
         headers = {**headers, "x-request-id": f"{headers.get('x-request-id', '')}-p1"}
         response = await self.state.engines.post(url, dump_json(body), headers, timeouts)
         self.response = response
         if not response.is_success:
             payload = await response.read(self.state.max_answer_bytes)
+            self.state.counters.decode_errors += 1
+            if is_drain_refusal(response.status, payload):
+                self.state.counters.drain_refusals += 1
+                self.decode.saw_draining()
             raise Mismatch(
                 f"the decoder's first token was not the prefiller's, and asked for the rest "
                 f"after it, it answered HTTP {response.status}: "

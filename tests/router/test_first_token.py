@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fabric.router.first_token import FirstToken, Mismatch, Splice, eligible
+from fabric.router.first_token import FirstToken, Mismatch, Splice, continuation, eligible
 from fabric.router.requests import CHAT_COMPLETIONS, COMPLETIONS
 from fabric.testing.fake_engine import fake_tokens
 
@@ -152,6 +152,48 @@ def test_a_decoder_whose_first_token_differs_answers_again_from_the_prefillers(
     counters = proxy.state.counters
     assert (counters.first_token_mismatches, counters.first_token_continuations) == (1, 1)
     wait_for(lambda: proxy.state.tables()["streams"] == 0)
+
+
+def test_a_request_without_max_tokens_keeps_vllms_default_budget_when_asked_again(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
+) -> None:
+    """vLLM's completions default to 16 tokens: P's one and D's 15."""
+    _, d, proxy = stack(start_engine, start_proxy, first_token_differs=True)
+    body = {k: v for k, v in GREEDY.items() if k != "max_tokens"}
+
+    response = client.post(f"{proxy.url}/v1/completions", json=body)
+
+    assert len(tokens_of(chunks(response.text))) == 16
+    assert d.seen[1]["body"]["max_tokens"] == 15
+    assert proxy.state.counters.first_token_continuations == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"frequency_penalty": 0.5},  # counts output tokens only
+        {"presence_penalty": 0.5},
+        {"bad_words": ["x"]},
+        {"response_format": {"type": "json_object"}},  # the grammar would start again
+        {"structured_outputs": {"regex": "a+"}},
+        {"truncate_prompt_tokens": 3},  # the prompt would be cut again
+        {"max_tokens": None},  # the server decides
+        {"some_future_field": 1},
+    ],
+)
+def test_a_request_whose_rest_would_mean_otherwise_is_not_asked_again(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, change: Any
+) -> None:
+    _, d, proxy = stack(start_engine, start_proxy, first_token_differs=True)
+
+    response = client.post(f"{proxy.url}/v1/completions", json={**GREEDY, **change})
+
+    events = sse_events(response.text)
+    assert json.loads(events[0])["choices"][0]["text"] == fake_tokens(PROMPT, 5)[0]
+    assert "first token" in json.loads(events[1])["error"]["message"]
+    assert len(events) == 2 and len(d.seen) == 1
+    counters = proxy.state.counters
+    assert (counters.first_token_mismatches, counters.first_token_continuations) == (1, 0)
 
 
 def test_a_decoder_that_refuses_to_answer_again_ends_the_stream_with_an_error(
@@ -356,6 +398,37 @@ def test_the_splice_refuses_a_different_first_token(ids: list[int], text: str) -
     splice.sent_first(first)
     with pytest.raises(Mismatch):
         splice.feed(d_event(ids, text))
+
+
+def test_a_one_token_answer_of_another_token_ends_with_the_prefillers() -> None:
+    """D's budget was one token (its first event ends for length): P's token
+    is the answer, D's finish goes on without its token."""
+    first = FirstToken.of(p_answer(), 0.0)
+    assert first is not None
+    splice = Splice(want_ids=True)
+    splice.sent_first(first)
+    [out] = splice.feed(d_event([43], " ho", "length", [1, 2]))
+    choice = json.loads(out[6:])["choices"][0]
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("", [], "length")
+    assert splice.ended_on_other
+
+
+def test_a_first_token_with_an_empty_text_is_not_continued_after() -> None:
+    """It may be part of a character: D's detokenizer, primed with a prompt
+    ending in one, would emit the whole prompt's text."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 4, "temperature": 0}
+    first = FirstToken.of(p_answer(), 0.0)
+    empty = FirstToken.of(p_answer(text=""), 0.0)
+    assert first is not None and empty is not None
+    assert continuation(body, first) == {
+        "model": "m",
+        "prompt": [1, 2, 42],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    assert continuation(body, empty) is None
 
 
 def test_the_decoders_first_token_first_goes_on_as_it_is() -> None:
