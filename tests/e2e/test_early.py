@@ -275,6 +275,58 @@ def test_a_seeded_first_token_from_the_prefiller_equals_colocated(cluster: Clust
     assert proxy_counter(proxy, "first_tokens_from_decode") == sent - 2
 
 
+def test_the_rest_after_the_prefillers_token_is_a_colocated_engines_rest(
+    cluster: Cluster,
+) -> None:
+    """What the proxy asks a decoder whose first token was not P's
+    (``first_token.continuation``: the prompt's ids plus P's token, one token
+    less), sent to real vLLM, streams what the colocated engine streamed
+    after that token: the same token ids, text that goes on where P's left
+    it (no BOS added, the detokenizer primed with the whole prompt), and,
+    with the proxy's usage shift, the same usage."""
+    from fabric.router.first_token import FirstToken, Splice, continuation
+
+    oracle = cluster.engines["colocated"].url("/v1/completions")
+    for seed in range(5600, 5620):
+        prompt = prompt_ids(300, seed=seed)
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        answer = {k: v for k, v in body.items() if k != "stream_options"}
+        answer |= {"max_tokens": 1, "stream": False, "return_token_ids": True}
+        one = httpx.post(oracle, json=answer, timeout=300)
+        assert one.status_code == 200, one.text
+        first = FirstToken.of(one.json(), 0.0)
+        if first is not None and first.text:
+            break
+    else:
+        pytest.skip("no prompt whose first token has a text")
+    want = _stream_events(oracle, {**body, "return_token_ids": True})
+    again = continuation(body, first)
+    assert again is not None and again["prompt"] == [*prompt, first.token_id]
+    splice = Splice(want_ids=True, after=first)
+    raw = b"".join(
+        b"data: " + json.dumps(e).encode() + b"\n\n" for e in _stream_events(oracle, again)
+    )
+    rest = [json.loads(e[6:]) for e in splice.feed(raw)]
+
+    def ids(events: list[dict[str, Any]]) -> list[int]:
+        return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+
+    def text(events: list[dict[str, Any]]) -> str:
+        return "".join(c["text"] for e in events for c in e["choices"])
+
+    assert [first.token_id, *ids(rest)] == ids(want)
+    assert first.text + text(rest) == text(want)
+    assert rest[-1]["usage"] == want[-1]["usage"]
+
+
 def test_a_decoder_out_of_early_budget_takes_the_sequential_flow(cluster: Cluster) -> None:
     d_url = cluster.engines["decode"].base_url
     proxy = cluster.proxy(early_max_tokens=1)
