@@ -27,16 +27,16 @@ the proxy checks it against P's before relaying anything after it:
   holds the prompt it just loaded; vLLM primes its detokenizer with the
   whole prompt, so the text goes on where P's token left it); its stream
   is relayed as the rest of the answer, its usage counted as the client's
-  request (``first_token_continuations``). A seeded request's later draws
-  then come from its seed again: with vLLM's V2 model runner (the GPU
-  default) noise keyed by seed and position, the colocated draws; with the
-  V1 runner (CPU) a generator restarted, so the next draw reuses the noise
-  that picked P's token. Only where the rest means the same with P's token
-  in the prompt (:data:`CONTINUABLE_FIELDS`; not after a first token with
-  an empty text); else, or if D refuses, an error event ends the stream. A
-  D whose budget was one token (its first event ends for length) ends the
-  answer with P's token. Never a token that does not follow the ones
-  before it.
+  request (``first_token_continuations``). Only where the rest means the
+  same with P's token in the prompt: greedy requests (a seeded one's
+  restarted generator would reuse, on vLLM's V1 model runner, the draw
+  that picked P's token), with :data:`CONTINUABLE_FIELDS` only, not after
+  a first token with an empty text, and with no server-side cap on output
+  tokens below the request's (``--override-generation-config``: the proxy
+  cannot see it, and P's token plus D's rest would be one more); else, or
+  if D refuses, an error event ends the stream. A D whose budget was one
+  token (its first event ends for length) ends the answer with P's token.
+  Never a token that does not follow the ones before it.
 
   Why they can differ: the same rule on the same logits is not the same
   logits. P's come from the prefill, D's from a one-token step over the
@@ -224,6 +224,8 @@ def continuation(body: dict[str, Any], first: FirstToken) -> dict[str, Any] | No
     """
     if first.prompt_token_ids is None or not first.text:
         return None
+    if not _is_number(body.get("temperature"), 0):
+        return None  # NOTE: seeded: a restarted generator's draws are not the seed's (V1 runner)
     if any(name not in CONTINUABLE_FIELDS for name in body):
         return None
     max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)

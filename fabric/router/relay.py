@@ -247,6 +247,7 @@ class Relay:
         splice = Splice(first.want_ids)
         reads = aiter(source)
         waiting = True  # neither token is in
+        decode_first = False  # D's token goes first (P's answer is not usable): counted when in
         try:
             while True:
                 if waiting and not first.future.done():
@@ -261,7 +262,7 @@ class Relay:
                     waiting = False
                     token = first.future.result()
                     if token is None:
-                        self.state.counters.first_tokens_from_decode += 1
+                        decode_first = True
                     else:
                         splice.sent_first(token)
                         self.state.counters.first_tokens_from_prefill += 1
@@ -275,6 +276,8 @@ class Relay:
                 try:
                     events = splice.feed(chunk)
                 except Mismatch:
+                    if splice.first is not None:  # NOTE: D's own first token did come
+                        self.state.first_token_lag(loop.time() - splice.first.at)
                     again = await self._continue(first, splice.first)
                     if again is None or splice.first is None:
                         raise
@@ -284,11 +287,12 @@ class Relay:
                     self.state.counters.first_token_mismatches += 1
                     splice.ended_on_other = False
                 if waiting and events:  # NOTE: D's token (or an error) came before P's answer
-                    waiting = False
-                    if splice.joined:
+                    waiting, decode_first = False, splice.joined
+                if splice.joined and not was_joined:
+                    if splice.first is not None:
+                        self.state.first_token_lag(loop.time() - splice.first.at)
+                    elif decode_first:
                         self.state.counters.first_tokens_from_decode += 1
-                if splice.joined and not was_joined and splice.first is not None:
-                    self.state.first_token_lag(loop.time() - splice.first.at)
                 for event in events:
                     yield event
             if rest := splice.rest():

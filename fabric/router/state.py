@@ -91,7 +91,7 @@ class Counters:
     ones the decoder's own first token contradicted;
     ``first_token_continuations``: of those, the ones the decoder then
     answered from the prefiller's token on (the others ended with an error
-    event). ``admin_refused``: admin
+    event, or with the prefiller's token when the budget was one token). ``admin_refused``: admin
     calls refused for a missing or wrong bearer token (:mod:`fabric.router.admin`).
     Not here, counted by each engine: ``calls_cut``, engine calls (streams,
     decodes, prefills) ended because their engine became unreachable

@@ -190,7 +190,7 @@ def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
 ) -> None:
     """``first_token: prefiller``: the client's first token is P's (vLLM's
     answer to P's one-token request), the rest D's; tokens, text, usage and
-    ids as the colocated engine streams them (seeded: the same draws)."""
+    ids as the colocated engine streams them."""
     proxy = cluster.proxy(first_token="prefiller")
     prompt = prompt_ids(n, seed=5300 + n)
     payload = {

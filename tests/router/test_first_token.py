@@ -151,7 +151,9 @@ def test_a_decoder_whose_first_token_differs_answers_again_from_the_prefillers(
     assert again["body"]["seed"] == 5 and "kv_transfer_params" not in again["body"]
     counters = proxy.state.counters
     assert (counters.first_token_mismatches, counters.first_token_continuations) == (1, 1)
+    assert proxy.state.first_token_lags == 1  # NOTE: D's own first token came, if another
     wait_for(lambda: proxy.state.tables()["streams"] == 0)
+    assert all(e.outstanding == 0 for e in proxy.state.pool.engines)
 
 
 def test_a_request_without_max_tokens_keeps_vllms_default_budget_when_asked_again(
@@ -178,6 +180,7 @@ def test_a_request_without_max_tokens_keeps_vllms_default_budget_when_asked_agai
         {"structured_outputs": {"regex": "a+"}},
         {"truncate_prompt_tokens": 3},  # the prompt would be cut again
         {"max_tokens": None},  # the server decides
+        {"temperature": 0.7, "seed": 1},  # a restarted generator: not the seed's draws
         {"some_future_field": 1},
     ],
 )
@@ -211,6 +214,7 @@ def test_a_decoder_that_refuses_to_answer_again_ends_the_stream_with_an_error(
     assert len(events) == 2  # nothing of D's after it
     counters = proxy.state.counters
     assert (counters.first_token_mismatches, counters.first_token_continuations) == (1, 0)
+    assert counters.decode_errors == 1
     wait_for(lambda: proxy.state.tables()["streams"] == 0)
     assert all(e.outstanding == 0 for e in proxy.state.pool.engines)
 
@@ -443,7 +447,7 @@ def test_the_decoders_first_token_first_goes_on_as_it_is() -> None:
     assert out[1] == error
 
 
-def test_a_slow_first_token_never_blocks_other_requests(
+def test_two_streams_at_once_each_get_their_own_first_tokens(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
 ) -> None:
     """Two streams at once, each with its own race: each gets its own tokens."""
