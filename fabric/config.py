@@ -245,7 +245,8 @@ class ProxyConfig(Settings):
     no bound until read); past it a request takes the sequential flow.
     ``first_token``: ``prefiller`` streams the token the prefiller sampled
     as soon as it answers, then the decoder's stream from its second token
-    (checked against the first); for early handoffs of streamed, greedy or
+    (checked against the first); for PD requests (early or sequential
+    handoff) of streamed, greedy or
     seeded completions (:mod:`fabric.router.first_token` says which);
     ``decoder`` (default) relays the decoder's own first token.
 

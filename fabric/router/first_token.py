@@ -45,7 +45,9 @@ the proxy checks it against P's before relaying anything after it:
   colocated engine's, D's the one vLLM's NIXL stacks returned).
 
 Only where P's token is the one D samples, and the proxy can splice the
-two streams exactly: early handoff (D admitted at dispatch), a streamed
+two streams exactly: a PD request (early handoff, where D's own token can
+come first and then goes first, or sequential, where D starts after P
+answered), a streamed
 ``/v1/completions`` request for one prompt with ``n`` 1, greedy
 (``temperature`` 0) or seeded, without ``echo``, ``logprobs``,
 ``prompt_logprobs``, ``suffix``, stop strings (D holds back text that may

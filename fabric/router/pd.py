@@ -270,15 +270,14 @@ async def _serve(
             params = None
         elif prefill is not None and (tokens := _admit_early(state, decode, body, endpoint)):
             params = early_params(transfer_id)
-            if state.config.first_token == "prefiller" and eligible(body, endpoint):
-                future = asyncio.get_running_loop().create_future()
-                first = FirstTokenWait(future, bool(body.get("return_token_ids")), body)
+            first = _first_token_wait(state, body, endpoint)
             record.early = _start_early(
                 state, prefill, decode, endpoint, body, transfer_id, headers, tokens, first
             )
         else:
+            first = _first_token_wait(state, body, endpoint) if prefill is not None else None
             params = await _prefill_or_none(
-                state, prefill, decode, endpoint, body, transfer_id, headers
+                state, prefill, decode, endpoint, body, transfer_id, headers, first
             )
         if first is not None:  # NOTE: the proxy tells tokens apart by their ids
             content = dump_json({**decode_body(body, params), "return_token_ids": True})
@@ -415,15 +414,7 @@ def _start_early(
     """
     kv_endpoint = decode.kv_endpoint
     assert kv_endpoint is not None  # _admit_early checked
-    prefill_request = prefill_body(body, transfer_id, kv_endpoint)
-    if first is not None:
-        prefill_request["return_token_ids"] = True
-        min_tokens = body.get("min_tokens")
-        if isinstance(min_tokens, int) and min_tokens > 0:
-            # NOTE: D masks EOS and stop tokens at its first step: so must P, or
-            # a sampled (seeded) first token may differ
-            prefill_request["min_tokens"] = 1
-    content = dump_json(prefill_request)
+    content = _prefill_request(body, transfer_id, kv_endpoint, first)
     state.counters.early_handoffs += 1
     decode.early_tokens += tokens
     decode.early_requests += 1
@@ -438,9 +429,7 @@ def _start_early(
             outcome["reason"] = f"{type(exc).__name__}: {exc}"
             return
         outcome["ok"], outcome["reason"] = params is not None, reason
-        if first is not None and params is not None and not first.future.done():
-            at = asyncio.get_running_loop().time()
-            first.future.set_result(FirstToken.of(answer, at))
+        _set_first(first, params, answer)
         if params is None:
             state.counters.fallbacks += 1
             logger.warning(
@@ -470,6 +459,39 @@ def _start_early(
     return task
 
 
+def _first_token_wait(
+    state: ProxyState, body: dict[str, Any], endpoint: Endpoint
+) -> FirstTokenWait | None:
+    """Where P's first token may go first (:mod:`fabric.router.first_token`), its wait."""
+    if state.config.first_token != "prefiller" or not eligible(body, endpoint):
+        return None
+    future = asyncio.get_running_loop().create_future()
+    return FirstTokenWait(future, bool(body.get("return_token_ids")), body)
+
+
+def _prefill_request(
+    body: dict[str, Any], transfer_id: str, kv_endpoint: str, first: FirstTokenWait | None
+) -> bytes:
+    """P's request; with ``first``, asking for token ids and keeping a
+    ``min_tokens`` of at least 1, as its one token."""
+    request = prefill_body(body, transfer_id, kv_endpoint)
+    if first is not None:
+        request["return_token_ids"] = True
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens > 0:
+            # NOTE: D masks EOS and stop tokens at its first step: so must P, or
+            # a sampled (seeded) first token may differ
+            request["min_tokens"] = 1
+    return dump_json(request)
+
+
+def _set_first(first: FirstTokenWait | None, params: Any, answer: Any) -> None:
+    """P's token for ``first`` from its answer (None: D's goes first)."""
+    if first is not None and not first.future.done():
+        token = FirstToken.of(answer, asyncio.get_running_loop().time()) if params else None
+        first.future.set_result(token)
+
+
 def _cancel_early(record: InFlight) -> None:
     """Cancel the request's prefill leg if it still runs (P aborts the request)."""
     if record.early is not None and not record.early.done():
@@ -484,8 +506,11 @@ async def _prefill_or_none(
     body: dict[str, Any],
     transfer_id: str,
     headers: dict[str, str],
+    first: FirstTokenWait | None = None,
 ) -> dict[str, Any] | None:
-    """P's ``kv_transfer_params``, or None (counted as a fallback) when there are none."""
+    """P's ``kv_transfer_params``, or None (counted as a fallback) when there are none.
+
+    ``first``: P's token is set there (None however else this ends)."""
     if prefill is None:
         state.counters.fallbacks += 1
         logger.debug(
@@ -496,8 +521,13 @@ async def _prefill_or_none(
         )
         return None
     assert decode.kv_endpoint is not None  # EnginePool checks decoders have one
-    content = dump_json(prefill_body(body, transfer_id, decode.kv_endpoint))
-    params, reason, _ = await _call_prefill(state, prefill, endpoint, content, headers)
+    content = _prefill_request(body, transfer_id, decode.kv_endpoint, first)
+    try:
+        params, reason, answer = await _call_prefill(state, prefill, endpoint, content, headers)
+    except BaseException:
+        _set_first(first, None, None)
+        raise
+    _set_first(first, params, answer)
     if params is None:
         state.counters.fallbacks += 1
         logger.warning(

@@ -181,17 +181,21 @@ def _stream_events(url: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines[:-1]]
 
 
-@pytest.mark.parametrize(
-    ("n", "sampling"),
-    [(700, {"temperature": 0}), (LONG, {"temperature": 0})],
-)
+@pytest.mark.parametrize(("n", "handoff"), [(700, "early"), (LONG, "early"), (LONG, "sequential")])
 def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
-    cluster: Cluster, n: int, sampling: dict[str, Any]
+    cluster: Cluster, n: int, handoff: str
 ) -> None:
     """``first_token: prefiller``: the client's first token is P's (vLLM's
     answer to P's one-token request), the rest D's; tokens, text, usage and
-    ids as the colocated engine streams them."""
-    proxy = cluster.proxy(first_token="prefiller")
+    ids as the colocated engine streams them.
+
+    NOTE: admitted early, D waits for the KV, not for P's answer, so on a
+    busy machine its own token can reach the proxy first (then it goes
+    first: a full run of the suite saw that for 3 of 4 requests, alone
+    never); after a sequential handoff D starts after P answered, so P's
+    token always goes first there."""
+    sampling = {"temperature": 0}
+    proxy = cluster.proxy(first_token="prefiller", handoff=handoff)
     prompt = prompt_ids(n, seed=5300 + n)
     payload = {
         "model": "tiny",
@@ -231,7 +235,9 @@ def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
     assert [sorted(c) for e in got for c in e["choices"]] == [
         sorted(c) for e in want for c in e["choices"]
     ]
-    assert proxy_counter(proxy, "first_tokens_from_prefill") == 2
+    from_prefill = proxy_counter(proxy, "first_tokens_from_prefill")
+    assert from_prefill + proxy_counter(proxy, "first_tokens_from_decode") == 2
+    assert from_prefill == 2 or handoff == "early"
     assert proxy_counter(proxy, "first_token_mismatches") == 0
     assert proxy_counter(proxy, "fallbacks") == 0
 
@@ -243,15 +249,12 @@ def test_a_seeded_first_token_from_the_prefiller_equals_colocated(cluster: Clust
     NOTE: prompts of one prefill step: vLLM's CPU runner cannot rewind a
     seeded generator after a partial (chunked) prefill step (RuntimeError:
     CPU Generator does not use offset, vllm/v1/worker/gpu_model_runner.py:3502,
-    on a colocated engine alike). After a one-step prefill D's token can
-    reach the proxy before P's answer (D waits for the KV, not for P's
-    answer), and then it goes first: prompts are sent until two went P's way.
+    on a colocated engine alike). A sequential handoff: D starts after P
+    answered, so P's token goes first (admitted early, D's can win the race).
     """
-    proxy = cluster.proxy(first_token="prefiller")
+    proxy = cluster.proxy(first_token="prefiller", handoff="sequential")
     oracle = cluster.engines["colocated"].url("/v1/completions")
-    sent = 0
-    while proxy_counter(proxy, "first_tokens_from_prefill") < 2:
-        assert sent < 8, "P's token never went first"
+    for sent in range(2):
         payload = {
             "model": "tiny",
             "prompt": prompt_ids(200, seed=5500 + sent),
@@ -262,7 +265,6 @@ def test_a_seeded_first_token_from_the_prefiller_equals_colocated(cluster: Clust
             "stream": True,
             "return_token_ids": True,
         }
-        sent += 1
         want = _stream_events(oracle, payload)
         got = _stream_events(proxy.url("/v1/completions"), payload)
         assert [c["token_ids"] for e in got for c in e["choices"]] == [
@@ -271,8 +273,8 @@ def test_a_seeded_first_token_from_the_prefiller_equals_colocated(cluster: Clust
         assert "".join(c["text"] for e in got for c in e["choices"]) == "".join(
             c["text"] for e in want for c in e["choices"]
         )
+    assert proxy_counter(proxy, "first_tokens_from_prefill") == 2
     assert proxy_counter(proxy, "first_token_mismatches") == 0
-    assert proxy_counter(proxy, "first_tokens_from_decode") == sent - 2
 
 
 def test_the_rest_after_the_prefillers_token_is_a_colocated_engines_rest(

@@ -219,6 +219,33 @@ def test_a_decoder_that_refuses_to_answer_again_ends_the_stream_with_an_error(
     assert all(e.outstanding == 0 for e in proxy.state.pool.engines)
 
 
+@pytest.mark.parametrize("differs", [False, True])
+def test_the_sequential_flow_sends_the_prefillers_token_first_too(
+    start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client, differs: bool
+) -> None:
+    """D gets its request after P answered: P's token is always in first."""
+    p = start_engine("prefill", kv_endpoint="tcp://127.0.0.1:7001")
+    d = start_engine("decode", first_token_differs=differs)
+    proxy = start_proxy([p.url], [d.url], handoff="sequential", first_token="prefiller")
+
+    response = client.post(f"{proxy.url}/v1/completions", json=GREEDY)
+
+    assert response.status_code == 200, response.text
+    tokens = tokens_of(chunks(response.text))
+    first = fake_tokens(PROMPT, 5)[0]
+    assert tokens[0] == first and len(tokens) == 5
+    if not differs:
+        assert tokens == fake_tokens(PROMPT, 5)
+    assert p.seen[0]["body"]["return_token_ids"] is True
+    assert d.seen[0]["body"]["kv_transfer_params"]["num_tokens"] == 4  # P's params
+    counters = proxy.state.counters
+    assert (counters.first_tokens_from_prefill, counters.early_handoffs) == (1, 0)
+    assert (counters.first_token_mismatches, counters.first_token_continuations) == (
+        int(differs),
+        int(differs),
+    )
+
+
 def test_a_failed_prefill_leaves_the_decoders_own_first_token(
     start_engine: StartEngine, start_proxy: StartProxy, client: httpx.Client
 ) -> None:
