@@ -173,7 +173,7 @@ class FirstTokenWait:
 
     future: asyncio.Future[FirstToken | None]
     want_ids: bool
-    body: dict[str, Any] | None = None  # the client's: to continue from P's token
+    body: dict[str, Any]  # the client's: to continue from P's token
 
 
 class Relay:
@@ -279,7 +279,7 @@ class Relay:
                     if splice.first is not None:  # NOTE: D's own first token did come
                         self.state.first_token_lag(loop.time() - splice.first.at)
                     again = await self._continue(first, splice.first)
-                    if again is None or splice.first is None:
+                    if again is None:
                         raise
                     reads, splice = again, Splice(first.want_ids, after=splice.first)
                     continue
@@ -314,7 +314,7 @@ class Relay:
         chunks, or None if it cannot be asked. Raises :class:`Mismatch` if
         D refuses it (httpx errors go on as D's failures)."""
         self.state.counters.first_token_mismatches += 1
-        if token is None or first.body is None:
+        if token is None:
             return None
         body = continuation(first.body, token)
         if body is None or self.again is None:
