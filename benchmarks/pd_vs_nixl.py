@@ -230,6 +230,16 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 TOKEN_LOW, TOKEN_HIGH = 5, 500  # random ids, clear of the tiny tokenizer's specials
 METRIC_PREFIXES = ("vllm:nixl_", "vllm:fabric_", "vllm:prefix_cache_", "vllm:external_prefix_")
 PROXY_PREFIXES = ("fabric_proxy_",)
+# NOTE: P's own account of the one request (each P serves one at a time):
+# arrival in the engine -> scheduled (queue), scheduled -> first token (its
+# prefill step(s)), arrival -> finished (e2e); what the tap's prefill has
+# beyond e2e is the API server and HTTP (vllm/v1/metrics/loggers.py:931-1000,
+# the times from vllm/v1/metrics/stats.py:590-605)
+P_ENGINE = {
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "forward_s": "vllm:request_prefill_time_seconds_sum",
+    "engine_s": "vllm:e2e_request_latency_seconds_sum",
+}
 XFER_METRICS = {
     "fabric": "vllm:fabric_load_seconds_sum",
     "nixl-pull": "vllm:nixl_xfer_time_seconds_sum",
@@ -637,7 +647,9 @@ class Sample:
     matches_colocated: bool | None = None
     decode_metrics: dict[str, float] = field(default_factory=dict)
     proxy_metrics: dict[str, float] = field(default_factory=dict)
-    prefill_metrics: dict[str, float] = field(default_factory=dict)  # fabric's P
+    prefill_metrics: dict[str, float] = field(default_factory=dict)  # P's (fabric's counters)
+    # P's own account of the request (vLLM's histograms, see ``P_ENGINE``)
+    prefill_engine: dict[str, float] = field(default_factory=dict)
     path: str | None = None  # fabric's P with direct_reads auto: the path its push took
     ttft_cpu_s: float | None = None  # the stack's own processes, sent -> first token
     cpu: dict[str, Any] = field(default_factory=dict)  # cores_between over the request
@@ -711,6 +723,20 @@ TIMINGS = ("ttft_s", "prefill_s", "handoff_s", "handoff_raw_s", "local_ttft_s", 
 CORES = ("others_cores", "others_core0_cores", "others_core1_cores", "outside_cores", "own_cores")
 
 
+def engine_account(deltas: dict[str, float], prefill_s: float | None) -> dict[str, float]:
+    """P's own account of the request from its metrics' ``deltas`` (``P_ENGINE``,
+    taken out of ``deltas``), and ``outside_s``: the tap's ``prefill_s`` beyond
+    the engine's e2e (P's API server and HTTP). Empty where P finished no
+    request between the scrapes; a histogram that did not move was 0."""
+    found = {key: deltas.pop(name) for key, name in P_ENGINE.items() if name in deltas}
+    if "engine_s" not in found:
+        return {}
+    account = {key: found.get(key, 0.0) for key in P_ENGINE}
+    if prefill_s is not None:
+        account["outside_s"] = prefill_s - account["engine_s"]
+    return {key: round(value, 6) for key, value in account.items()}
+
+
 def push_path(prefill_deltas: dict[str, float]) -> str | None:
     """The path fabric's P chose for the request (``direct_reads: auto``),
     from its counters' deltas; None when it chose none (a fixed setting)."""
@@ -755,6 +781,12 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             cores = [s["cpu"][name] for s in mine if s["cpu"].get(name) is not None]
             row[name] = median(cores)
             row[name + "_max"] = max(cores) if cores else None
+        engine = sorted({n for s in ok for n in s.get("prefill_engine", {})})
+        if engine:  # NOTE: P's own account (``P_ENGINE``), medians
+            row["prefill_engine_s"] = {
+                n: median(s["prefill_engine"][n] for s in ok if n in s["prefill_engine"])
+                for n in engine
+            }
         for role in ("prefill", "decode"):
             name = f"{role}_threads"
             threads = sorted({n for s in ok for n in s.get(name, {})})
@@ -1161,7 +1193,7 @@ class Stack:
     proxy: ManagedProcess | None = None
     tap: TimingTap | None = None
     proxy_pids: list[int] = field(default_factory=list)
-    prefill_url: str | None = None  # P: its metrics (fabric's)
+    prefill_url: str | None = None  # P: its metrics
     frozen: bool = False  # SIGSTOPped while another stack is measured
 
     def refresh_pids(self) -> None:
@@ -1530,8 +1562,9 @@ def measure(
     try:
         d_before = scrape(client, stack.decode_url) if stack.decode_url else {}
         p_before = scrape(client, stack.url, PROXY_PREFIXES) if name == "fabric" else {}
-        prefill_url = stack.prefill_url if name == "fabric" else None
-        pf_before = scrape(client, prefill_url, ("vllm:fabric_",)) if prefill_url else {}
+        prefill_url = stack.prefill_url
+        pf_prefixes = ("vllm:fabric_", *P_ENGINE.values())
+        pf_before = scrape(client, prefill_url, pf_prefixes) if prefill_url else {}
         first: list[tuple[float, float]] = []
 
         def on_first_token() -> None:
@@ -1584,7 +1617,8 @@ def measure(
                 else:
                     sample.handoff_raw_s = None
         if prefill_url:
-            deltas = metric_deltas(pf_before, scrape(client, prefill_url, ("vllm:fabric_",)))
+            deltas = metric_deltas(pf_before, scrape(client, prefill_url, pf_prefixes))
+            sample.prefill_engine = engine_account(deltas, sample.prefill_s)
             sample.prefill_metrics = deltas
             sample.path = push_path(deltas)
         sample.fallback = is_fallback(sample.decode_metrics) or is_fallback(sample.proxy_metrics)
@@ -1632,6 +1666,13 @@ def _log(sample: Sample) -> None:
     ):
         if value is not None:
             parts.append(f"{label} {value * 1000:,.0f} ms")
+    engine = sample.prefill_engine
+    if engine:
+        parts.append(
+            "(P: "
+            + ", ".join(f"{k.removesuffix('_s')} {v * 1000:,.0f}" for k, v in engine.items())
+            + ")"
+        )
     cpu = sample.cpu
     if cpu:
         parts.append(

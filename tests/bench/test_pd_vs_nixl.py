@@ -424,6 +424,28 @@ def test_the_path_fabrics_prefiller_chose_is_read_from_its_counters(bench: Modul
     assert "paths" not in bench.find_row(rows, "nixl-pull", 1024)
 
 
+def test_each_prefillers_own_account_splits_its_prefill(bench: ModuleType) -> None:
+    deltas = {
+        "vllm:request_prefill_time_seconds_sum": 1.5,
+        "vllm:e2e_request_latency_seconds_sum": 1.52,
+        "vllm:fabric_chunks_sent_total": 4.0,
+    }
+    account = bench.engine_account(deltas, 1.525)
+    # NOTE: a queue histogram that did not move was 0, not missing
+    assert account == {"queue_s": 0.0, "forward_s": 1.5, "engine_s": 1.52, "outside_s": 0.005}
+    assert deltas == {"vllm:fabric_chunks_sent_total": 4.0}  # fabric's counters stay
+    assert bench.engine_account({"vllm:fabric_chunks_sent_total": 1.0}, 1.0) == {}
+    samples = _samples(bench)
+    for sample in samples:
+        if sample["ttft_s"] is not None:
+            sample["prefill_engine"] = {"forward_s": sample["ttft_s"] - 0.1}
+    row = bench.find_row(bench.summarize(samples), "fabric", 1024)
+    assert row["prefill_engine_s"]["forward_s"] == pytest.approx(1.0)  # medians, good samples
+    assert "prefill_engine_s" not in bench.find_row(
+        bench.summarize(_samples(bench)), "fabric", 1024
+    )
+
+
 def test_ratios_take_the_better_nixl_per_length_and_metric(bench: ModuleType) -> None:
     samples = [s for s in _samples(bench) if not s["fallback"]]
 
