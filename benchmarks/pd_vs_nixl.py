@@ -81,6 +81,10 @@ Per request (times in seconds, on this process's ``perf_counter``):
   summary's ``*_threads_s``): what of P's core went to threads other than
   the forward (``VLLM::Worker``), e.g. fabric's ``fabric-server``,
   ``fpush:<port>`` and ``fabric-pack``.
+- P's own account (every stack's P, ``prefill_engine``, medians in the
+  summary's ``prefill_engine_s``): its queue, prefill (scheduled -> first
+  token) and e2e times from vLLM's histograms, and ``outside_s``, what
+  the tap's prefill has beyond e2e (P's API server and HTTP).
 
 Idle stacks: 7 engines share 2 cores, so the benchmark keeps the stacks
 not being measured out of the way, and checks that it did:
@@ -784,7 +788,7 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         engine = sorted({n for s in ok for n in s.get("prefill_engine", {})})
         if engine:  # NOTE: P's own account (``P_ENGINE``), medians
             row["prefill_engine_s"] = {
-                n: median(s["prefill_engine"][n] for s in ok if n in s["prefill_engine"])
+                n: median(s["prefill_engine"][n] for s in ok if n in s.get("prefill_engine", {}))
                 for n in engine
             }
         for role in ("prefill", "decode"):
