@@ -10,7 +10,8 @@ stopped by process group (also on error, Ctrl-C and SIGTERM)::
 
     fabric     P (FabricConnector, core 0) + D (FabricConnector, core 1)
                + fabric's proxy (``fabric proxy``, ``handoff: early``: D gets
-               its request at dispatch, beside P's prefill)
+               its request at dispatch, beside P's prefill; ``--handoff
+               sequential``: after P answered)
     nixl-pull  P (NixlConnector, core 0) + D (core 1)
                + ``benchmarks.nixl_proxy --mode pull`` (P, then D with P's
                params; D READs P's blocks)
@@ -279,6 +280,7 @@ class Settings:
     # fabric's handoff raw read at its proxy when P's token went first)
     procedure: int = 3
     first_token: str = "prefiller"  # fabric's proxy.first_token
+    handoff: str = "early"  # fabric's proxy.handoff
     kv_cache_gib: int = 1
     store_mib: int = 768
     chunk_tokens: int = 256
@@ -1347,7 +1349,7 @@ def start_proxy(
                 "port": port,
                 "prefill_timeout_s": timeout,
                 "decode_timeout_s": timeout,
-                "handoff": "early",
+                "handoff": settings.handoff,
                 # NOTE: one request at a time; the default (a quarter of D's
                 # KV, 2,048 tokens here) would send 4k prompts the sequential way.
                 "early_max_tokens": 2 * max(settings.lengths),
@@ -1841,11 +1843,17 @@ def _memory(stacks: dict[str, Stack], when: str) -> dict[str, Any]:
     }
 
 
+def _setting(settings: dict[str, Any], name: str) -> Any:
+    """A recorded setting; one recorded before it existed had its default
+    (``handoff``: runs before ``--handoff`` were all early)."""
+    return settings.get(name, "early" if name == "handoff" else None)
+
+
 POOLED_SETTINGS = (
     "lengths", "requests", "warmup", "max_tokens", "stacks", "kv_heavy", "threads",
     "spin_threshold", "idle_nice", "freeze_idle", "thaw_settle_s", "kv_cache_gib", "store_mib",
     "chunk_tokens", "max_num_batched_tokens", "max_model_len", "prefill_core", "decode_core",
-    "local_repeats", "quick", "fabric_extra", "procedure", "first_token",
+    "local_repeats", "quick", "fabric_extra", "procedure", "first_token", "handoff",
 )  # fmt: skip
 """What runs must share to be pooled: what shapes a measurement (not the seed,
 which must differ, nor the bootstrap)."""
@@ -1898,11 +1906,9 @@ def pool(records: Sequence[dict[str, Any]], draws: int = 2000) -> dict[str, Any]
     first, machine = records[0]["settings"], records[0]["machine"]
     for i, record in enumerate(records[1:], start=1):
         for name in POOLED_SETTINGS:
-            if record["settings"].get(name) != first.get(name):
-                raise PoolError(
-                    f"run {i}: settings.{name} differs: {first.get(name)!r} and "
-                    f"{record['settings'].get(name)!r}"
-                )
+            mine, theirs = _setting(record["settings"], name), _setting(first, name)
+            if mine != theirs:
+                raise PoolError(f"run {i}: settings.{name} differs: {theirs!r} and {mine!r}")
         for name in sorted((set(machine) | set(record["machine"])) - set(MACHINE_NOT_POOLED)):
             if record["machine"].get(name) != machine.get(name):
                 raise PoolError(
@@ -1977,6 +1983,11 @@ def parse_args(
         choices=["prefiller", "decoder"],
         help="fabric's proxy.first_token (default prefiller)",
     )
+    p.add_argument(
+        "--handoff",
+        choices=["early", "sequential"],
+        help="fabric's proxy.handoff (default early: D gets its request at dispatch)",
+    )
     p.add_argument("--fabric-extra", type=json.loads, default=None,
                    help='JSON object merged into fabric\'s kv_connector_extra_config, e.g. '
                         '\'{"transfer_nice": null}\'')  # fmt: skip
@@ -2010,7 +2021,7 @@ def parse_args(
         changes["idle_nice"] = ns.idle_nice if ns.idle_nice >= 0 else None
     for name in ("requests", "warmup", "max_tokens", "threads", "spin_threshold", "kv_cache_gib",
                  "store_mib", "max_num_batched_tokens", "local_repeats", "bootstrap_draws",
-                 "seed", "first_token"):  # fmt: skip
+                 "seed", "first_token", "handoff"):  # fmt: skip
         if getattr(ns, name) is not None:
             changes[name] = getattr(ns, name)
     settings = replace(settings, **changes)

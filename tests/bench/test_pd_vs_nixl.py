@@ -554,6 +554,16 @@ def test_runs_pool_into_one_record_only_with_the_same_settings(
     other["settings"]["procedure"] = 1
     with pytest.raises(bench.PoolError, match="procedure"):
         bench.pool([a, other])
+    other = _run_record(bench, 1.0, "iii", seed=9)
+    other["settings"]["handoff"] = "sequential"
+    with pytest.raises(bench.PoolError, match="handoff"):
+        bench.pool([a, other])
+    older = _run_record(bench, 1.0, "jjj", seed=10)
+    del older["settings"]["handoff"]  # NOTE: recorded before the setting: early then
+    with pytest.raises(bench.PoolError, match="handoff"):
+        bench.pool([older, other])
+    other["settings"]["handoff"] = "early"
+    assert bench.pool([older, other], draws=20)["settings"]["requests"] == 8
     other = _run_record(bench, 1.0, "hhh", seed=8)
     other["samples"][0] = {"stack": "fabric"}
     with pytest.raises(bench.PoolError, match="a sample without"):
@@ -677,6 +687,8 @@ def test_options_quick_and_stack_subsets(bench: ModuleType) -> None:
     assert alias.stacks == ("colocated",) and alias.lengths == (512,) and not alias.kv_heavy
     assert alias.idle_nice is None and settings.idle_nice == 19
     assert settings.freeze_idle and not bench.parse_args(["--no-freeze"])[0].freeze_idle
+    assert settings.handoff == "early"
+    assert bench.parse_args(["--handoff", "sequential"])[0].handoff == "sequential"
     longer, *_ = bench.parse_args(["--lengths", "8192"])
     assert longer.max_model_len == 8192 + 512
     with pytest.raises(SystemExit):
