@@ -83,9 +83,12 @@ Per request (times in seconds, on this process's ``perf_counter``):
   the forward (``VLLM::Worker``), e.g. fabric's ``fabric-server``,
   ``fpush:<port>`` and ``fabric-pack``.
 - P's own account (every stack's P, ``prefill_engine``, medians in the
-  summary's ``prefill_engine_s``): its queue, prefill (scheduled -> first
-  token) and e2e times from vLLM's histograms, and ``outside_s``, what
-  the tap's prefill has beyond e2e (P's API server and HTTP).
+  summary's ``prefill_engine_s``, over ``prefill_engine_n`` samples): its
+  queue, prefill (scheduled -> first token, ``forward_s``) and e2e times
+  from vLLM's histograms, the API server's part of e2e (``frontend_s``)
+  and ``outside_s``, what the tap's prefill has beyond e2e (HTTP and the
+  response); none for a request whose scrapes saw another finish (see
+  ``P_ENGINE``).
 
 Idle stacks: 7 engines share 2 cores, so the benchmark keeps the stacks
 not being measured out of the way, and checks that it did:
@@ -236,15 +239,22 @@ TOKEN_LOW, TOKEN_HIGH = 5, 500  # random ids, clear of the tiny tokenizer's spec
 METRIC_PREFIXES = ("vllm:nixl_", "vllm:fabric_", "vllm:prefix_cache_", "vllm:external_prefix_")
 PROXY_PREFIXES = ("fabric_proxy_",)
 # NOTE: P's own account of the one request (each P serves one at a time):
-# arrival in the engine -> scheduled (queue), scheduled -> first token (its
-# prefill step(s)), arrival -> finished (e2e); what the tap's prefill has
-# beyond e2e is the API server and HTTP (vllm/v1/metrics/loggers.py:931-1000,
-# the times from vllm/v1/metrics/stats.py:590-605)
+# queued in the engine core -> scheduled (queue_s); scheduled -> the output
+# carrying the first token (forward_s: vLLM's "prefill time", the forward
+# pass(es) with the connector's hooks, sampling and the step's other work
+# in it); the API server's arrival -> finished (engine_s: e2e, from when
+# the API server rendered the request, vllm/renderers/base.py:1243). What
+# e2e has beyond those two is the API server and its hops to the engine
+# core (frontend_s); what the tap's prefill has beyond e2e, HTTP and the
+# response (outside_s). vllm/v1/metrics/loggers.py:960-1000 (observed at
+# 1289-1306), the times from vllm/v1/metrics/stats.py:590-605. A scrape
+# pair that saw other than one finished request gives no account.
 P_ENGINE = {
     "queue_s": "vllm:request_queue_time_seconds_sum",
     "forward_s": "vllm:request_prefill_time_seconds_sum",
     "engine_s": "vllm:e2e_request_latency_seconds_sum",
 }
+P_FINISHED = "vllm:e2e_request_latency_seconds_count"
 XFER_METRICS = {
     "fabric": "vllm:fabric_load_seconds_sum",
     "nixl-pull": "vllm:nixl_xfer_time_seconds_sum",
@@ -729,15 +739,24 @@ TIMINGS = ("ttft_s", "prefill_s", "handoff_s", "handoff_raw_s", "local_ttft_s", 
 CORES = ("others_cores", "others_core0_cores", "others_core1_cores", "outside_cores", "own_cores")
 
 
+def took_sequential(proxy_deltas: dict[str, float]) -> bool:
+    """Whether fabric's proxy sent the request the sequential way, by its
+    counters' deltas: by setting (``--handoff sequential``, nothing counted)
+    or refused the early flow; only an early handoff counts as one."""
+    return proxy_deltas.get("fabric_proxy_early_handoffs_total", 0) == 0
+
+
 def engine_account(deltas: dict[str, float], prefill_s: float | None) -> dict[str, float]:
-    """P's own account of the request from its metrics' ``deltas`` (``P_ENGINE``,
-    taken out of ``deltas``), and ``outside_s``: the tap's ``prefill_s`` beyond
-    the engine's e2e (P's API server and HTTP). Empty where P finished no
-    request between the scrapes; a histogram that did not move was 0."""
+    """P's own account of the request from its metrics' ``deltas`` (``P_ENGINE``
+    and ``P_FINISHED``, taken out of ``deltas``; see there), ``frontend_s``
+    and ``outside_s``. Empty unless P finished exactly one request between
+    the scrapes (another, e.g. a proxy's canary, would be summed in); a
+    histogram that did not move was 0."""
     found = {key: deltas.pop(name) for key, name in P_ENGINE.items() if name in deltas}
-    if "engine_s" not in found:
+    if deltas.pop(P_FINISHED, 0.0) != 1 or "engine_s" not in found:
         return {}
     account = {key: found.get(key, 0.0) for key in P_ENGINE}
+    account["frontend_s"] = account["engine_s"] - account["queue_s"] - account["forward_s"]
     if prefill_s is not None:
         account["outside_s"] = prefill_s - account["engine_s"]
     return {key: round(value, 6) for key, value in account.items()}
@@ -788,11 +807,10 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[name] = median(cores)
             row[name + "_max"] = max(cores) if cores else None
         engine = sorted({n for s in ok for n in s.get("prefill_engine", {})})
-        if engine:  # NOTE: P's own account (``P_ENGINE``), medians
-            row["prefill_engine_s"] = {
-                n: median(s["prefill_engine"][n] for s in ok if n in s.get("prefill_engine", {}))
-                for n in engine
-            }
+        if engine:  # NOTE: P's own account (``P_ENGINE``), medians of the samples with one
+            accounted = [s["prefill_engine"] for s in ok if s.get("prefill_engine")]
+            row["prefill_engine_n"] = len(accounted)
+            row["prefill_engine_s"] = {n: median(a[n] for a in accounted if n in a) for n in engine}
         for role in ("prefill", "decode"):
             name = f"{role}_threads"
             threads = sorted({n for s in ok for n in s.get(name, {})})
@@ -1569,7 +1587,7 @@ def measure(
         d_before = scrape(client, stack.decode_url) if stack.decode_url else {}
         p_before = scrape(client, stack.url, PROXY_PREFIXES) if name == "fabric" else {}
         prefill_url = stack.prefill_url
-        pf_prefixes = ("vllm:fabric_", *P_ENGINE.values())
+        pf_prefixes = ("vllm:fabric_", *P_ENGINE.values(), P_FINISHED)
         pf_before = scrape(client, prefill_url, pf_prefixes) if prefill_url else {}
         first: list[tuple[float, float]] = []
 
@@ -1609,7 +1627,7 @@ def measure(
                 p_before, scrape(client, stack.url, PROXY_PREFIXES)
             )
             proxied = sample.proxy_metrics
-            sample.sequential = proxied.get("fabric_proxy_early_refused_total", 0) > 0
+            sample.sequential = took_sequential(proxied)
             lag = proxied.get("fabric_proxy_first_token_lag_seconds_sum")
             if proxied.get("fabric_proxy_first_tokens_from_prefill_total", 0) > 0:
                 # NOTE: the client's first token was P's: handoff raw (the tap's

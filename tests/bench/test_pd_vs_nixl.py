@@ -424,25 +424,51 @@ def test_the_path_fabrics_prefiller_chose_is_read_from_its_counters(bench: Modul
     assert "paths" not in bench.find_row(rows, "nixl-pull", 1024)
 
 
+def test_a_request_is_sequential_unless_the_proxy_counted_an_early_handoff(
+    bench: ModuleType,
+) -> None:
+    assert not bench.took_sequential({"fabric_proxy_early_handoffs_total": 1.0})
+    assert bench.took_sequential({"fabric_proxy_early_refused_total": 1.0})
+    assert bench.took_sequential({})  # NOTE: --handoff sequential counts neither
+
+
 def test_each_prefillers_own_account_splits_its_prefill(bench: ModuleType) -> None:
     deltas = {
         "vllm:request_prefill_time_seconds_sum": 1.5,
         "vllm:e2e_request_latency_seconds_sum": 1.52,
+        "vllm:e2e_request_latency_seconds_count": 1.0,
         "vllm:fabric_chunks_sent_total": 4.0,
     }
-    account = bench.engine_account(deltas, 1.525)
+    account = bench.engine_account(dict(deltas), 1.525)
     # NOTE: a queue histogram that did not move was 0, not missing
-    assert account == {"queue_s": 0.0, "forward_s": 1.5, "engine_s": 1.52, "outside_s": 0.005}
-    assert deltas == {"vllm:fabric_chunks_sent_total": 4.0}  # fabric's counters stay
+    assert account == pytest.approx(
+        {"queue_s": 0.0, "forward_s": 1.5, "engine_s": 1.52, "frontend_s": 0.02, "outside_s": 0.005}
+    )
+    rest = dict(deltas)
+    bench.engine_account(rest, 1.525)
+    assert rest == {"vllm:fabric_chunks_sent_total": 4.0}  # fabric's counters stay
     assert bench.engine_account({"vllm:fabric_chunks_sent_total": 1.0}, 1.0) == {}
+    # NOTE: a second request between the scrapes (a proxy's canary) would be summed in
+    two = {**deltas, "vllm:e2e_request_latency_seconds_count": 2.0}
+    assert bench.engine_account(two, 1.525) == {}
     samples = _samples(bench)
-    for sample in samples:
-        if sample["ttft_s"] is not None:
-            sample["prefill_engine"] = {"forward_s": sample["ttft_s"] - 0.1}
+    good = [
+        s for s in samples if (s["stack"], s["length"], s["phase"]) == ("fabric", 1024, "round")
+    ]
+    for i, sample in enumerate(good):
+        sample["prefill_engine"] = {"forward_s": float(i)}
     row = bench.find_row(bench.summarize(samples), "fabric", 1024)
-    assert row["prefill_engine_s"]["forward_s"] == pytest.approx(1.0)  # medians, good samples
-    del samples[0]["prefill_engine"]  # NOTE: a run recorded before P's account (pooled)
-    assert "prefill_engine_s" in bench.find_row(bench.summarize(samples), "fabric", 1024)
+    ok = [s for s in good if s["error"] is None and s["ttft_s"] is not None]
+    assert row["prefill_engine_n"] == len(ok) == 3
+    assert row["prefill_engine_s"]["forward_s"] == bench.median(
+        s["prefill_engine"]["forward_s"] for s in ok
+    )
+    del ok[0]["prefill_engine"]  # NOTE: a run recorded before P's account (pooled)
+    row = bench.find_row(bench.summarize(samples), "fabric", 1024)
+    assert row["prefill_engine_n"] == 2
+    assert row["prefill_engine_s"]["forward_s"] == bench.median(
+        s["prefill_engine"]["forward_s"] for s in ok[1:]
+    )
     assert "prefill_engine_s" not in bench.find_row(
         bench.summarize(_samples(bench)), "fabric", 1024
     )
