@@ -395,7 +395,13 @@ def test_direct_reads_equal_colocated_and_free_the_prefillers_blocks(cluster: Cl
     # NOTE: each chunk's leading layer groups were read during its step's forward
     parts = metric(p_url, "vllm:fabric_parts_offered_total") - before_parts
     assert parts >= chunks and cluster.d_stats()["server_parts_read"] - parts_read == parts
-    assert metric(d_url, "vllm:fabric_chunks_streamed_total") - before_streamed == chunks
+    # NOTE: a chunk is unpacked as its groups land only if D's loader saw a
+    # group of it before its last offer verified; else the server's verifier
+    # takes it whole (fabric/integrations/vllm/loader.py, ``_stream``): both
+    # verified, which one depends on thread timing (a full run on a busy
+    # machine had 22 of 23 chunks streamed)
+    streamed = metric(d_url, "vllm:fabric_chunks_streamed_total") - before_streamed
+    assert 0 < streamed <= chunks
     assert metric(p_url, "vllm:fabric_bytes_saved_total") == 0  # NOTE: nothing packed
     # NOTE: one host: D read P in place, almost all of it out of P's shared cache
     after = cluster.d_stats()
