@@ -255,6 +255,7 @@ P_ENGINE = {
     "engine_s": "vllm:e2e_request_latency_seconds_sum",
 }
 P_FINISHED = "vllm:e2e_request_latency_seconds_count"
+P_PREFIXES = ("vllm:fabric_", *P_ENGINE.values(), P_FINISHED)  # what P's scrapes keep
 XFER_METRICS = {
     "fabric": "vllm:fabric_load_seconds_sum",
     "nixl-pull": "vllm:nixl_xfer_time_seconds_sum",
@@ -806,9 +807,9 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             cores = [s["cpu"][name] for s in mine if s["cpu"].get(name) is not None]
             row[name] = median(cores)
             row[name + "_max"] = max(cores) if cores else None
-        engine = sorted({n for s in ok for n in s.get("prefill_engine", {})})
-        if engine:  # NOTE: P's own account (``P_ENGINE``), medians of the samples with one
-            accounted = [s["prefill_engine"] for s in ok if s.get("prefill_engine")]
+        accounted = [s["prefill_engine"] for s in ok if s.get("prefill_engine")]
+        if accounted:  # NOTE: P's own account (``P_ENGINE``), medians of the samples with one
+            engine = sorted({n for a in accounted for n in a})
             row["prefill_engine_n"] = len(accounted)
             row["prefill_engine_s"] = {n: median(a[n] for a in accounted if n in a) for n in engine}
         for role in ("prefill", "decode"):
@@ -1587,8 +1588,7 @@ def measure(
         d_before = scrape(client, stack.decode_url) if stack.decode_url else {}
         p_before = scrape(client, stack.url, PROXY_PREFIXES) if name == "fabric" else {}
         prefill_url = stack.prefill_url
-        pf_prefixes = ("vllm:fabric_", *P_ENGINE.values(), P_FINISHED)
-        pf_before = scrape(client, prefill_url, pf_prefixes) if prefill_url else {}
+        pf_before = scrape(client, prefill_url, P_PREFIXES) if prefill_url else {}
         first: list[tuple[float, float]] = []
 
         def on_first_token() -> None:
@@ -1641,7 +1641,7 @@ def measure(
                 else:
                     sample.handoff_raw_s = None
         if prefill_url:
-            deltas = metric_deltas(pf_before, scrape(client, prefill_url, pf_prefixes))
+            deltas = metric_deltas(pf_before, scrape(client, prefill_url, P_PREFIXES))
             sample.prefill_engine = engine_account(deltas, sample.prefill_s)
             sample.prefill_metrics = deltas
             sample.path = push_path(deltas)
@@ -1861,10 +1861,14 @@ def _memory(stacks: dict[str, Stack], when: str) -> dict[str, Any]:
     }
 
 
+SETTINGS_BEFORE = {"handoff": "early"}
+"""What a run recorded before a setting existed did (runs before
+``--handoff`` were all early)."""
+
+
 def _setting(settings: dict[str, Any], name: str) -> Any:
-    """A recorded setting; one recorded before it existed had its default
-    (``handoff``: runs before ``--handoff`` were all early)."""
-    return settings.get(name, "early" if name == "handoff" else None)
+    """A recorded setting, or what the run did before the setting existed."""
+    return settings.get(name, SETTINGS_BEFORE.get(name))
 
 
 POOLED_SETTINGS = (
