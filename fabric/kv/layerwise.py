@@ -29,13 +29,14 @@ nothing is read twice.
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
+import numpy as np
 import xxhash
 
 from fabric.errors import LayoutError
-from fabric.kv.direct import checksum_spans
-from fabric.kv.layout import KVLayout, named_layers
+from fabric.kv.layout import KVLayout, named_layers, segment_table
 from fabric.kv.pack import (
     FUSED_MIN_COPY_BYTES,
     _block_ids,
@@ -45,6 +46,7 @@ from fabric.kv.pack import (
     copy_hashing,
     copy_plan,
     copy_to_chunk,
+    table_plan,
     unpack_hashing,
     unpack_rows,
     verified_span,
@@ -53,7 +55,7 @@ from fabric.kv.pack import (
 if TYPE_CHECKING:
     import torch
 
-    from fabric.kv.layout import KVCaches
+    from fabric.kv.layout import KVCaches, SegmentTable
     from fabric.kv.pack import BlockIds
 
 __all__ = [
@@ -177,14 +179,31 @@ class LayerwiseHash:
     computes its later layers): ``hash_layers(n)`` adds layers ``done .. n -
     1`` (each final by then), ``finish()`` the rest and returns the digest,
     the one :func:`~fabric.kv.direct.checksum_spans` gives for the whole
-    chunk (xxh3-64 fed in chunk order, which is layer-major)."""
+    chunk (xxh3-64 fed in chunk order, which is layer-major).
 
-    def __init__(self, kv_caches: KVCaches, layout: KVLayout, block_ids: BlockIds) -> None:
+    It runs on the prefiller's core during the forward, a call per layer
+    group and chunk, so the chunk's ranges are worked out once, here: each
+    layer's pieces, neighbours contiguous in memory merged, as offsets into
+    one view of the cache's address span; a call only feeds those ranges
+    to the hasher. ``table``: the cache's
+    :func:`~fabric.kv.layout.segment_table`, when the caller keeps one
+    (the cache tensors must be those it was taken from)."""
+
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        layout: KVLayout,
+        block_ids: BlockIds,
+        table: SegmentTable | None = None,
+    ) -> None:
         self.block_ids = list(block_ids)
-        _, self._addrs, self._lengths = copy_plan(
-            kv_caches, layout, _block_ids(block_ids, layout), 0
+        if table is None:
+            table = segment_table(kv_caches, layout)
+        _, addrs, lengths = table_plan(table, _block_ids(block_ids, layout), 0)
+        self._steps = _LayerSteps(len(addrs), layout.num_layers, "layer-wise hash")
+        self._view, self._starts, self._lengths, self._bounds = _layer_ranges(
+            addrs, lengths, self._steps.per_layer, layout.num_layers
         )
-        self._steps = _LayerSteps(len(self._addrs), layout.num_layers, "layer-wise hash")
         self._hasher = xxhash.xxh3_64()
 
     @property
@@ -193,15 +212,44 @@ class LayerwiseHash:
 
     def hash_layers(self, upto: int) -> None:
         """Hash layers ``layers_done .. upto - 1``; a no-op when ``upto`` is not past them."""
-        rows = self._steps.advance(upto)
-        if rows is not None:
-            a, b = rows
-            checksum_spans(self._addrs[a:b], self._lengths[a:b], self._hasher)
+        first = self._steps.done
+        if self._steps.advance(upto) is None:
+            return
+        update, view, starts, lengths = self._hasher.update, self._view, self._starts, self._lengths
+        for i in range(self._bounds[first], self._bounds[upto]):
+            at = starts[i]
+            update(view[at : at + lengths[i]])
 
     def finish(self) -> int:
         """Hash the layers left; the whole chunk's checksum."""
         self.hash_layers(self._steps.num_layers)
         return self._hasher.intdigest()
+
+
+def _layer_ranges(
+    addrs: np.ndarray, lengths: np.ndarray, per_layer: int, num_layers: int
+) -> tuple[memoryview, list[int], list[int], list[int]]:
+    """A chunk's pieces (chunk order, ``per_layer`` per layer) as ranges of
+    one view: ``(view, starts, lengths, bounds)``, layer ``l``'s ranges
+    being ``bounds[l] .. bounds[l + 1] - 1``; neighbours contiguous in
+    memory are merged, never across a layer's end. No memory is touched
+    but the pieces' when the ranges are read."""
+    if not len(addrs):
+        return memoryview(b""), [], [], [0] * (num_layers + 1)
+    lo = int(addrs.min())
+    view = memoryview((ctypes.c_char * int((addrs + lengths).max() - lo)).from_address(lo))
+    rel = addrs - lo
+    head = np.ones(len(rel), dtype=bool)
+    head[1:] = rel[1:] != rel[:-1] + lengths[:-1]
+    head[::per_layer] = True
+    heads = np.flatnonzero(head)
+    bounds = np.searchsorted(heads // per_layer, np.arange(num_layers + 1))
+    return (
+        view.cast("B"),
+        rel[heads].tolist(),
+        np.add.reduceat(lengths, heads).tolist(),
+        bounds.tolist(),
+    )
 
 
 class LayerwiseUnpack:

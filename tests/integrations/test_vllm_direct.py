@@ -70,6 +70,14 @@ def sent_within(p: FabricWorker, timeout: float = 10) -> set[str]:
     return set()
 
 
+def assert_read(p: FabricWorker, d: FabricWorker, num_tokens: int) -> None:
+    """The decoder's blocks ``DST`` hold the KV of the prefiller's ``SRC`` (the prompt's)."""
+    src = SRC[: -(-num_tokens // BS)]
+    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
+        for b in range(len(src)):
+            assert torch.equal(d_layer[DST[b]], p_layer[src[b]]), b
+
+
 def released(p: FabricWorker) -> set[str]:
     """vLLM finished ``p-req`` (named in the next step): what is reported sent."""
     return step(p, FabricMetadata(), {"p-req"}) or sent_within(p)
@@ -402,10 +410,56 @@ def test_offers_queued_while_one_is_answered_go_as_one_round_trip(
     step(p, prefill(num_tokens, d.node.endpoint))
     assert wait_results(d) == ({"d-req"}, set())
     assert calls == [[0, 1, 2]]
-    src = SRC[: -(-num_tokens // BS)]
-    for p_layer, d_layer in zip(p.kv_caches, d.kv_caches, strict=True):
-        for b in range(len(src)):
-            assert torch.equal(d_layer[DST[b]], p_layer[src[b]]), b
+    assert_read(p, d, num_tokens)
     assert released(p) == {"p-req"}
     pc = p.counters.take()
     assert pc["chunks_offered"] == 3 and pc.get("push_failures", 0) == 0
+
+
+def test_a_layer_groups_parts_of_a_steps_chunks_go_as_one_round_trip(
+    pair: tuple[FabricWorker, FabricWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pack thread hashes a layer group of each of a step's chunks, then
+    offers them as one event: one round trip per group to the decoder (each
+    read as it comes), not one per chunk as the push thread wakes. Before,
+    each chunk's part was queued right after its hash: with hashes that take
+    a while (here 30 ms each), the push thread took the first alone, then
+    the others while the first was answered."""
+    from fabric.kv import layerwise
+
+    p, d = pair
+    assert d.node is not None and p.sender is not None and p.layered is not None
+    calls: list[list[tuple[int, int]]] = []
+    real_offer_many, real_hash = PeerLink.offer_many, layerwise.LayerwiseHash.hash_layers
+
+    def offer_many(link: PeerLink, res: object, offers: list[ChunkOffer], cache: object) -> None:
+        calls.append([(o.index, o.layers) for o in offers])
+        real_offer_many(link, res, offers, cache)  # type: ignore[arg-type]
+
+    def slow_hash(hashing: layerwise.LayerwiseHash, upto: int) -> None:
+        time.sleep(0.03)
+        real_hash(hashing, upto)
+
+    monkeypatch.setattr(PeerLink, "offer_many", offer_many)
+    monkeypatch.setattr(layerwise.LayerwiseHash, "hash_layers", slow_hash)
+    num_tokens = 150  # chunks of 4, 4, 2 blocks
+    d.start_load(
+        FabricMetadata(loads=[LoadPlan("d-req", "t1", 0, DST, num_tokens, tokens(num_tokens))])
+    )
+    meta = prefill(num_tokens, d.node.endpoint)
+    p.before_step()
+    p.start_load(meta)
+    for name in p._named_caches:
+        p.pack_layer(name, meta)
+    p.pack_step(meta)
+    p.before_step()
+    p.get_results(set())
+    assert wait_results(d) == ({"d-req"}, set())
+    groups = len(p.kv_caches) - 1  # NOTE: a group per layer; the last one is the final offers
+    parts = [call for call in calls if any(layers for _, layers in call)]
+    assert parts == [[(i, g) for i in range(3)] for g in range(1, groups + 1)]
+    assert sorted(i for call in calls for i, layers in call if not layers) == [0, 1, 2]
+    assert_read(p, d, num_tokens)
+    assert released(p) == {"p-req"}
+    pc = p.counters.take()
+    assert (pc["parts_offered"], pc["chunks_offered"]) == (3 * groups, 3)

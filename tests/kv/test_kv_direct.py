@@ -193,3 +193,46 @@ def test_a_peer_of_another_dtype_with_the_same_sizes_is_refused(make_caches: Mak
     assert ours.segment_bytes == KVLayout.from_tensors(fp16).segment_bytes
     with pytest.raises(LayoutError, match="does not fit"):
         map_spans(cache_map(fp16, KVLayout.from_tensors(fp16)), ours, [1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cuts", [[1, 3, 5], [2, 2, 4, 5], [5]], ids=["groups", "repeats", "whole"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own-tensors", "one-allocation"])
+def test_a_chunk_hashed_in_its_blocks_layer_group_by_group_is_the_packed_checksum(
+    make_caches: MakeCaches, kind: LayoutKind, cuts: list[int], shared: bool
+) -> None:
+    from fabric.kv.layerwise import LayerwiseHash
+    from fabric.kv.layout import segment_table
+
+    caches = make_caches(kind, num_layers=5)
+    ids = SRC_IDS
+    if shared:
+        # NOTE: layers back to back in one allocation, and a chunk whose last
+        # piece in a layer ends where the next layer's first begins: hashed
+        # as one range would still give the digest, but not a layer at a time
+        caches = list(torch.stack(caches).unbind(0))
+        ids = [0, 1, caches[0].shape[1 if kind is LayoutKind.FLASH else 0] - 1]
+    layout = KVLayout.from_tensors(caches)
+    block_dim = 1 if kind is LayoutKind.FLASH else 0
+
+    def flip(block: int, at: int, layer: int = -1) -> None:
+        data = caches[layer].select(block_dim, block).view(torch.uint8)
+        data[(at,) * data.dim()] ^= 0xFF
+
+    for table in (None, segment_table(caches, layout)):
+        hashing = LayerwiseHash(caches, layout, ids, table)
+        for upto in cuts:
+            hashing.hash_layers(upto)
+            assert hashing.layers_done == upto
+            if upto < layout.num_layers:
+                flip(ids[0], 0, upto)  # NOTE: the forward writes the next layer only now
+        assert hashing.finish() == checksum(packed(caches, layout, ids))
+    want = checksum(packed(caches, layout, ids))
+    # NOTE: a byte of the chunk's last block in its last layer counts; a block outside does not
+
+    flip(next(b for b in range(layout.num_blocks) if b not in ids), 0)
+    assert LayerwiseHash(caches, layout, ids).finish() == want
+    flip(ids[-1], -1)
+    changed = LayerwiseHash(caches, layout, ids)
+    changed.hash_layers(4)
+    assert changed.finish() != want

@@ -53,8 +53,9 @@ accelerator the forward is only enqueued when the hook runs.
 A prefiller with ``direct_reads`` packs nothing for a pushed prompt its
 decoder reads (the request is held): each group of such a chunk is hashed
 in its blocks instead (:class:`~fabric.kv.layerwise.LayerwiseHash`, the same
-streaming xxh3) and its leading layers offered, so the decoder READs them
-and unpacks them while the forward computes the rest; ``wait_for_save``
+streaming xxh3) and its leading layers offered (the group of every chunk of
+the request at once: one round trip to its decoder per group), so the
+decoder READs them and unpacks them while the forward computes the rest; ``wait_for_save``
 hashes the last group and offers the chunk with its checksum
 (``FabricWorker._offer_chunk``). Its other pushes are packed layer-wise as
 above. The checksum covers every group, but a group is hashed and read
@@ -82,6 +83,7 @@ from typing import TYPE_CHECKING
 
 from fabric.errors import CapacityError
 from fabric.kv.layerwise import LayerwiseHash, LayerwisePack, group_ends
+from fabric.kv.layout import segment_table
 
 if TYPE_CHECKING:
     import torch
@@ -107,19 +109,21 @@ class LayeredPacks:
         on_part: Callable[[str, int, int, int, int], None] | None = None,
         on_drop: Callable[[str, int], None] | None = None,
         offered: Callable[[str], bool] | None = None,
-        on_offer: Callable[[str, int, list[int], int], None] | None = None,
+        on_offer: Callable[[str, list[tuple[int, list[int], int]]], None] | None = None,
         on_cost: Callable[[str, float], None] | None = None,
     ) -> None:
         self.store = store
         self.on_part = on_part  # (req_id, index, slot, layers, bytes) packed so far
         self.on_drop = on_drop  # (req_id, index): that slot went back (after on_part)
         self.offered = offered  # whether a request's chunks are offered, not packed
-        self.on_offer = on_offer  # (req_id, index, block_ids, layers) hashed so far
+        self.on_offer = on_offer  # (req_id, [(index, block_ids, layers) hashed so far])
         self.on_cost = on_cost  # (req_id, CPU seconds) spent packing or hashing its layers
         self.kv_caches = list(kv_caches.values())
         self.layout = layout
         self.counters = counters
         self._index = {name: i for i, name in enumerate(kv_caches)}
+        # NOTE: where each layer's blocks are; vLLM keeps these tensors for the engine's life
+        self._table = segment_table(self.kv_caches, layout)
         # NOTE: the last group is packed by wait_for_save
         self.ends = group_ends(layout.num_layers, groups)[:-1]
         # forward thread: the step whose hooks are being counted
@@ -159,7 +163,7 @@ class LayeredPacks:
         for chunk in meta.packs:
             if self.offered is not None and self.offered(chunk.req_id):
                 self._hashes[(chunk.req_id, chunk.index)] = LayerwiseHash(
-                    self.kv_caches, self.layout, chunk.block_ids
+                    self.kv_caches, self.layout, chunk.block_ids, self._table
                 )
                 continue
             key = key_of(chunk)
@@ -184,6 +188,7 @@ class LayeredPacks:
         chunk whose pack fails gives its slot back (packed whole later)."""
         if meta is not self._meta:
             return
+        hashed: dict[str, list[tuple[int, list[int], int]]] = {}
         for key, hashing in list(self._hashes.items()):
             if upto <= hashing.layers_done:
                 continue
@@ -198,8 +203,11 @@ class LayeredPacks:
             finally:
                 if self.on_cost is not None:
                     self.on_cost(key[0], time.thread_time() - cpu)
-            if self.on_offer is not None:
-                self.on_offer(key[0], key[1], hashing.block_ids, hashing.layers_done)
+            hashed.setdefault(key[0], []).append((key[1], hashing.block_ids, hashing.layers_done))
+        if self.on_offer is not None:
+            # NOTE: a request's chunks of this group together: one round trip to its decoder
+            for req_id, parts in hashed.items():
+                self.on_offer(req_id, parts)
         for key, (slot, part) in list(self._parts.items()):
             cpu = time.thread_time()
             try:

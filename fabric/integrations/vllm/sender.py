@@ -102,7 +102,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -133,8 +133,9 @@ STALL_PRESSURE = 0.25
 """Below this fraction of allocatable store slots, a stalled receiver's waiting chunks go."""
 MAX_OFFER_BATCH = 16
 """The most offers of one push queued together that go as one round trip
-(``PeerLink.offer_many``): a step's chunks' final offers (or one layer
-group's parts) reach a push thread while it waits for the last answer."""
+(``PeerLink.offer_many``): a step's chunks' final offers reach a push
+thread while it waits for the last answer; a layer group's parts of a
+step's chunks come as one event (``PushSender.offer_parts``)."""
 UNMEASURED_RATE = float(128 << 20)
 """The read rate (bytes a second) a receiver's batches of offers are sized
 by before one was measured (``PushSender._batch_bytes``): 64 MiB a batch at
@@ -414,6 +415,17 @@ class PushSender:
         or its request fails."""
         self._events.put(("offer", (req_id, index, block_ids, checksum, time.monotonic(), layers)))
 
+    def offer_parts(self, req_id: str, parts: Sequence[tuple[int, list[int], int]]) -> None:
+        """:meth:`offer` of the leading layers of several chunks of one push
+        (``(index, block_ids, layers)`` each, every chunk once): one event,
+        so they go to the receiver together, in one round trip as far as its
+        batch limits allow, rather than one by one as the push thread wakes
+        (a layer group of a step's chunks, hashed during the forward)."""
+        if parts:
+            now = time.monotonic()
+            batch = [(index, block_ids, 0, now, layers) for index, block_ids, layers in parts]
+            self._events.put(("offers", (req_id, batch)))
+
     def part(self, req_id: str, index: int, slot: int, layers: int, nbytes: int) -> None:
         """Chunk ``index``'s leading ``layers`` layers (its first ``nbytes``
         bytes) are packed in ``slot``, the rest still to come: written at
@@ -497,7 +509,7 @@ class PushSender:
         if job is None:  # failed at once, or over: nothing kept for it
             if kind == "finished":
                 self._over(str(rid))  # NOTE: no READ of its blocks is asked any more
-            if kind in ("part", "unpart", "offer", "finished"):
+            if kind in ("part", "unpart", "offer", "offers", "finished"):
                 return
             if kind == "chunk":
                 assert isinstance(payload, tuple)
@@ -508,6 +520,10 @@ class PushSender:
             assert isinstance(payload, tuple)
             job.tail_from = payload[3]  # NOTE: when it was handed over; the last one's counts
             self._route_chunk(peer, job, payload[1], payload[2])
+            return
+        if kind == "offers":
+            assert isinstance(payload, tuple)
+            peer.events.put(("offers", [(job, *offer) for offer in payload[1]]))
             return
         if kind == "offer" and isinstance(payload, tuple) and not payload[5]:
             job.tail_from = payload[4]  # NOTE: a chunk's final offer: when it was computed
@@ -759,7 +775,12 @@ class PushSender:
                     return
                 event = after  # type: ignore[assignment]
                 continue
-            self._handle_guarded(peer, *event)
+            if event[0] == "offers":
+                assert isinstance(event[1], list)
+                for batch in self._offer_batches(peer, event[1]):
+                    self._handle_guarded(peer, "offers", batch)
+            else:
+                self._handle_guarded(peer, *event)
             try:
                 event = peer.events.get_nowait()
             except queue.Empty:
@@ -791,6 +812,22 @@ class PushSender:
             offers.append(nxt)
             indices.add(nxt[1])
             nbytes += more
+
+    def _offer_batches(self, peer: _Peer, offers: list[tuple]) -> list[list[tuple]]:
+        """``offers`` of one push (an ``offers`` event) cut into batches as
+        :meth:`_take_offers` would make them: ``MAX_OFFER_BATCH`` offers and
+        :meth:`_batch_bytes` at most each (a batch holds one whatever its size)."""
+        cap = self._batch_bytes(peer)
+        batches: list[list[tuple]] = []
+        nbytes = 0
+        for offer in offers:
+            more = self._read_bytes(offer[0], offer[1], offer[5])
+            if not batches or len(batches[-1]) >= MAX_OFFER_BATCH or nbytes + more > cap:
+                batches.append([])
+                nbytes = 0
+            batches[-1].append(offer)
+            nbytes += more
+        return batches
 
     def _handle_guarded(self, peer: _Peer, kind: str, payload: object) -> None:
         job = payload if isinstance(payload, PushJob) else None

@@ -453,13 +453,14 @@ class FabricWorker:
         if self.sender is not None and req_id in self._keys and req_id not in self._keep_only:
             self.sender.part(req_id, index, slot, layers, nbytes)
 
-    def _part_hashed(self, req_id: str, index: int, block_ids: list[int], layers: int) -> None:
-        """direct_reads: layers of a chunk hashed during the forward (final in
-        its blocks: :mod:`~fabric.integrations.vllm.layered`) are offered now,
+    def _part_hashed(self, req_id: str, parts: list[tuple[int, list[int], int]]) -> None:
+        """direct_reads: layers of a request's chunks hashed during the forward
+        (``(index, block_ids, layers)``, final in their blocks:
+        :mod:`~fabric.integrations.vllm.layered`) are offered now, together,
         so the decoder reads them while the later layers are computed (pack
         thread)."""
         if self.sender is not None and req_id in self._direct:
-            self.sender.offer(req_id, index, block_ids, 0, layers)
+            self.sender.offer_parts(req_id, parts)
 
     def _part_dropped(self, req_id: str, index: int) -> None:
         """The slot a chunk's parts were written from went back to the store."""
