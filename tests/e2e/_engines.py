@@ -105,11 +105,17 @@ class EngineFactory:
         """Start one engine per ``{name: start keywords}`` in parallel; all up, or raise.
 
         Engines start mostly in single-threaded imports, so two start on two
-        cores in about the time of one.
+        cores in about the time of one; more take longer in proportion, and
+        each is given ``START_TIMEOUT_S`` per two started at once (unless its
+        keywords give a ``timeout``): five took 4-5 minutes to come up on a
+        2-core machine whose CPU ran the tiny model several times slower.
         """
+        timeout = START_TIMEOUT_S * max(1.0, len(specs) / 2)
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = {
-                name: pool.submit(self.start, model_dir, name=name, **kwargs)
+                name: pool.submit(
+                    self.start, model_dir, name=name, **{"timeout": timeout, **kwargs}
+                )
                 for name, kwargs in specs.items()
             }
             return {name: future.result() for name, future in futures.items()}
