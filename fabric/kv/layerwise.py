@@ -197,8 +197,14 @@ class LayerwiseHash:
         table: SegmentTable | None = None,
     ) -> None:
         self.block_ids = list(block_ids)
+        # NOTE: the view below does not keep the cache alive: this does
+        self._caches = kv_caches
         if table is None:
             table = segment_table(kv_caches, layout)
+        elif len(table.bases) != layout.num_layers * layout.segments or int(table.bases[0]) != int(
+            named_layers(kv_caches)[0][1].data_ptr()
+        ):
+            raise LayoutError("layer-wise hash: the segment table is not this cache's")
         _, addrs, lengths = table_plan(table, _block_ids(block_ids, layout), 0)
         self._steps = _LayerSteps(len(addrs), layout.num_layers, "layer-wise hash")
         self._view, self._starts, self._lengths, self._bounds = _layer_ranges(

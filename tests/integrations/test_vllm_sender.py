@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
+from fabric.errors import ReservationRefused
 from fabric.integrations.vllm import sender as sender_module
 from fabric.integrations.vllm.config import ConnectorConfig
 from fabric.integrations.vllm.counters import FabricCounters
@@ -670,6 +671,52 @@ def test_a_push_between_chunks_sleeps_but_heartbeats_on_time(
             sender.close()
     receiver.close()
     n.close()
+
+
+def test_an_offers_event_is_cut_to_size_and_a_failed_round_trip_ends_its_push() -> None:
+    """``offer_parts`` hands a request's layer group over as one ``offers``
+    event: the endpoint thread cuts it into batches as ``_take_offers``
+    would (``MAX_OFFER_BATCH`` offers, ``_batch_bytes``, one at least), a
+    round trip each, in order; the first that fails fails the push and the
+    rest are not offered; an event of a push that is over is dropped."""
+    store = ChunkStore(StoreConfig(slot_bytes=64, num_slots=4))
+    counters = FabricCounters()
+    sender = PushSender(None, store, counters, lease_ms=1000, push_timeout_s=5)  # type: ignore[arg-type]
+    sender.close()
+    peer = _Peer("tcp://x:1", sender._serve, "test", "test")  # NOTE: never started
+    mib = 1 << 20
+    n = sender_module.MAX_OFFER_BATCH + 2
+    job = PushJob("a", "ta", peer.endpoint, [KEY] * n, [SLOT] * n)
+    job.res = RemoteReservation(
+        "ta", (KEY,) * n, (200 * mib,) + (mib,) * (n - 1), tuple(range(n)), (1,) * n, (False,) * n
+    )
+
+    def parts(*indices: int) -> list[tuple]:
+        return [(job, i, [i], 0, time.monotonic(), 2) for i in indices]
+
+    sender.num_layers = 4  # NOTE: a part of 2 layers reads half a chunk
+    batches = sender._offer_batches(peer, parts(*range(n)))
+    # NOTE: 100 MiB alone (over 64 MiB, the unmeasured rate's batch), then 16, then 1
+    assert [[o[1] for o in b] for b in batches] == [[0], list(range(1, n - 1)), [n - 1]]
+    assert [len(b) for b in sender._offer_batches(peer, parts(3, 4))] == [2]
+
+    calls: list[list[int]] = []
+
+    class Refusing:
+        closed = True  # NOTE: no Cancel goes from it
+
+        def offer_many(self, res: object, offers: list[object], cache: object) -> None:
+            calls.append([o.index for o in offers])  # type: ignore[attr-defined]
+            raise ReservationRefused("the receiver would not read it")
+
+    sender.cache = object()  # type: ignore[assignment]
+    job.link = Refusing()  # type: ignore[assignment]
+    sender._handle_guarded(peer, "offers", parts(*range(n)))
+    assert calls == [[0]] and job.failed
+    assert counters.take()["push_failures"] == 1
+    # NOTE: a push that is over (or failed at once): its event is dropped, nothing queued
+    sender._dispatch("offers", ("gone", [(0, [0], 0, time.monotonic(), 2)]))
+    assert peer.events.empty()
 
 
 def test_offers_go_together_only_of_one_push_each_chunk_once_in_queue_order() -> None:

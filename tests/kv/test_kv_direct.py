@@ -222,14 +222,18 @@ def test_a_chunk_hashed_in_its_blocks_layer_group_by_group_is_the_packed_checksu
     for table in (None, segment_table(caches, layout)):
         hashing = LayerwiseHash(caches, layout, ids, table)
         for upto in cuts:
+            before = hashing.layers_done
             hashing.hash_layers(upto)
             assert hashing.layers_done == upto
-            if upto < layout.num_layers:
+            if before < upto < layout.num_layers:
                 flip(ids[0], 0, upto)  # NOTE: the forward writes the next layer only now
         assert hashing.finish() == checksum(packed(caches, layout, ids))
     want = checksum(packed(caches, layout, ids))
     # NOTE: a byte of the chunk's last block in its last layer counts; a block outside does not
 
+    other = make_caches(kind, num_layers=5, seed=1)
+    with pytest.raises(LayoutError, match="not this cache's"):
+        LayerwiseHash(caches, layout, ids, segment_table(other, layout))
     flip(next(b for b in range(layout.num_blocks) if b not in ids), 0)
     assert LayerwiseHash(caches, layout, ids).finish() == want
     flip(ids[-1], -1)

@@ -53,9 +53,10 @@ accelerator the forward is only enqueued when the hook runs.
 A prefiller with ``direct_reads`` packs nothing for a pushed prompt its
 decoder reads (the request is held): each group of such a chunk is hashed
 in its blocks instead (:class:`~fabric.kv.layerwise.LayerwiseHash`, the same
-streaming xxh3) and its leading layers offered (the group of every chunk of
-the request at once: one round trip to its decoder per group), so the
-decoder READs them and unpacks them while the forward computes the rest; ``wait_for_save``
+streaming xxh3) and its leading layers offered (the group of each of the
+request's chunks at once: one round trip to its decoder per group, as far
+as the sender's batch limits allow), so the decoder READs them and unpacks
+them while the forward computes the rest; ``wait_for_save``
 hashes the last group and offers the chunk with its checksum
 (``FabricWorker._offer_chunk``). Its other pushes are packed layer-wise as
 above. The checksum covers every group, but a group is hashed and read
@@ -188,8 +189,15 @@ class LayeredPacks:
         chunk whose pack fails gives its slot back (packed whole later)."""
         if meta is not self._meta:
             return
-        hashed: dict[str, list[tuple[int, list[int], int]]] = {}
+        # NOTE: a request's chunks are offered together once its last one of
+        # the step is hashed (a step lists each request's chunks together)
+        parts: list[tuple[int, list[int], int]] = []
+        rid = ""
         for key, hashing in list(self._hashes.items()):
+            if parts and key[0] != rid:
+                self._offer(rid, parts)
+                parts = []
+            rid = key[0]
             if upto <= hashing.layers_done:
                 continue
             cpu = time.thread_time()
@@ -203,11 +211,9 @@ class LayeredPacks:
             finally:
                 if self.on_cost is not None:
                     self.on_cost(key[0], time.thread_time() - cpu)
-            hashed.setdefault(key[0], []).append((key[1], hashing.block_ids, hashing.layers_done))
-        if self.on_offer is not None:
-            # NOTE: a request's chunks of this group together: one round trip to its decoder
-            for req_id, parts in hashed.items():
-                self.on_offer(req_id, parts)
+            parts.append((key[1], hashing.block_ids, hashing.layers_done))
+        if parts:
+            self._offer(rid, parts)
         for key, (slot, part) in list(self._parts.items()):
             cpu = time.thread_time()
             try:
@@ -223,6 +229,11 @@ class LayeredPacks:
                     self.on_cost(key[0], time.thread_time() - cpu)
             if self.on_part is not None:
                 self.on_part(key[0], key[1], slot, part.layers_done, part.bytes_done)
+
+    def _offer(self, req_id: str, parts: list[tuple[int, list[int], int]]) -> None:
+        """Hand a request's parts hashed now to ``on_offer``, together."""
+        if self.on_offer is not None:
+            self.on_offer(req_id, parts)
 
     def take(self, chunk: PackChunk) -> tuple[int, LayerwisePack] | None:
         """The slot and pack begun for ``chunk`` (the caller finishes or aborts it)."""

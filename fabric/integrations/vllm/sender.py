@@ -418,9 +418,10 @@ class PushSender:
     def offer_parts(self, req_id: str, parts: Sequence[tuple[int, list[int], int]]) -> None:
         """:meth:`offer` of the leading layers of several chunks of one push
         (``(index, block_ids, layers)`` each, every chunk once): one event,
-        so they go to the receiver together, in one round trip as far as its
-        batch limits allow, rather than one by one as the push thread wakes
-        (a layer group of a step's chunks, hashed during the forward)."""
+        so they go to the receiver together, one round trip for as many as
+        ``MAX_OFFER_BATCH`` and ``_batch_bytes`` allow, rather than one by
+        one as the push thread wakes (a layer group of a request's chunks,
+        hashed during the forward)."""
         if parts:
             now = time.monotonic()
             batch = [(index, block_ids, 0, now, layers) for index, block_ids, layers in parts]
@@ -775,12 +776,7 @@ class PushSender:
                     return
                 event = after  # type: ignore[assignment]
                 continue
-            if event[0] == "offers":
-                assert isinstance(event[1], list)
-                for batch in self._offer_batches(peer, event[1]):
-                    self._handle_guarded(peer, "offers", batch)
-            else:
-                self._handle_guarded(peer, *event)
+            self._handle_guarded(peer, *event)
             try:
                 event = peer.events.get_nowait()
             except queue.Empty:
@@ -814,9 +810,10 @@ class PushSender:
             nbytes += more
 
     def _offer_batches(self, peer: _Peer, offers: list[tuple]) -> list[list[tuple]]:
-        """``offers`` of one push (an ``offers`` event) cut into batches as
-        :meth:`_take_offers` would make them: ``MAX_OFFER_BATCH`` offers and
-        :meth:`_batch_bytes` at most each (a batch holds one whatever its size)."""
+        """``offers`` of one push (an ``offers`` event, or what
+        :meth:`_take_offers` took, which this leaves whole) cut into batches
+        of ``MAX_OFFER_BATCH`` offers and :meth:`_batch_bytes` at most each
+        (a batch holds one whatever its size), in order: a round trip each."""
         cap = self._batch_bytes(peer)
         batches: list[list[tuple]] = []
         nbytes = 0
@@ -856,7 +853,8 @@ class PushSender:
             return
         if kind == "offers":
             assert isinstance(payload, list)
-            self._offers(peer, payload[0][0], [tuple(o[1:]) for o in payload])
+            for batch in self._offer_batches(peer, payload):
+                self._offers(peer, batch[0][0], [tuple(o[1:]) for o in batch])
             return
         assert isinstance(payload, tuple) and isinstance(payload[0], PushJob)
         job = payload[0]
@@ -1003,8 +1001,10 @@ class PushSender:
     def _offers(self, peer: _Peer, job: PushJob, offers: list[tuple]) -> None:
         """Offer chunks (direct reads), or their leading ``layers`` layers
         (parts): ``offers`` of (index, block_ids, checksum, computed_at,
-        layers), each chunk once, queued together (``_take_offers``), go back
-        to back, one round trip for them all (``PeerLink.offer_many``). The
+        layers), each chunk once, queued together (``_take_offers``) or
+        handed over together (``offer_parts``) and cut to size
+        (``_offer_batches``), go back to back, one round trip for them all
+        (``PeerLink.offer_many``). The
         call returns once the receiver read them, so this endpoint's thread
         waits that long (bounded by the control timeout; the receiver reads
         one chunk in a few ms). The first that fails fails the push, a part
