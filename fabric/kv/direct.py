@@ -57,6 +57,7 @@ __all__ = [
     "checksum_spans",
     "direct_plan",
     "map_spans",
+    "span_ranges",
 ]
 
 
@@ -210,25 +211,43 @@ def checksum_spans(
 
     With ``hasher`` the bytes are added to it (a chunk hashed a layer group
     at a time) and its digest so far is returned. Neighbours contiguous in
-    memory are hashed as one range; each range is a slice of one
-    memoryview over the spans' extent (no memory is touched but the
-    spans'): per range, the hasher call is most of the cost beyond the
-    bytes themselves.
+    memory are hashed as one range (:func:`span_ranges`).
     """
     h = hasher if hasher is not None else xxhash.xxh3_64()
     addrs = np.asarray(addrs, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if not len(addrs):
-        return h.intdigest()
-    breaks = np.flatnonzero(addrs[1:] != addrs[:-1] + lengths[:-1]) + 1
-    heads = np.concatenate(([0], breaks)).astype(np.int64)
-    addrs, lengths = addrs[heads], np.add.reduceat(lengths, heads)
-    lo = int(addrs.min())
-    extent = memoryview((ctypes.c_char * int((addrs + lengths).max() - lo)).from_address(lo))
-    view = extent.cast("B")
-    for at, n in zip((addrs - lo).tolist(), lengths.tolist(), strict=True):
+    view, starts, merged, _ = span_ranges(
+        addrs, np.asarray(lengths, dtype=np.int64), max(1, len(addrs)), 1
+    )
+    for at, n in zip(starts, merged, strict=True):
         h.update(view[at : at + n])
     return h.intdigest()
+
+
+def span_ranges(
+    addrs: np.ndarray, lengths: np.ndarray, per_layer: int, num_layers: int
+) -> tuple[memoryview, list[int], list[int], list[int]]:
+    """Pieces of CPU memory at ``addrs`` (in order, ``per_layer`` per layer)
+    as ranges of one view over their extent: ``(view, starts, lengths,
+    bounds)``, layer ``l``'s ranges being ``bounds[l] .. bounds[l + 1] -
+    1``; neighbours contiguous in memory are merged, never across a
+    layer's end. No memory is touched but the pieces' when the ranges are
+    read: per range, the hasher call is most of the cost beyond the bytes."""
+    if not len(addrs):
+        return memoryview(b""), [], [], [0] * (num_layers + 1)
+    lo = int(addrs.min())
+    view = memoryview((ctypes.c_char * int((addrs + lengths).max() - lo)).from_address(lo))
+    rel = addrs - lo
+    head = np.ones(len(rel), dtype=bool)
+    head[1:] = rel[1:] != rel[:-1] + lengths[:-1]
+    head[::per_layer] = True
+    heads = np.flatnonzero(head)
+    bounds = np.searchsorted(heads // per_layer, np.arange(num_layers + 1))
+    return (
+        view.cast("B"),
+        rel[heads].tolist(),
+        np.add.reduceat(lengths, heads).tolist(),
+        bounds.tolist(),
+    )
 
 
 def cache_regions(kv_caches: KVCaches) -> list[tuple[int, int]]:

@@ -29,13 +29,12 @@ nothing is read twice.
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
 from fabric.errors import LayoutError
+from fabric.kv.direct import span_ranges
 from fabric.kv.layout import KVLayout, named_layers, segment_table
 from fabric.kv.pack import (
     FUSED_MIN_COPY_BYTES,
@@ -207,7 +206,7 @@ class LayerwiseHash:
             raise LayoutError("layer-wise hash: the segment table is not this cache's")
         _, addrs, lengths = table_plan(table, _block_ids(block_ids, layout), 0)
         self._steps = _LayerSteps(len(addrs), layout.num_layers, "layer-wise hash")
-        self._view, self._starts, self._lengths, self._bounds = _layer_ranges(
+        self._view, self._starts, self._lengths, self._bounds = span_ranges(
             addrs, lengths, self._steps.per_layer, layout.num_layers
         )
         self._hasher = xxhash.xxh3_64()
@@ -230,32 +229,6 @@ class LayerwiseHash:
         """Hash the layers left; the whole chunk's checksum."""
         self.hash_layers(self._steps.num_layers)
         return self._hasher.intdigest()
-
-
-def _layer_ranges(
-    addrs: np.ndarray, lengths: np.ndarray, per_layer: int, num_layers: int
-) -> tuple[memoryview, list[int], list[int], list[int]]:
-    """A chunk's pieces (chunk order, ``per_layer`` per layer) as ranges of
-    one view: ``(view, starts, lengths, bounds)``, layer ``l``'s ranges
-    being ``bounds[l] .. bounds[l + 1] - 1``; neighbours contiguous in
-    memory are merged, never across a layer's end. No memory is touched
-    but the pieces' when the ranges are read."""
-    if not len(addrs):
-        return memoryview(b""), [], [], [0] * (num_layers + 1)
-    lo = int(addrs.min())
-    view = memoryview((ctypes.c_char * int((addrs + lengths).max() - lo)).from_address(lo))
-    rel = addrs - lo
-    head = np.ones(len(rel), dtype=bool)
-    head[1:] = rel[1:] != rel[:-1] + lengths[:-1]
-    head[::per_layer] = True
-    heads = np.flatnonzero(head)
-    bounds = np.searchsorted(heads // per_layer, np.arange(num_layers + 1))
-    return (
-        view.cast("B"),
-        rel[heads].tolist(),
-        np.add.reduceat(lengths, heads).tolist(),
-        bounds.tolist(),
-    )
 
 
 class LayerwiseUnpack:

@@ -77,6 +77,7 @@ is idle (``before_step``, after the join).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -191,49 +192,41 @@ class LayeredPacks:
             return
         # NOTE: a request's chunks are offered together once its last one of
         # the step is hashed (a step lists each request's chunks together)
-        parts: list[tuple[int, list[int], int]] = []
-        rid = ""
-        for key, hashing in list(self._hashes.items()):
-            if parts and key[0] != rid:
-                self._offer(rid, parts)
-                parts = []
-            rid = key[0]
-            if upto <= hashing.layers_done:
-                continue
-            cpu = time.thread_time()
-            try:
-                hashing.hash_layers(upto)
-            except Exception:
-                self.counters.add(thread_errors=1)
-                logger.exception("fabric: hashing layers of %s chunk %d failed", *key)
-                del self._hashes[key]  # NOTE: hashed whole and offered at wait_for_save
-                continue
-            finally:
-                if self.on_cost is not None:
-                    self.on_cost(key[0], time.thread_time() - cpu)
-            parts.append((key[1], hashing.block_ids, hashing.layers_done))
-        if parts:
-            self._offer(rid, parts)
+        for rid, hashes in itertools.groupby(list(self._hashes.items()), lambda kv: kv[0][0]):
+            parts: list[tuple[int, list[int], int]] = []
+            for key, hashing in hashes:
+                if upto <= hashing.layers_done:
+                    continue
+                if not self._costed(key, "hashing", hashing.hash_layers, upto):
+                    del self._hashes[key]  # NOTE: hashed whole and offered at wait_for_save
+                    continue
+                parts.append((key[1], hashing.block_ids, hashing.layers_done))
+            if parts and self.on_offer is not None:
+                self.on_offer(rid, parts)
         for key, (slot, part) in list(self._parts.items()):
-            cpu = time.thread_time()
-            try:
-                part.pack_layers(upto)
-            except Exception:
-                self.counters.add(thread_errors=1)
-                logger.exception("fabric: packing layers of %s chunk %d failed", *key)
+            if not self._costed(key, "packing", part.pack_layers, upto):
                 del self._parts[key]
                 self._give_back(key, slot)
                 continue
-            finally:
-                if self.on_cost is not None:
-                    self.on_cost(key[0], time.thread_time() - cpu)
             if self.on_part is not None:
                 self.on_part(key[0], key[1], slot, part.layers_done, part.bytes_done)
 
-    def _offer(self, req_id: str, parts: list[tuple[int, list[int], int]]) -> None:
-        """Hand a request's parts hashed now to ``on_offer``, together."""
-        if self.on_offer is not None:
-            self.on_offer(req_id, parts)
+    def _costed(
+        self, key: tuple[str, int], what: str, step: Callable[[int], None], upto: int
+    ) -> bool:
+        """``step(upto)`` for chunk ``key``, its CPU time told to ``on_cost``;
+        False (logged and counted) when it raised."""
+        cpu = time.thread_time()
+        try:
+            step(upto)
+        except Exception:
+            self.counters.add(thread_errors=1)
+            logger.exception("fabric: %s layers of %s chunk %d failed", what, *key)
+            return False
+        finally:
+            if self.on_cost is not None:
+                self.on_cost(key[0], time.thread_time() - cpu)
+        return True
 
     def take(self, chunk: PackChunk) -> tuple[int, LayerwisePack] | None:
         """The slot and pack begun for ``chunk`` (the caller finishes or aborts it)."""
