@@ -230,11 +230,18 @@ def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
         assert len({e["id"] for e in events}) == len({e["created"] for e in events}) == 1
         assert events[0]["id"].startswith("cmpl-")
     assert all(c["token_ids"] is None for e in hidden for c in e["choices"])
-    # NOTE: the same keys as vLLM's own events, in the first (P's) and later (D's) ones
-    assert [sorted(e) for e in got] == [sorted(e) for e in want]
-    assert [sorted(c) for e in got for c in e["choices"]] == [
-        sorted(c) for e in want for c in e["choices"]
-    ]
+
+    # NOTE: the same keys as vLLM's own events, in the first (P's), the
+    # later (D's) and the last (usage) ones. Not as many events: vLLM merges
+    # the tokens of a stream whose reader fell behind into one event
+    # (vllm/v1/engine/output_processor.py:69-79, RequestOutputCollector.put;
+    # a full run on a slow machine got D's five tokens in two events)
+    def keys(events: list[dict[str, Any]]) -> tuple[object, ...]:
+        choices = {tuple(sorted(c)) for e in events for c in e["choices"]}
+        middle = {tuple(sorted(e)) for e in events[1:-1]}
+        return sorted(events[0]), middle, sorted(events[-1]), choices
+
+    assert keys(got) == keys(want)
     from_prefill = proxy_counter(proxy, "first_tokens_from_prefill")
     assert from_prefill + proxy_counter(proxy, "first_tokens_from_decode") == 2
     assert from_prefill == 2 or handoff == "early"
