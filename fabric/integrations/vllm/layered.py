@@ -124,7 +124,9 @@ class LayeredPacks:
         self.layout = layout
         self.counters = counters
         self._index = {name: i for i, name in enumerate(kv_caches)}
-        # NOTE: where each layer's blocks are; vLLM keeps these tensors for the engine's life
+        # NOTE: where each layer's blocks are; vLLM registers its KV tensors once,
+        # after allocating them (vllm/v1/worker/gpu_model_runner.py:7117-7119,
+        # initialize_kv_cache; the CPU runner's calls it), and keeps them
         self._table = segment_table(self.kv_caches, layout)
         # NOTE: the last group is packed by wait_for_save
         self.ends = group_ends(layout.num_layers, groups)[:-1]
