@@ -173,6 +173,10 @@ def test_early_admitted_requests_equal_colocated(cluster: Cluster) -> None:
     assert heard(cluster) - words >= 2 * len(lengths)
 
 
+def _token_ids(events: list[dict[str, Any]]) -> list[int]:
+    return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+
+
 def _stream_events(url: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
     with httpx.stream("POST", url, json=payload, timeout=300) as response:
         assert response.status_code == 200, response.read()
@@ -215,14 +219,11 @@ def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
     hidden = _stream_events(proxy.url("/v1/completions"), other)
     hidden_want = _stream_events(oracle, other)
 
-    def ids(events: list[dict[str, Any]]) -> list[int]:
-        return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
-
     def text(events: list[dict[str, Any]]) -> str:
         return "".join(c["text"] for e in events for c in e["choices"])
 
-    assert len(ids(want)) == 6
-    assert ids(got) == ids(want) and text(got) == text(want)
+    assert len(_token_ids(want)) == 6
+    assert _token_ids(got) == _token_ids(want) and text(got) == text(want)
     assert text(hidden) == text(hidden_want)
     assert got[-1]["usage"] == want[-1]["usage"] == hidden[-1]["usage"]
     assert [c["prompt_token_ids"] for c in got[0]["choices"]] == [prompt]
@@ -274,9 +275,10 @@ def test_a_seeded_first_token_from_the_prefiller_equals_colocated(cluster: Clust
         }
         want = _stream_events(oracle, payload)
         got = _stream_events(proxy.url("/v1/completions"), payload)
-        assert [c["token_ids"] for e in got for c in e["choices"]] == [
-            c["token_ids"] for e in want for c in e["choices"]
-        ]
+        # NOTE: the tokens, not the events, are compared: vLLM merges a
+        # lagging stream's tokens into one event (output_processor.py:69-79)
+        assert _token_ids(got) == _token_ids(want)
+        assert [len(c["token_ids"]) for c in got[0]["choices"]] == [1]  # P's own event
         assert "".join(c["text"] for e in got for c in e["choices"]) == "".join(
             c["text"] for e in want for c in e["choices"]
         )
@@ -325,13 +327,10 @@ def test_the_rest_after_the_prefillers_token_is_a_colocated_engines_rest(
     )
     rest = [json.loads(e[6:]) for e in splice.feed(raw)]
 
-    def ids(events: list[dict[str, Any]]) -> list[int]:
-        return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
-
     def text(events: list[dict[str, Any]]) -> str:
         return "".join(c["text"] for e in events for c in e["choices"])
 
-    assert [first.token_id, *ids(rest)] == ids(want)
+    assert [first.token_id, *_token_ids(rest)] == _token_ids(want)
     assert first.text + text(rest) == text(want)
     assert rest[-1]["usage"] == want[-1]["usage"]
 
