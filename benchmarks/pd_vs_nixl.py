@@ -294,6 +294,10 @@ class Settings:
     handoff: str = "early"  # fabric's proxy.handoff
     kv_cache_gib: int = 1
     store_mib: int = 768
+    # NOTE: the engines' --dtype; float32 where the CPU has no AVX-512: there
+    # vLLM's CPU bf16 linears fall back from oneDNN and a 1k prefill of the
+    # tiny model takes ~10x longer (fp32 matmuls are ~8x faster than bf16)
+    dtype: str = "bfloat16"
     chunk_tokens: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4608
@@ -668,6 +672,9 @@ class Sample:
     # P's own account of the request (vLLM's histograms, see ``P_ENGINE``)
     prefill_engine: dict[str, float] = field(default_factory=dict)
     path: str | None = None  # fabric's P with direct_reads auto: the path its push took
+    # fabric's P: its push's tail (vllm:fabric_push_tail_seconds), from the
+    # last chunk handed to its sender at the forward's end until D had it all
+    push_tail_s: float | None = None
     ttft_cpu_s: float | None = None  # the stack's own processes, sent -> first token
     cpu: dict[str, Any] = field(default_factory=dict)  # cores_between over the request
     # P's threads over the request: CPU seconds by thread name (schedstat)
@@ -736,7 +743,7 @@ def good(samples: Iterable[dict[str, Any]], stack: str, length: int) -> list[dic
 
 
 TIMINGS = ("ttft_s", "prefill_s", "handoff_s", "handoff_raw_s", "local_ttft_s", "xfer_s",
-           "itl_s", "e2e_s", "ttft_cpu_s")  # fmt: skip
+           "itl_s", "e2e_s", "ttft_cpu_s", "push_tail_s")  # fmt: skip
 CORES = ("others_cores", "others_core0_cores", "others_core1_cores", "outside_cores", "own_cores")
 
 
@@ -761,6 +768,15 @@ def engine_account(deltas: dict[str, float], prefill_s: float | None) -> dict[st
     if prefill_s is not None:
         account["outside_s"] = prefill_s - account["engine_s"]
     return {key: round(value, 6) for key, value in account.items()}
+
+
+def push_tail_s(prefill_deltas: dict[str, float]) -> float | None:
+    """The mean tail of the pushes P ended between the scrapes (one per
+    request), by its ``vllm:fabric_push_tail_seconds``; None without one."""
+    count = prefill_deltas.get("vllm:fabric_push_tail_seconds_count", 0)
+    if count < 1:
+        return None
+    return prefill_deltas.get("vllm:fabric_push_tail_seconds_sum", 0.0) / count
 
 
 def push_path(prefill_deltas: dict[str, float]) -> str | None:
@@ -1151,6 +1167,7 @@ def start_engines(
             kv_transfer_config=spec.kv_transfer_config,
             max_model_len=settings.max_model_len,
             served_model_name=MODEL,
+            dtype=settings.dtype,
             extra_args=["--max-num-batched-tokens", str(settings.max_num_batched_tokens)],
         )
         home = workdir / "engines" / spec.tag
@@ -1645,6 +1662,7 @@ def measure(
             sample.prefill_engine = engine_account(deltas, sample.prefill_s)
             sample.prefill_metrics = deltas
             sample.path = push_path(deltas)
+            sample.push_tail_s = push_tail_s(deltas)
         sample.fallback = is_fallback(sample.decode_metrics) or is_fallback(sample.proxy_metrics)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
@@ -1861,9 +1879,9 @@ def _memory(stacks: dict[str, Stack], when: str) -> dict[str, Any]:
     }
 
 
-SETTINGS_BEFORE = {"handoff": "early"}
+SETTINGS_BEFORE = {"handoff": "early", "dtype": "bfloat16"}
 """What a run recorded before a setting existed did (runs before
-``--handoff`` were all early)."""
+``--handoff`` were all early, before ``--dtype`` all bfloat16)."""
 
 
 def _setting(settings: dict[str, Any], name: str) -> Any:
@@ -1875,7 +1893,7 @@ POOLED_SETTINGS = (
     "lengths", "requests", "warmup", "max_tokens", "stacks", "kv_heavy", "threads",
     "spin_threshold", "idle_nice", "freeze_idle", "thaw_settle_s", "kv_cache_gib", "store_mib",
     "chunk_tokens", "max_num_batched_tokens", "max_model_len", "prefill_core", "decode_core",
-    "local_repeats", "quick", "fabric_extra", "procedure", "first_token", "handoff",
+    "local_repeats", "quick", "fabric_extra", "procedure", "first_token", "handoff", "dtype",
 )  # fmt: skip
 """What runs must share to be pooled: what shapes a measurement (not the seed,
 which must differ, nor the bootstrap)."""
@@ -1997,6 +2015,10 @@ def parse_args(
     p.add_argument("--kv-cache-gib", type=int, help="KV pool per engine (default 1)")
     p.add_argument("--store-mib", type=int, help="fabric chunk store per engine (default 768)")
     p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's step budget (default 2048)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"],
+                   help="the engines' dtype (default bfloat16; float32 on a CPU without "
+                        "AVX-512, where bf16 forwards are ~10x slower; its KV is twice "
+                        "the bytes: 4k prompts need --kv-cache-gib 2)")  # fmt: skip
     p.add_argument("--local-repeats", type=int, help="D local-hit requests per sample (3)")
     p.add_argument("--bootstrap-draws", type=int, help="bootstrap resamples (2000)")
     p.add_argument("--seed", type=int, help="prompts and orders (default 11)")
@@ -2043,14 +2065,15 @@ def parse_args(
         changes["idle_nice"] = ns.idle_nice if ns.idle_nice >= 0 else None
     for name in ("requests", "warmup", "max_tokens", "threads", "spin_threshold", "kv_cache_gib",
                  "store_mib", "max_num_batched_tokens", "local_repeats", "bootstrap_draws",
-                 "seed", "first_token", "handoff"):  # fmt: skip
+                 "seed", "first_token", "handoff", "dtype"):  # fmt: skip
         if getattr(ns, name) is not None:
             changes[name] = getattr(ns, name)
     settings = replace(settings, **changes)
     if settings.requests < 1 or min(settings.lengths) < 1:
         p.error("--requests and --lengths must be >= 1")
-    if max(settings.lengths) + settings.max_tokens + 1 > settings.max_model_len:
-        settings = replace(settings, max_model_len=max(settings.lengths) + 512)
+    # NOTE: room for the longest prompt and its output, no more: a float32 KV
+    # pool of 1 GiB holds the KV-heavy model's 3,968 tokens, not 4,608
+    settings = replace(settings, max_model_len=max(settings.lengths) + 512)
     return settings, ns.workdir, ns.results_dir, ns.pool
 
 

@@ -361,6 +361,7 @@ def vllm_serve_command(
     seed: int = DEFAULT_SEED,
     served_model_name: str | None = None,
     host: str = "127.0.0.1",
+    dtype: str = "bfloat16",
 ) -> list[str]:
     """``vllm serve`` for a small, deterministic, quick-to-start engine on ``host``:``port``.
 
@@ -377,7 +378,7 @@ def vllm_serve_command(
         "--port",
         str(port),
         "--dtype",
-        "bfloat16",
+        dtype,
         "--enforce-eager",
         "--seed",
         str(seed),

@@ -413,6 +413,9 @@ def test_the_path_fabrics_prefiller_chose_is_read_from_its_counters(bench: Modul
     assert bench.push_path({"vllm:fabric_pushes_direct_total": 1.0}) == "direct"
     assert bench.push_path({"vllm:fabric_pushes_staged_total": 1.0}) == "staged"
     assert bench.push_path({"vllm:fabric_chunks_sent_total": 4.0}) is None  # NOTE: not auto
+    tail = {"vllm:fabric_push_tail_seconds_sum": 0.012, "vllm:fabric_push_tail_seconds_count": 1}
+    assert bench.push_tail_s(tail) == pytest.approx(0.012)
+    assert bench.push_tail_s({"vllm:fabric_push_tail_seconds_sum": 0.0}) is None
     samples = _samples(bench)
     fabric_1k = [
         s for s in samples if (s["stack"], s["length"], s["phase"]) == ("fabric", 1024, "round")
@@ -590,6 +593,12 @@ def test_runs_pool_into_one_record_only_with_the_same_settings(
         bench.pool([older, other])
     other["settings"]["handoff"] = "early"
     assert bench.pool([older, other], draws=20)["settings"]["requests"] == 8
+    del older["settings"]["dtype"]  # NOTE: recorded before the setting: bfloat16 then
+    other["settings"]["dtype"] = "float32"
+    with pytest.raises(bench.PoolError, match="dtype"):
+        bench.pool([older, other])
+    other["settings"]["dtype"] = "bfloat16"
+    assert bench.pool([older, other], draws=20)["settings"]["requests"] == 8
     other = _run_record(bench, 1.0, "hhh", seed=8)
     other["samples"][0] = {"stack": "fabric"}
     with pytest.raises(bench.PoolError, match="a sample without"):
@@ -717,6 +726,11 @@ def test_options_quick_and_stack_subsets(bench: ModuleType) -> None:
     assert bench.parse_args(["--handoff", "sequential"])[0].handoff == "sequential"
     longer, *_ = bench.parse_args(["--lengths", "8192"])
     assert longer.max_model_len == 8192 + 512
+    assert settings.max_model_len == 4096 + 512 and quick.max_model_len == 1024 + 512
+    assert settings.dtype == "bfloat16"
+    assert bench.parse_args(["--dtype", "float32"])[0].dtype == "float32"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dtype", "float16"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--stacks", "nixl"])
 

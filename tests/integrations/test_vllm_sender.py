@@ -292,8 +292,8 @@ def test_a_thousand_pushes_to_a_dead_decoder_hold_nothing(
 ) -> None:
     """1,100 requests toward a dead or silent decoder over ~12 s (two Hello
     timeouts, a backoff between), a push to a live one after every 100th:
-    every live push lands, every dead one fails (counted), the sender's
-    tables stay small and end empty, P keeps no slot."""
+    every live push lands (its tail observed), every dead one fails
+    (counted), the sender's tables stay small and end empty, P keeps no slot."""
     p, d = pair
     assert d.node is not None and p.sender is not None
     peak: dict[str, int] = {}
@@ -309,8 +309,12 @@ def test_a_thousand_pushes_to_a_dead_decoder_hold_nothing(
                 assert load(d, live, prompt(n)) == ({live}, set())
         sent = p.counters.take()
         assert_nothing_held(p)
-        failed = sent.get("push_failures", 0) + p.counters.take().get("push_failures", 0)
+        later = p.counters.take()
+        failed = sent.get("push_failures", 0) + later.get("push_failures", 0)
     assert failed == 1100 and sent["chunks_sent"] == 11
+    # NOTE: a tail per complete push, the live ones'; a failed push has none
+    tails = [*sent.get("push_tail_seconds", []), *later.get("push_tail_seconds", [])]
+    assert len(tails) == 11 and all(0 < t < 30 for t in tails)
     assert peak["sender_jobs"] <= MAX_WAITING + 2 and peak["sender_leases"] <= 2
     assert peak["sender_queued"] <= 4 * MAX_WAITING and peak["sender_peers"] <= 2
     assert peak["sender_links"] <= 1  # the dead one never got a link

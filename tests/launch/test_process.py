@@ -227,6 +227,9 @@ def test_vllm_serve_command(tmp_path: Path) -> None:
     assert "--enforce-eager" in argv
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == kv
     assert argv[-2:] == ["--max-num-seqs", "4"]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    wide = vllm_serve_command(tmp_path, 8123, dtype="float32")
+    assert wide[wide.index("--dtype") + 1] == "float32" and wide.count("--dtype") == 1
 
 
 def test_vllm_main_reports_a_cpu_version_for_vllm() -> None:

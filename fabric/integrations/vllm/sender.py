@@ -175,6 +175,7 @@ class SenderCounters:
     failures: str = "push_failures"
     count_present: bool = True
     write_seconds: str | None = "chunk_write_seconds"
+    tail_seconds: str | None = "push_tail_seconds"
     tables: str = "sender"
     client_tables: bool = True
 
@@ -185,6 +186,7 @@ SHARED_STORE_COUNTERS = SenderCounters(
     failures="shared_store_failures",
     count_present=False,
     write_seconds=None,
+    tail_seconds=None,
     tables="shared_sender",
     client_tables=False,
 )
@@ -230,6 +232,14 @@ class PushJob:
     @property
     def complete(self) -> bool:
         return self.written == len(self.keys) and not self.inflight
+
+    @property
+    def tail_s(self) -> float:
+        """From its last chunk's hand-over, or its Reserve's answer if later (a
+        link's first push also connected), to its drop; 0 before both."""
+        if not self.tail_from or not self.ended_at:
+            return 0.0
+        return self.ended_at - max(self.tail_from, self.settled_at)
 
     @property
     def parts_running(self) -> bool:
@@ -1261,6 +1271,9 @@ class PushSender:
             return
         job.dropped = True
         job.ended_at = time.monotonic()
+        names = self.names
+        if names.tail_seconds is not None and job.complete and not job.failed and job.tail_s:
+            self.counters.observe(names.tail_seconds, job.tail_s)
         if job.path and self.paths is not None:
             peer.ended.append(job)  # NOTE: recorded at the round's end, its CPU all added
         peer.jobs.pop(id(job), None)
@@ -1289,13 +1302,9 @@ class PushSender:
                     had = res.already_present
                     moved = sum(n for n, h in zip(job.nbytes, had, strict=False) if not h)
                 ok = job.complete and not job.failed and res is not None
-                # NOTE: from its last chunk's hand-over, or its Reserve's answer if
-                # later (a link's first push also connected), to its drop
-                start = max(job.tail_from, job.settled_at)
-                tail = job.ended_at - start if job.tail_from and job.ended_at else 0.0
                 cpu = job.pack_cpu_s + job.link_cpu_s
                 self.paths.record(
-                    job.endpoint, job.path, cpu, moved, tail, ok, failed=job.path_failed
+                    job.endpoint, job.path, cpu, moved, job.tail_s, ok, failed=job.path_failed
                 )
             except Exception:
                 self.counters.add(thread_errors=1)
