@@ -74,12 +74,25 @@ def supported(kv_caches: KVCaches) -> bool:
 
 
 def group_ends(num_layers: int, groups: int) -> list[int]:
-    """The layer counts after which each of ``groups`` near-equal groups ends
-    (the last is ``num_layers``); fewer groups when there are fewer layers."""
+    """The layer counts after which each of ``groups`` groups ends (the last
+    is ``num_layers``); fewer groups when there are fewer layers.
+
+    The last group is one layer, the others near-equal (32 layers in 8:
+    ``[5, 9, 14, 18, 23, 27, 31, 32]``). What the last group holds is what is
+    left once the forward ended: the prefiller packs or hashes it, and the
+    decoder reads and unpacks it, while the request waits for its first
+    token. An earlier group is handled while the forward computes the
+    layers after it, and a CPU forward computes a layer far more slowly
+    than a layer's KV is hashed or copied.
+    """
     if num_layers < 1 or groups < 1:
         raise LayoutError(f"group_ends: {num_layers} layers in {groups} groups")
-    groups = min(groups, num_layers)
-    return sorted({-(-num_layers * (g + 1) // groups) for g in range(groups)})
+    if groups == 1:
+        return [num_layers]
+    if groups >= num_layers:
+        return list(range(1, num_layers + 1))
+    head = num_layers - 1
+    return [*sorted({-(-head * (g + 1) // (groups - 1)) for g in range(groups - 1)}), num_layers]
 
 
 def layer_bytes(layout: KVLayout, chunk_blocks: int) -> int:

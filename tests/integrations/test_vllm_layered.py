@@ -12,6 +12,7 @@ blocks are compared with the prefiller's final ones.
 from __future__ import annotations
 
 import importlib
+import itertools
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -272,9 +273,21 @@ def test_layerwise_pack_gives_pack_checksummeds_bytes_and_checksum(groups: int) 
 
 
 def test_group_ends() -> None:
-    assert group_ends(32, 8) == [4, 8, 12, 16, 20, 24, 28, 32]
+    """The last group is one layer (what is left after the forward), the others near-equal."""
+    assert group_ends(32, 8) == [5, 9, 14, 18, 23, 27, 31, 32]
     assert group_ends(3, 8) == [1, 2, 3]
-    assert group_ends(10, 3) == [4, 7, 10]
+    assert group_ends(10, 3) == [5, 9, 10]
+    assert group_ends(32, 2) == [31, 32] and group_ends(32, 1) == [32]
+    assert group_ends(4, 4) == [1, 2, 3, 4] and group_ends(1, 8) == [1]
+    for layers in range(1, 40):
+        for groups in range(1, 12):
+            ends = group_ends(layers, groups)
+            assert len(ends) == min(groups, layers) and ends[-1] == layers
+            assert ends == sorted(set(ends)) and ends[0] >= 1
+            assert groups == 1 or ends[-1] - (ends[-2] if len(ends) > 1 else 0) == 1
+            head = ends[:-1]  # NOTE: the groups before the last one
+            sizes = [b - a for a, b in itertools.pairwise([0, *head])]
+            assert not sizes or max(sizes) - min(sizes) <= 1
     assert layered_module.LayeredPacks is not None
 
 

@@ -16,18 +16,22 @@ and commits (:class:`~fabric.kv.layerwise.LayerwisePack`: the same bytes
 and checksum as packing the chunk whole).
 
     forward thread (save_kv_layer)          pack thread (fabric-pack)
-    (32 layers, layer_groups 8)
-    layer 0 .. 3 saved   --submit(4)-->     begin the step's pushes (their
+    (32 layers, layer_groups 8: fabric.kv.layerwise.group_ends)
+    layer 0 .. 4 saved   --submit(5)-->     begin the step's pushes (their
                                             Reserves go out), take a slot
-                                            per chunk, pack layers 0-3
+                                            per chunk, pack layers 0-4
                                             (layer_writes: hand each chunk's
                                             packed layers to the push threads,
                                             which write them to the decoder)
-    layer 4 .. 7 saved   --submit(8)-->     pack layers 4-7 (and hand them over)
+    layer 5 .. 8 saved   --submit(9)-->     pack layers 5-8 (and hand them over)
     ...                                     ...
-    wait_for_save        --submit(save)-->  pack layers 28-31, commit, hand
+    layer 27 .. 30 saved --submit(31)-->    pack layers 27-30 (and hand them over)
+    wait_for_save        --submit(save)-->  pack layer 31, commit, hand
                                             the chunks to the push threads
                                             (which write the rest of each)
+
+The last group is one layer: what is left after the forward is what the
+decoder still waits for once the prefill ended.
 
 The tokens of a chunk computed in earlier steps were written then (every
 layer), and its blocks are held by the request, so they are final too.
