@@ -173,9 +173,11 @@ sources) the same tables and headline over them all, each interval
 resampled within each run: 14 requests per point from two runs, where one
 25-minute run holds 7. Decide how many runs to pool before looking at any.
 
-Fairness: identical engine flags (``--enforce-eager``, bf16, block size
-128, ``--max-num-batched-tokens`` 2048, ``--max-model-len`` 4608, seed 0,
-prefix caching on), KV pool per engine (``--kv-cache-gib`` 1), loopback
+Fairness: identical engine flags (``--enforce-eager``, bf16 or ``--dtype``,
+block size 128, ``--max-num-batched-tokens`` 2048, ``--max-model-len`` the
+longest prompt + 512 (4608), seed 0, prefix caching on), KV pool per
+engine (``--kv-cache-gib`` 1; float32 KV is twice the bytes, so 4k prompts
+of the KV-heavy model need 2: the run refuses to start otherwise), loopback
 env (``UCX_NET_DEVICES=lo``), ``kv_load_failure_policy`` recompute, and
 ``VLLM_CPU_OMP_THREADS_BIND`` (every P and the colocated engine on core 0,
 every D on core 1). ``--threads shipped`` skips the pinning, SCHED_IDLE
@@ -189,6 +191,7 @@ import contextlib
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import random
@@ -673,7 +676,10 @@ class Sample:
     prefill_engine: dict[str, float] = field(default_factory=dict)
     path: str | None = None  # fabric's P with direct_reads auto: the path its push took
     # fabric's P: its push's tail (vllm:fabric_push_tail_seconds), from the
-    # last chunk handed to its sender at the forward's end until D had it all
+    # last chunk handed to its sender at the forward's end until its last
+    # write landed or D's last READ ended. NOTE: P's counters reach /metrics
+    # at its engine steps: a held request (direct reads) keeps P stepping
+    # until its push ended; a staged push's tail may show a request later
     push_tail_s: float | None = None
     ttft_cpu_s: float | None = None  # the stack's own processes, sent -> first token
     cpu: dict[str, Any] = field(default_factory=dict)  # cores_between over the request
@@ -816,9 +822,9 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if compared
             else None
         )
-        for name in TIMINGS:
-            row[name] = median(s[name] for s in ok)
-            row[name.removesuffix("_s") + "_p90_s"] = p90(s[name] for s in ok)
+        for name in TIMINGS:  # NOTE: .get: a run recorded before a timing existed has none
+            row[name] = median(s.get(name) for s in ok)
+            row[name.removesuffix("_s") + "_p90_s"] = p90(s.get(name) for s in ok)
         for name in CORES:
             cores = [s["cpu"][name] for s in mine if s["cpu"].get(name) is not None]
             row[name] = median(cores)
@@ -859,7 +865,7 @@ def run_values(
     pooled record's samples carry their ``run``; one run else)."""
     by_run: dict[int, list[float]] = {}
     for s in good(samples, stack, length):
-        if s[metric] is not None:
+        if s.get(metric) is not None:
             by_run.setdefault(s.get("run", 0), []).append(s[metric])
     return [by_run[run] for run in sorted(by_run)]
 
@@ -2073,8 +2079,27 @@ def parse_args(
         p.error("--requests and --lengths must be >= 1")
     # NOTE: room for the longest prompt and its output, no more: a float32 KV
     # pool of 1 GiB holds the KV-heavy model's 3,968 tokens, not 4,608
-    settings = replace(settings, max_model_len=max(settings.lengths) + 512)
+    room = max(512, settings.max_tokens + 1)
+    settings = replace(settings, max_model_len=max(settings.lengths) + room)
+    kv_gib = kv_pool_gib_needed(settings)
+    if kv_gib > settings.kv_cache_gib:
+        p.error(
+            f"--kv-cache-gib {settings.kv_cache_gib}: {settings.dtype} KV of "
+            f"{settings.max_model_len} tokens needs {kv_gib} GiB per engine (--kv-cache-gib "
+            f"{kv_gib}, fewer --stacks if memory is short, or shorter --lengths)"
+        )
     return settings, ns.workdir, ns.results_dir, ns.pool
+
+
+def kv_pool_gib_needed(settings: Settings) -> int:
+    """Whole GiB of KV pool an engine needs to start with ``settings``
+    (vLLM refuses a pool that cannot hold ``max_model_len`` tokens; ~3% of
+    it goes elsewhere: 1 GiB held 3,968 float32 tokens of the KV-heavy model)."""
+    from fabric.testing.models.tiny import TinyModelSpec
+
+    spec = TinyModelSpec.for_variant(kv_heavy=settings.kv_heavy)
+    per_token = spec.kv_bytes_per_token * (2 if settings.dtype == "float32" else 1)
+    return math.ceil(per_token * settings.max_model_len / (0.96 * (1 << 30)))
 
 
 @contextlib.contextmanager

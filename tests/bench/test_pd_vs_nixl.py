@@ -599,6 +599,9 @@ def test_runs_pool_into_one_record_only_with_the_same_settings(
         bench.pool([older, other])
     other["settings"]["dtype"] = "bfloat16"
     assert bench.pool([older, other], draws=20)["settings"]["requests"] == 8
+    for sample in older["samples"]:  # NOTE: recorded before the timing existed
+        sample.pop("push_tail_s", None)
+    assert bench.pool([older, other], draws=20)["settings"]["requests"] == 8
     other = _run_record(bench, 1.0, "hhh", seed=8)
     other["samples"][0] = {"stack": "fabric"}
     with pytest.raises(bench.PoolError, match="a sample without"):
@@ -724,13 +727,21 @@ def test_options_quick_and_stack_subsets(bench: ModuleType) -> None:
     assert settings.freeze_idle and not bench.parse_args(["--no-freeze"])[0].freeze_idle
     assert settings.handoff == "early"
     assert bench.parse_args(["--handoff", "sequential"])[0].handoff == "sequential"
-    longer, *_ = bench.parse_args(["--lengths", "8192"])
+    longer, *_ = bench.parse_args(["--lengths", "8192", "--kv-cache-gib", "2"])
     assert longer.max_model_len == 8192 + 512
+    with pytest.raises(SystemExit):  # NOTE: 8,704 bf16 tokens of the KV-heavy model: 1.1 GiB
+        bench.parse_args(["--lengths", "8192"])
     assert settings.max_model_len == 4096 + 512 and quick.max_model_len == 1024 + 512
     assert settings.dtype == "bfloat16"
-    assert bench.parse_args(["--dtype", "float32"])[0].dtype == "float32"
+    wide, *_ = bench.parse_args(["--dtype", "float32", "--lengths", "1024,2048"])
+    assert wide.dtype == "float32" and wide.max_model_len == 2048 + 512
+    assert bench.parse_args(["--max-tokens", "600", "--quick"])[0].max_model_len == 1024 + 601
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtype", "float16"])
+    with pytest.raises(SystemExit):  # NOTE: 4k float32 tokens of the KV-heavy model: 1.2 GiB
+        bench.parse_args(["--dtype", "float32"])
+    assert bench.parse_args(["--dtype", "float32", "--kv-cache-gib", "2"])[0].kv_cache_gib == 2
+    assert bench.kv_pool_gib_needed(settings) == 1  # NOTE: bf16 4608 tokens: 576 MiB
     with pytest.raises(SystemExit):
         bench.parse_args(["--stacks", "nixl"])
 

@@ -90,7 +90,8 @@ HISTOGRAMS = {
     "load_seconds": "decoder: from a load's start until the pushed KV is in vLLM's blocks",
     "chunk_write_seconds": "prefiller: from posting one chunk's WRITE until it is done",
     "push_tail_seconds": "prefiller: from a complete push's last chunk handed to its sender "
-    "(packed, or hashed and offered, at the forward's end) until the decoder had all of it",
+    "(packed, or hashed, once the forward ended) until its last write landed or the "
+    "decoder's last READ of it ended (not the decoder's unpack of that last part)",
     "store_load_seconds": "loading a request's store hit into vLLM's blocks (before the forward)",
     "scheduler_hold_seconds": "per scheduler step: time vLLM's scheduler spent inside fabric's "
     "scheduler-side hooks (lookups, fetches, bookkeeping)",

@@ -1271,9 +1271,6 @@ class PushSender:
             return
         job.dropped = True
         job.ended_at = time.monotonic()
-        names = self.names
-        if names.tail_seconds is not None and job.complete and not job.failed and job.tail_s:
-            self.counters.observe(names.tail_seconds, job.tail_s)
         if job.path and self.paths is not None:
             peer.ended.append(job)  # NOTE: recorded at the round's end, its CPU all added
         peer.jobs.pop(id(job), None)
@@ -1286,6 +1283,9 @@ class PushSender:
         peer.dropped += 1
         if not replaced:
             self._over(job.req_id)
+        tail = self.names.tail_seconds
+        if tail is not None and job.complete and not job.failed and job.tail_s > 0:
+            self.counters.observe(tail, job.tail_s)  # NOTE: after the hold went back
 
     def _record_paths(self, peer: _Peer) -> None:
         """What the pushes that ended on ``peer`` cost their paths (direct_reads
