@@ -29,6 +29,7 @@ nothing is read twice.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -77,22 +78,29 @@ def group_ends(num_layers: int, groups: int) -> list[int]:
     """The layer counts after which each of ``groups`` groups ends (the last
     is ``num_layers``); fewer groups when there are fewer layers.
 
-    The last group is one layer, the others near-equal (32 layers in 8:
-    ``[5, 9, 14, 18, 23, 27, 31, 32]``). What the last group holds is what is
-    left once the forward ended: the prefiller packs or hashes it, and the
-    decoder reads and unpacks it, while the request waits for its first
-    token. An earlier group is handled while the forward computes the
-    layers after it, and a CPU forward computes a layer far more slowly
-    than a layer's KV is hashed or copied.
+    Groups shrink toward the end: each is at most about twice the next, and
+    the last as small as that allows (32 layers in 8 groups: 5, 5, 5, 5, 5,
+    4, 2, 1, ends ``[5, 10, 15, 20, 25, 29, 31, 32]``; in 2: 21, 11). What
+    the last group holds is left to do once the forward ended: the
+    prefiller packs or hashes it, the decoder reads and unpacks it, while
+    the request waits. Each earlier group is handled while the forward
+    computes the next, at least half its size (a CPU forward computes a
+    layer far more slowly than its KV is hashed or copied); even groups
+    left an eighth of the prompt's KV to the tail.
     """
     if num_layers < 1 or groups < 1:
         raise LayoutError(f"group_ends: {num_layers} layers in {groups} groups")
-    if groups == 1:
-        return [num_layers]
     if groups >= num_layers:
         return list(range(1, num_layers + 1))
-    head = num_layers - 1
-    return [*sorted({-(-head * (g + 1) // (groups - 1)) for g in range(groups - 1)}), num_layers]
+    # NOTE: sizes x, 2x, 4x ... from the end hold up to x * (2**groups - 1) layers
+    size = -(-num_layers // ((1 << groups) - 1)) if groups < 62 else 1
+    tail: list[int] = []
+    left, count = num_layers, groups
+    while count > 1 and size < left / count:
+        tail.append(size)
+        left, count, size = left - size, count - 1, 2 * size
+    head = [left // count + (1 if g < left % count else 0) for g in range(count)]
+    return list(itertools.accumulate([*head, *reversed(tail)]))
 
 
 def layer_bytes(layout: KVLayout, chunk_blocks: int) -> int:

@@ -273,22 +273,23 @@ def test_layerwise_pack_gives_pack_checksummeds_bytes_and_checksum(groups: int) 
 
 
 def test_group_ends() -> None:
-    """The last group is one layer (what is left after the forward), the others near-equal."""
-    assert group_ends(32, 8) == [5, 9, 14, 18, 23, 27, 31, 32]
-    assert group_ends(3, 8) == [1, 2, 3]
-    assert group_ends(10, 3) == [5, 9, 10]
-    assert group_ends(32, 2) == [31, 32] and group_ends(32, 1) == [32]
-    assert group_ends(4, 4) == [1, 2, 3, 4] and group_ends(1, 8) == [1]
-    for layers in range(1, 40):
-        for groups in range(1, 12):
+    """Groups shrink toward the end, each at most twice the next, the last as
+    small as that allows (what is left after the forward)."""
+    assert group_ends(32, 8) == [5, 10, 15, 20, 25, 29, 31, 32]
+    assert group_ends(32, 2) == [21, 32] and group_ends(32, 1) == [32]
+    assert group_ends(10, 3) == [4, 8, 10]
+    assert group_ends(3, 8) == [1, 2, 3] and group_ends(1, 8) == [1]
+    assert group_ends(4, 4) == [1, 2, 3, 4]
+    for layers in range(1, 130):
+        for groups in range(1, 40):
             ends = group_ends(layers, groups)
+            sizes = [b - a for a, b in itertools.pairwise([0, *ends])]
             assert len(ends) == min(groups, layers) and ends[-1] == layers
-            assert ends == sorted(set(ends)) and ends[0] >= 1
-            assert groups == 1 or ends[-1] - (ends[-2] if len(ends) > 1 else 0) == 1
-            head = ends[:-1]  # NOTE: the groups before the last one
-            sizes = [b - a for a, b in itertools.pairwise([0, *head])]
-            assert not sizes or max(sizes) - min(sizes) <= 1
-    assert layered_module.LayeredPacks is not None
+            assert min(sizes) >= 1
+            assert all(a >= b for a, b in itertools.pairwise(sizes))  # shrinking
+            assert all(a <= 2 * b for a, b in itertools.pairwise(sizes))  # covered by the next
+            if groups < layers:  # NOTE: x, 2x, 4x ... hold x * (2**groups - 1) layers
+                assert sizes[-1] == -(-layers // (2**groups - 1))
 
 
 def many_layer_worker(num_layers: int, **extra: object) -> FabricWorker:

@@ -46,9 +46,10 @@ class ConnectorConfig(Settings):
     yet) alive past the transfer's lease, at most. ``pack_threads``: copy threads per pack.
     ``layer_groups``: with more than 1, the chunks a step completes are packed
     in that many groups of layers, each as soon as the forward pass has
-    computed it, so only the last group, one layer, is left to pack when the
-    step ends (CPU KV caches, ``pack_threads`` 1; elsewhere packed at the
-    step's end).
+    computed it, so only the last group is left to pack when the step ends;
+    groups shrink toward the end (``fabric.kv.layerwise.group_ends``: 32
+    layers in 8 leave one layer to the end) (CPU KV caches, ``pack_threads``
+    1; elsewhere packed at the step's end).
     ``layer_writes``: a prefiller also writes each group it packed during the
     forward to its decoder at once (the decoder unpacks it as it lands), so
     only the last group is left to write and unpack after the step; off: a

@@ -23,15 +23,17 @@ and checksum as packing the chunk whole).
                                             (layer_writes: hand each chunk's
                                             packed layers to the push threads,
                                             which write them to the decoder)
-    layer 5 .. 8 saved   --submit(9)-->     pack layers 5-8 (and hand them over)
+    layer 5 .. 9 saved   --submit(10)-->    pack layers 5-9 (and hand them over)
     ...                                     ...
-    layer 27 .. 30 saved --submit(31)-->    pack layers 27-30 (and hand them over)
+    layer 29 .. 30 saved --submit(31)-->    pack layers 29-30 (and hand them over)
     wait_for_save        --submit(save)-->  pack layer 31, commit, hand
                                             the chunks to the push threads
                                             (which write the rest of each)
 
-The last group is one layer: what is left after the forward is what the
-decoder still waits for once the prefill ended.
+Groups shrink toward the end (5, 5, 5, 5, 5, 4, 2, 1 here): what is left
+after the forward is what the decoder still waits for once the prefill
+ended, and each earlier group is handled while the forward computes the
+next, at least half its size.
 
 The tokens of a chunk computed in earlier steps were written then (every
 layer), and its blocks are held by the request, so they are final too.
@@ -42,10 +44,12 @@ whatever order the hooks come in, so hooks out of order cost overlap, never
 an early read; names not in the dict are ignored. A speculative decoder's
 draft layers come last in the dict (``vllm/v1/core/kv_cache_utils.py``)
 and their hooks run while drafting, before ``wait_for_save`` (deferred
-then): with several draft layers a group may end among them and be packed
-while a later draft pass still writes positions past the prompt in its
-last block (which no token of the chunk reads; a rewrite between a piece's
-copy and its hash fails the chunk at use, recomputed), never loads wrong.
+then): with several draft layers a group may end among them (the groups
+shrinking toward the end, one does with two draft layers or more; one
+draft layer is the last group alone) and be packed while a later draft
+pass still writes positions past the prompt in its last block (which no
+token of the chunk reads; a rewrite between a piece's copy and its hash
+fails the chunk at use, recomputed), never loads wrong.
 A chunk that got no slot during the forward, or whose layer-wise pack
 failed, is packed whole at ``wait_for_save`` as without this; a slot
 taken for a chunk that turns out to be present already is given back
