@@ -93,7 +93,7 @@ def group_ends(num_layers: int, groups: int) -> list[int]:
     if groups >= num_layers:
         return list(range(1, num_layers + 1))
     # NOTE: sizes x, 2x, 4x ... from the end hold up to x * (2**groups - 1) layers
-    size = -(-num_layers // ((1 << groups) - 1)) if groups < 62 else 1
+    size = -(-num_layers // ((1 << groups) - 1))
     tail: list[int] = []
     left, count = num_layers, groups
     while count > 1 and size < left / count:

@@ -177,6 +177,10 @@ def _token_ids(events: list[dict[str, Any]]) -> list[int]:
     return [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
 
 
+def _text(events: list[dict[str, Any]]) -> str:
+    return "".join(c["text"] for e in events for c in e["choices"])
+
+
 def _stream_events(url: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
     with httpx.stream("POST", url, json=payload, timeout=300) as response:
         assert response.status_code == 200, response.read()
@@ -219,12 +223,9 @@ def test_the_prefillers_first_token_goes_first_and_the_stream_equals_colocated(
     hidden = _stream_events(proxy.url("/v1/completions"), other)
     hidden_want = _stream_events(oracle, other)
 
-    def text(events: list[dict[str, Any]]) -> str:
-        return "".join(c["text"] for e in events for c in e["choices"])
-
     assert len(_token_ids(want)) == 6
-    assert _token_ids(got) == _token_ids(want) and text(got) == text(want)
-    assert text(hidden) == text(hidden_want)
+    assert _token_ids(got) == _token_ids(want) and _text(got) == _text(want)
+    assert _text(hidden) == _text(hidden_want)
     assert got[-1]["usage"] == want[-1]["usage"] == hidden[-1]["usage"]
     assert [c["prompt_token_ids"] for c in got[0]["choices"]] == [prompt]
     for events in (got, hidden):
@@ -280,9 +281,7 @@ def test_a_seeded_first_token_from_the_prefiller_equals_colocated(cluster: Clust
         assert _token_ids(got) == _token_ids(want)
         assert [len(c["token_ids"]) for c in got[0]["choices"]] == [1]  # P's own event
         assert len(got) >= 2  # NOTE: D's tokens streamed after it, not with it
-        assert "".join(c["text"] for e in got for c in e["choices"]) == "".join(
-            c["text"] for e in want for c in e["choices"]
-        )
+        assert _text(got) == _text(want)
     assert proxy_counter(proxy, "first_tokens_from_prefill") == 2
     assert proxy_counter(proxy, "first_token_mismatches") == 0
 
@@ -328,11 +327,8 @@ def test_the_rest_after_the_prefillers_token_is_a_colocated_engines_rest(
     )
     rest = [json.loads(e[6:]) for e in splice.feed(raw)]
 
-    def text(events: list[dict[str, Any]]) -> str:
-        return "".join(c["text"] for e in events for c in e["choices"])
-
     assert [first.token_id, *_token_ids(rest)] == _token_ids(want)
-    assert first.text + text(rest) == text(want)
+    assert first.text + _text(rest) == _text(want)
     assert rest[-1]["usage"] == want[-1]["usage"]
 
 
